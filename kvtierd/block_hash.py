@@ -1,0 +1,199 @@
+"""Block keys: parent-chained content hashes of full blocks of tokens.
+
+    hash[-1] = root(namespace)                        namespace = hash algorithm + layout + tenant
+    hash[i]  = H(hash[i-1], token_ids[i*B:(i+1)*B], extra_keys[i])        full blocks only
+
+Encoding, version 1 (pinned by tests/test_block_hash.py; any change needs a new version byte):
+every hashed message starts with HEADER = b"kvtierd\\x00" + VERSION (0x01), then one kind byte
+(b"R" for a root, b"B" for a block), then tagged, length-framed fields, each
+`tag (u8) | length (u32 little-endian) | value`, in this order:
+
+    root:  ALGO (b"sha256" | b"xxh3_128"), LAYOUT (Layout.fingerprint()), TENANT (UTF-8)
+    block: PARENT (the parent digest), TOKENS (each token id as u32 little-endian),
+           LORA (UTF-8, on every block of a LoRA request),
+           MM (mm_hash | offset u32 | length u32, one per multimodal input overlapping the block,
+               in order of offset),
+           SALT (UTF-8 cache_salt, on block 0 only)
+
+Because every field carries its tag and its length, the encoding is injective: a LoRA name, a
+cache salt and a tenant with the same text land in different fields and can never produce the
+same message (the untagged-string collision of vLLM #44701 cannot happen here).
+
+Root policy: the root is a fixed function of the namespace, never a random per-process seed,
+so two processes, two engines on a node and a restarted daemon compute the same hashes (the
+failure of LMCache #2979, whose per-process seed made every restart a cold cache). Tenants are
+separated by the TENANT field of the root, not by secrecy of the seed.
+
+H is sha256 (32-byte digests) by default; xxh3-128 (16 bytes) is opt-in for a trusted single
+tenant: it is not collision resistant against a chosen input.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import struct
+from collections.abc import Callable, Sequence
+from typing import NewType
+
+import numpy as np
+import xxhash
+
+from kvtierd.errors import InvalidArgument
+from kvtierd.layout import Layout
+
+BlockHash = NewType("BlockHash", bytes)
+
+VERSION = 1
+HEADER = b"kvtierd\x00" + bytes([VERSION])
+KIND_ROOT = b"R"
+KIND_BLOCK = b"B"
+
+TAG_ALGO = 0x01
+TAG_LAYOUT = 0x02
+TAG_TENANT = 0x03
+TAG_PARENT = 0x10
+TAG_TOKENS = 0x11
+TAG_LORA = 0x12
+TAG_MM = 0x13
+TAG_SALT = 0x14
+
+MAX_TOKEN_ID = 2**32 - 1
+
+HASH_FUNCTIONS: dict[str, tuple[int, Callable[[bytes], bytes]]] = {
+    "sha256": (32, lambda data: hashlib.sha256(data).digest()),
+    "xxh3_128": (16, xxhash.xxh3_128_digest),
+}
+
+
+def field(tag: int, value: bytes) -> bytes:
+    """One tagged, length-framed field of the encoding."""
+    return struct.pack("<BI", tag, len(value)) + value
+
+
+def pack_token_ids(token_ids: Sequence[int] | np.ndarray) -> bytes:
+    """Token ids as u32 little-endian bytes; raises InvalidArgument outside [0, 2**32)."""
+    array = np.asarray(token_ids)
+    if array.ndim != 1:
+        raise InvalidArgument(f"token ids must be one-dimensional, got shape {array.shape}")
+    if array.size == 0:
+        return b""
+    if array.dtype.kind not in "iu":
+        raise InvalidArgument(f"token ids must be integers, got dtype {array.dtype}")
+    if array.dtype != np.uint32:
+        if int(array.min()) < 0 or int(array.max()) > MAX_TOKEN_ID:
+            raise InvalidArgument(f"token ids must lie in [0, {MAX_TOKEN_ID}]")
+        array = array.astype(np.uint32)
+    return array.astype("<u4", copy=False).tobytes()
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class MultimodalInput:
+    """A multimodal input (an image, an audio clip) occupying tokens [offset, offset + length)."""
+
+    mm_hash: bytes | str  # the content hash of the input; a str counts as its UTF-8 bytes
+    offset: int
+    length: int
+
+    def __post_init__(self) -> None:
+        if not self.mm_hash:
+            raise InvalidArgument("multimodal input needs a non-empty mm_hash")
+        if self.offset < 0 or self.length <= 0:
+            raise InvalidArgument(
+                f"multimodal input needs offset >= 0 and length > 0, got {self.offset}, {self.length}")
+
+    def encode(self) -> bytes:
+        digest = self.mm_hash.encode() if isinstance(self.mm_hash, str) else bytes(self.mm_hash)
+        return digest + struct.pack("<II", self.offset, self.length)
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class PromptExtras:
+    """The extra keys of a prompt: what, besides the tokens, changes the KV of its blocks."""
+
+    lora_id: str | None = None
+    mm_inputs: tuple[MultimodalInput, ...] = ()
+    cache_salt: str | None = None
+
+    def encode_block(self, block_index: int, block_size: int) -> bytes:
+        """The extra-key fields of block `block_index` (b"" when it has none)."""
+        parts = []
+        if self.lora_id is not None:
+            parts.append(field(TAG_LORA, str(self.lora_id).encode()))
+        start, end = block_index * block_size, (block_index + 1) * block_size
+        for mm in sorted(self.mm_inputs, key=lambda m: m.offset):
+            if mm.offset < end and start < mm.offset + mm.length:
+                parts.append(field(TAG_MM, mm.encode()))
+        if block_index == 0 and self.cache_salt is not None:
+            parts.append(field(TAG_SALT, self.cache_salt.encode()))
+        return b"".join(parts)
+
+
+class Namespace:
+    """The key space of one layout and one tenant: computes its root and its block hashes.
+
+    Invariant: `root` depends only on (algo, layout, tenant); it is the same in every process.
+    """
+
+    def __init__(self, layout: Layout, tenant: str = "", algo: str = "sha256") -> None:
+        if algo not in HASH_FUNCTIONS:
+            raise InvalidArgument(f"hash algorithm {algo!r} is not one of {', '.join(HASH_FUNCTIONS)}")
+        self.layout = layout
+        self.tenant = tenant
+        self.algo = algo
+        self.digest_size, self._digest = HASH_FUNCTIONS[algo]
+        self.block_size = layout.block_size
+        self.root = BlockHash(self._digest(
+            HEADER + KIND_ROOT
+            + field(TAG_ALGO, algo.encode())
+            + field(TAG_LAYOUT, layout.fingerprint())
+            + field(TAG_TENANT, tenant.encode())))
+        # Constant parts of a block message, built once.
+        self._parent_head = HEADER + KIND_BLOCK + struct.pack("<BI", TAG_PARENT, self.digest_size)
+        self._tokens_head = struct.pack("<BI", TAG_TOKENS, 4 * self.block_size)
+
+    def hash_blocks(
+        self,
+        token_ids: Sequence[int] | np.ndarray,
+        extras: PromptExtras | None = None,
+        *,
+        start_block: int = 0,
+        parent: BlockHash | None = None,
+    ) -> list[BlockHash]:
+        """The hash chain of the full blocks of `token_ids`; a partial last block gets none.
+
+        To continue a chain (decode filling more blocks), pass the tokens from block
+        `start_block` on and `parent`, the hash of block `start_block - 1`.
+        """
+        if (start_block == 0) != (parent is None):
+            raise InvalidArgument("pass parent exactly when start_block > 0")
+        if parent is not None and len(parent) != self.digest_size:
+            raise InvalidArgument(f"parent hash must be {self.digest_size} bytes, got {len(parent)}")
+        tokens = pack_token_ids(token_ids)
+        stride = 4 * self.block_size
+        num_full_blocks = len(tokens) // stride
+        digest, parent_head, tokens_head = self._digest, self._parent_head, self._tokens_head
+        chain: list[BlockHash] = []
+        parent_hash = self.root if parent is None else parent
+        if extras is None or extras == _NO_EXTRAS:
+            for offset in range(0, num_full_blocks * stride, stride):
+                parent_hash = digest(parent_head + parent_hash + tokens_head + tokens[offset:offset + stride])
+                chain.append(parent_hash)
+            return chain
+        for i in range(num_full_blocks):
+            extra = extras.encode_block(start_block + i, self.block_size)
+            offset = i * stride
+            parent_hash = digest(parent_head + parent_hash + tokens_head
+                                 + tokens[offset:offset + stride] + extra)
+            chain.append(parent_hash)
+        return chain
+
+    def check_hash(self, block_hash: bytes) -> BlockHash:
+        """Validate a hash received from outside; InvalidArgument on a wrong length or type."""
+        if not isinstance(block_hash, bytes) or len(block_hash) != self.digest_size:
+            size = len(block_hash) if isinstance(block_hash, (bytes, bytearray)) else type(block_hash).__name__
+            raise InvalidArgument(f"a {self.algo} block hash is {self.digest_size} bytes, got {size}")
+        return BlockHash(block_hash)
+
+
+_NO_EXTRAS = PromptExtras()

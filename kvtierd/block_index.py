@@ -1,0 +1,371 @@
+"""The block index of a device pool: which block holds which content, who holds which block.
+
+Eviction is decided here (`_pop_free`): the head of the free queue is the victim.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import logging
+import threading
+import time
+from collections.abc import Callable, Hashable, Sequence
+
+from kvtierd.block_hash import BlockHash, pack_token_ids
+from kvtierd.errors import FailedPrecondition, InvalidArgument, NotFound, ResourceExhausted
+from kvtierd.free_queue import FreeBlockQueue
+from kvtierd.index_events import AllBlocksCleared, BlockRemoved, BlockStored, IndexEvent
+from kvtierd.index_metrics import IndexObserver
+from kvtierd.kv_block import KVBlock
+
+log = logging.getLogger(__name__)
+
+RequestId = Hashable
+CopyBlock = Callable[[int, int], None]  # (src_block_id, dst_block_id): copy the bytes
+EvictionHook = Callable[[KVBlock], None]  # sees the block before its content is dropped
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class Allocation:
+    """The block table of a request: its prefix hits first, then fresh blocks."""
+
+    block_ids: list[int]
+    num_hit_blocks: int
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class WriteTarget:
+    """Where a write into a request's block goes; `copied_from` is set when it was copied first."""
+
+    block_id: int
+    copied_from: int | None
+
+
+class BlockIndex:
+    """Blocks of one device pool, their prefix table, their free queue and the block tables.
+
+    Invariants (checked by tests/test_block_index_stateful.py after every step):
+    - every block is in exactly one state of BlockState;
+    - a block's ref_cnt equals the number of block-table entries that hold it;
+    - a block is on the free queue iff its ref_cnt is 0; head = next victim;
+    - `hash_to_block` maps each hash to one block, and that block carries the hash;
+    - a request's blocks are freed tail first, so the blocks nearest the start of a prompt,
+      the most shared, are evicted last.
+    Ref counts and block tables change together under `_lock`; every public method takes it.
+    A call that raises has changed nothing: checks come before the first mutation.
+    The attributes `blocks`, `free_queue`, `hash_to_block` and `tables` are for inspection.
+    """
+
+    def __init__(
+        self,
+        num_blocks: int,
+        block_size: int,
+        *,
+        hash_size: int = 32,
+        root: BlockHash | None = None,
+        copy_block: CopyBlock | None = None,
+        on_evict: EvictionHook | None = None,
+        observer: IndexObserver | None = None,
+        clock: Callable[[], float] = time.monotonic,
+        max_pending_events: int = 0,
+    ) -> None:
+        if num_blocks <= 0 or block_size <= 0:
+            raise InvalidArgument(f"need num_blocks > 0 and block_size > 0, got {num_blocks}, {block_size}")
+        self.num_blocks = num_blocks
+        self.block_size = block_size
+        self.hash_size = hash_size
+        self.root = root  # when set, block 0 of every chain must name it as its parent
+        self.blocks = [KVBlock(block_id) for block_id in range(num_blocks)]
+        self.free_queue = FreeBlockQueue(self.blocks)
+        self.hash_to_block: dict[BlockHash, KVBlock] = {}
+        self.tables: dict[RequestId, list[KVBlock]] = {}
+        self._copy_block = copy_block
+        self._on_evict = on_evict
+        self._observer = observer
+        self._clock = clock
+        self._events: collections.deque[IndexEvent] | None = (
+            collections.deque(maxlen=max_pending_events) if max_pending_events else None)
+        self.num_dropped_events = 0
+        self._lock = threading.Lock()
+
+    # ----------------------------------------------------------------------------- queries
+
+    @property
+    def num_free_blocks(self) -> int:
+        return self.free_queue.num_free_blocks
+
+    @property
+    def num_cached_blocks(self) -> int:
+        return len(self.hash_to_block)
+
+    def block_table(self, request_id: RequestId) -> list[int]:
+        with self._lock:
+            return [block.block_id for block in self._table(request_id)]
+
+    def lookup(self, block_hashes: Sequence[bytes], token_ids: Sequence[int] | None = None) -> int:
+        """How many leading blocks of the chain are cached here. Changes nothing."""
+        with self._lock:
+            return len(self._walk_hits(block_hashes, self._token_bytes(block_hashes, token_ids)))
+
+    def can_allocate(self, block_hashes: Sequence[bytes], num_extra_blocks: int = 0,
+                     token_ids: Sequence[int] | None = None) -> bool:
+        with self._lock:
+            hits = self._walk_hits(block_hashes, self._token_bytes(block_hashes, token_ids))
+            return self._num_blocks_short(hits, len(block_hashes) - len(hits) + num_extra_blocks) <= 0
+
+    # ----------------------------------------------------------------------------- mutations
+
+    def allocate(self, request_id: RequestId, block_hashes: Sequence[bytes], num_extra_blocks: int = 0,
+                 token_ids: Sequence[int] | None = None) -> Allocation:
+        """Give a new request one block per hash (hits first, the first miss ends the walk, then
+        fresh blocks) and `num_extra_blocks` fresh blocks after them.
+
+        With `token_ids` (the prompt's tokens), each hit is verified against the stored tokens:
+        a hash collision is a miss. ResourceExhausted, changing nothing, when the pool is short.
+        """
+        if num_extra_blocks < 0:
+            raise InvalidArgument(f"num_extra_blocks must be >= 0, got {num_extra_blocks}")
+        with self._lock:
+            if request_id in self.tables:
+                raise FailedPrecondition(f"request {request_id!r} already holds blocks")
+            hits = self._walk_hits(block_hashes, self._token_bytes(block_hashes, token_ids))
+            num_new_blocks = len(block_hashes) - len(hits) + num_extra_blocks
+            self._check_room(hits, num_new_blocks)
+            now = self._clock()
+            observer = self._observer
+            for block in hits:
+                if observer is not None:
+                    observer.on_reuse(now - block.last_access_s)
+                if block.ref_cnt == 0:
+                    self.free_queue.remove(block)
+                block.ref_cnt += 1
+                block.last_access_s = now
+            table = hits + [self._pop_free(now) for _ in range(num_new_blocks)]
+            self.tables[request_id] = table
+            if observer is not None:
+                observer.on_query(len(block_hashes) * self.block_size, len(hits) * self.block_size)
+            return Allocation([block.block_id for block in table], len(hits))
+
+    def append_blocks(self, request_id: RequestId, num_blocks: int) -> list[int]:
+        """Grow a request's table by `num_blocks` fresh blocks (decode running past its last block)."""
+        if num_blocks < 0:
+            raise InvalidArgument(f"num_blocks must be >= 0, got {num_blocks}")
+        with self._lock:
+            table = self._table(request_id)
+            self._check_room([], num_blocks)
+            now = self._clock()
+            new_blocks = [self._pop_free(now) for _ in range(num_blocks)]
+            table.extend(new_blocks)
+            return [block.block_id for block in new_blocks]
+
+    def commit(self, request_id: RequestId, position: int, block_hash: bytes, token_ids: Sequence[int],
+               parent_hash: bytes) -> bool:
+        """Make the full block at `position` of the request's table shareable under `block_hash`.
+
+        Returns False when another block already holds that hash: this one stays unindexed (the
+        first writer wins; no hash maps to two blocks). Committing the same hash twice is a no-op.
+        """
+        token_bytes = pack_token_ids(token_ids)
+        with self._lock:
+            table = self._table(request_id)
+            block = self._block_at(table, position)
+            self._check_hash(block_hash)
+            self._check_hash(parent_hash)
+            if len(token_bytes) != 4 * self.block_size:
+                raise InvalidArgument(
+                    f"a block holds {self.block_size} tokens, got {len(token_bytes) // 4}: "
+                    "only full blocks are committed")
+            if block.block_hash is not None:
+                if block.block_hash == block_hash:
+                    return True
+                raise FailedPrecondition(f"block {block.block_id} is already committed under another hash")
+            expected_parent = table[position - 1].block_hash if position > 0 else self.root
+            if expected_parent is not None and parent_hash != expected_parent:
+                raise InvalidArgument(f"parent hash of position {position} does not match the chain")
+            if block_hash in self.hash_to_block:
+                return False
+            block.block_hash = BlockHash(block_hash)
+            block.parent_hash = BlockHash(parent_hash)
+            block.token_ids = token_bytes
+            block.committed_at_s = self._clock()
+            self.hash_to_block[block.block_hash] = block
+            self._emit(BlockStored(block.block_hash, block.parent_hash, block.block_id))
+            return True
+
+    def free(self, request_id: RequestId) -> None:
+        """Release a request's blocks tail first; a block whose ref_cnt reaches 0 joins the tail
+        of the free queue with its content and hash intact."""
+        with self._lock:
+            table = self.tables.pop(request_id, None)
+            if table is None:
+                raise NotFound(f"request {request_id!r} holds no blocks")
+            now = self._clock()
+            append = self.free_queue.append
+            for block in reversed(table):
+                assert block.ref_cnt > 0, f"block {block.block_id} freed more often than held"
+                block.ref_cnt -= 1
+                block.last_access_s = now
+                if block.ref_cnt == 0:
+                    append(block)
+
+    def fork(self, parent_id: RequestId, child_id: RequestId) -> list[int]:
+        """A new request sharing every block of `parent_id` (n > 1 sampling): no copy, ref_cnt + 1."""
+        with self._lock:
+            table = self._table(parent_id)
+            if child_id in self.tables:
+                raise FailedPrecondition(f"request {child_id!r} already holds blocks")
+            for block in table:
+                block.ref_cnt += 1
+            self.tables[child_id] = list(table)
+            return [block.block_id for block in table]
+
+    def prepare_write(self, request_id: RequestId, position: int) -> WriteTarget:
+        """The block a request may write at `position`, copied first if anyone else holds it.
+
+        Copy-on-write decides on the block's own ref_cnt, never on "is this table the only one":
+        allocate a block, copy, repoint this request's table, ref_cnt - 1 on the old, then the
+        caller writes. Committed blocks are immutable: writing into one is refused.
+        """
+        with self._lock:
+            table = self._table(request_id)
+            block = self._block_at(table, position)
+            if block.block_hash is not None:
+                raise FailedPrecondition(f"block {block.block_id} is committed; committed blocks are immutable")
+            if block.ref_cnt == 1:
+                return WriteTarget(block.block_id, None)
+            assert block.ref_cnt > 1
+            self._check_room([], 1)
+            copy = self._pop_free(self._clock())
+            if self._copy_block is not None:
+                self._copy_block(block.block_id, copy.block_id)
+            table[position] = copy
+            block.ref_cnt -= 1
+            return WriteTarget(copy.block_id, block.block_id)
+
+    def evict(self, block_hashes: Sequence[bytes]) -> int:
+        """Drop the named blocks that nobody holds (ref_cnt 0) from this tier; they move to the
+        head of the free queue, empty. Blocks in use are skipped. Returns how many were dropped."""
+        with self._lock:
+            now = self._clock()
+            num_evicted = 0
+            for block_hash in block_hashes:
+                block = self.hash_to_block.get(block_hash)
+                if block is None or block.ref_cnt > 0:
+                    continue
+                self._evict(block, now)
+                self.free_queue.remove(block)
+                self.free_queue.appendleft(block)
+                num_evicted += 1
+            return num_evicted
+
+    def reset(self) -> bool:
+        """Forget every cached block. Refused (False, nothing changed) while any block is in use."""
+        with self._lock:
+            if self.free_queue.num_free_blocks != self.num_blocks:
+                return False
+            for block in self.hash_to_block.values():
+                block.forget_content()
+            self.hash_to_block.clear()
+            self._emit(AllBlocksCleared())
+            return True
+
+    def take_events(self) -> list[IndexEvent]:
+        """Every event since the last call, atomically; empty unless events were enabled."""
+        with self._lock:
+            if not self._events:
+                return []
+            events = list(self._events)
+            self._events.clear()
+            return events
+
+    # ----------------------------------------------------------------------------- internals
+
+    def _table(self, request_id: RequestId) -> list[KVBlock]:
+        table = self.tables.get(request_id)
+        if table is None:
+            raise NotFound(f"request {request_id!r} holds no blocks")
+        return table
+
+    def _block_at(self, table: list[KVBlock], position: int) -> KVBlock:
+        if not 0 <= position < len(table):
+            raise InvalidArgument(f"position {position} is outside the request's {len(table)} blocks")
+        return table[position]
+
+    def _check_hash(self, block_hash: bytes) -> None:
+        if not isinstance(block_hash, bytes) or len(block_hash) != self.hash_size:
+            raise InvalidArgument(f"a block hash is {self.hash_size} bytes")
+
+    def _token_bytes(self, block_hashes: Sequence[bytes], token_ids: Sequence[int] | None) -> bytes | None:
+        for block_hash in block_hashes:
+            self._check_hash(block_hash)
+        if token_ids is None:
+            return None
+        token_bytes = pack_token_ids(token_ids)
+        if len(token_bytes) < 4 * self.block_size * len(block_hashes):
+            raise InvalidArgument(
+                f"{len(block_hashes)} hashes need {self.block_size * len(block_hashes)} tokens, "
+                f"got {len(token_bytes) // 4}")
+        return token_bytes
+
+    def _walk_hits(self, block_hashes: Sequence[bytes], token_bytes: bytes | None) -> list[KVBlock]:
+        """The cached blocks of the chain's longest verified prefix. A block counts only if its
+        stored parent is the chain's previous hash and, with tokens, its stored tokens match."""
+        hits: list[KVBlock] = []
+        get = self.hash_to_block.get
+        parent = self.root
+        stride = 4 * self.block_size
+        for i, block_hash in enumerate(block_hashes):
+            block = get(block_hash)
+            if block is None:
+                break
+            if parent is not None and block.parent_hash != parent:
+                break
+            if token_bytes is not None and block.token_ids != token_bytes[i * stride:(i + 1) * stride]:
+                break
+            hits.append(block)
+            parent = block_hash
+        return hits
+
+    def _num_blocks_short(self, hits: list[KVBlock], num_new_blocks: int) -> int:
+        """How many free blocks are missing for `num_new_blocks`, after the hits leave the queue."""
+        num_hits_queued = sum(1 for block in hits if block.ref_cnt == 0)
+        return num_new_blocks - (self.free_queue.num_free_blocks - num_hits_queued)
+
+    def _check_room(self, hits: list[KVBlock], num_new_blocks: int) -> None:
+        short = self._num_blocks_short(hits, num_new_blocks)
+        if short > 0:
+            raise ResourceExhausted(
+                f"device pool full: need {num_new_blocks} free blocks, {num_new_blocks - short} available "
+                f"of {self.num_blocks}")
+
+    def _pop_free(self, now: float) -> KVBlock:
+        """Take the next victim from the head; a block that still has a hash is evicted first."""
+        block = self.free_queue.popleft()
+        assert block.ref_cnt == 0, f"block {block.block_id} on the free queue with ref_cnt {block.ref_cnt}"
+        if block.block_hash is not None:
+            self._evict(block, now)
+        block.ref_cnt = 1
+        block.last_access_s = now
+        return block
+
+    def _evict(self, block: KVBlock, now: float) -> None:
+        """Drop a cached block's content key: tell the tiers (they may copy it down), then forget."""
+        if self._on_evict is not None:
+            try:
+                self._on_evict(block)
+            except Exception:  # an offload failure must not corrupt the index; the block is lost below
+                log.exception("eviction hook failed for block %d", block.block_id)
+        if self._observer is not None:
+            self._observer.on_evict(now - block.committed_at_s, now - block.last_access_s)
+        del self.hash_to_block[block.block_hash]
+        self._emit(BlockRemoved(block.block_hash))
+        block.forget_content()
+
+    def _emit(self, event: IndexEvent) -> None:
+        events = self._events
+        if events is None:
+            return
+        if len(events) == events.maxlen:
+            self.num_dropped_events += 1
+        events.append(event)

@@ -1,0 +1,38 @@
+"""Errors the core raises for bad requests, each naming the gRPC status it maps to.
+
+Asserts guard kvtierd's own invariants; everything a caller can get wrong raises one of these,
+before anything has changed (a bad request changes nothing).
+"""
+
+
+class KvtierError(Exception):
+    """Base of the errors a caller can cause. `code` is the gRPC status name it maps to."""
+
+    code = "UNKNOWN"
+
+
+class InvalidArgument(KvtierError, ValueError):
+    """Malformed input: a bad hash length, a block id out of range, tokens that do not fill a block."""
+
+    code = "INVALID_ARGUMENT"
+
+
+class NotFound(KvtierError, KeyError):
+    """The named request, session or block is not known."""
+
+    code = "NOT_FOUND"
+
+    def __str__(self) -> str:  # KeyError quotes its message; keep it readable
+        return str(self.args[0]) if self.args else ""
+
+
+class FailedPrecondition(KvtierError):
+    """The request is well formed but the state forbids it (wrong layout, releasing what you do not hold)."""
+
+    code = "FAILED_PRECONDITION"
+
+
+class ResourceExhausted(KvtierError):
+    """Something is full; the message says what."""
+
+    code = "RESOURCE_EXHAUSTED"

@@ -1,0 +1,54 @@
+"""Per-block metadata of the device pool: identity, content key, reference count, LRU links."""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+
+from kvtierd.block_hash import BlockHash
+
+
+class BlockState(enum.Enum):
+    """The four states of a block; `ref_cnt` and `block_hash` are independent."""
+
+    IN_USE_SHAREABLE = "in use, shareable"  # ref_cnt > 0, hash
+    BEING_WRITTEN = "being written"  # ref_cnt > 0, no hash
+    CACHED = "cached, evictable"  # ref_cnt == 0, hash, on the free queue
+    EMPTY = "empty"  # ref_cnt == 0, no hash, on the free queue
+
+
+@dataclasses.dataclass(slots=True, eq=False)
+class KVBlock:
+    """One physical block of the device pool.
+
+    Mutated only by BlockIndex under its lock (and the free-queue links only by FreeBlockQueue).
+    Free does not mean cleared: a block with ref_cnt 0 keeps its content and hash until it is
+    popped from the free queue for reuse.
+    """
+
+    block_id: int
+    block_hash: BlockHash | None = None
+    parent_hash: BlockHash | None = None  # the chain's previous hash, kept for verification
+    token_ids: bytes | None = None  # packed u32 tokens, kept for verification
+    ref_cnt: int = 0
+    committed_at_s: float = 0.0  # when the block got its hash
+    last_access_s: float = 0.0  # last allocate, hit or free
+    prev_free: KVBlock | None = dataclasses.field(default=None, repr=False)
+    next_free: KVBlock | None = dataclasses.field(default=None, repr=False)
+
+    @property
+    def state(self) -> BlockState:
+        if self.ref_cnt > 0:
+            return BlockState.IN_USE_SHAREABLE if self.block_hash is not None else BlockState.BEING_WRITTEN
+        return BlockState.CACHED if self.block_hash is not None else BlockState.EMPTY
+
+    @property
+    def is_queued(self) -> bool:
+        """On the free queue (both links set: the queue has sentinels at both ends)."""
+        return self.prev_free is not None
+
+    def forget_content(self) -> None:
+        """Drop the content key (eviction or reset); the caller updates the prefix table."""
+        self.block_hash = None
+        self.parent_hash = None
+        self.token_ids = None
