@@ -135,9 +135,9 @@ class BlockIndex:
             now = self._clock()
             observer = self._observer
             for block in hits:
-                if observer is not None:
-                    observer.on_reuse(now - block.last_access_s)
-                if block.ref_cnt == 0:
+                if block.ref_cnt == 0:  # a reuse after release: the gap eviction competes with
+                    if observer is not None:
+                        observer.on_reuse(now - block.last_access_s)
                     self.free_queue.remove(block)
                 block.ref_cnt += 1
                 block.last_access_s = now

@@ -1,0 +1,83 @@
+"""The `kvtierd` command."""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import sys
+
+from kvtierd import __version__
+from kvtierd.chat_workload import ChatWorkload
+from kvtierd.errors import KvtierError
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="kvtierd", description="KV-cache tiering daemon for LLM inference.")
+    parser.add_argument("--version", action="version", version=f"kvtierd {__version__}")
+    commands = parser.add_subparsers(dest="command", required=True)
+
+    simulate = commands.add_parser(
+        "simulate", help="run a simulated multi-turn chat workload through the block index",
+        description="Runs conversations sharing a system prompt through the block index on a CPU "
+                    "shared-memory pool, under eviction pressure, and prints hit rates, evictions "
+                    "and the capacity lines.")
+    defaults = ChatWorkload()
+    simulate.add_argument("--conversations", type=positive, default=defaults.num_conversations)
+    simulate.add_argument("--turns", type=positive, default=defaults.num_turns)
+    simulate.add_argument("--system-prompt-tokens", type=positive, default=defaults.system_prompt_tokens)
+    simulate.add_argument("--pool-blocks", type=positive, default=320,
+                          help="blocks in the T0 pool (default 320: smaller than the working set)")
+    simulate.add_argument("--seed", type=int, default=defaults.seed)
+    simulate.add_argument("--json", action="store_true", help="print the report as JSON")
+
+    args = parser.parse_args(argv)
+    try:
+        return run_simulate(args)
+    except KvtierError as e:
+        print(f"kvtierd: error: {e}", file=sys.stderr)
+        return 2
+
+
+def run_simulate(args: argparse.Namespace) -> int:
+    from kvtierd.simulate import ChatSimulator, report_lines
+
+    workload = ChatWorkload(num_conversations=args.conversations, num_turns=args.turns,
+                            system_prompt_tokens=args.system_prompt_tokens, seed=args.seed)
+    simulator = ChatSimulator(workload, args.pool_blocks)
+    try:
+        report = simulator.run()
+    finally:
+        simulator.close()
+    if args.json:
+        stats = report.stats
+        print(json.dumps({
+            "workload": dataclasses.asdict(workload),
+            "num_pool_blocks": report.num_pool_blocks,
+            "num_prompt_tokens": report.num_prompt_tokens,
+            "num_hit_tokens": report.num_hit_tokens,
+            "per_turn": [dataclasses.asdict(t) for t in report.per_turn],
+            "num_verified_hit_blocks": report.num_verified_hit_blocks,
+            "num_mismatched_hit_blocks": report.num_mismatched_hit_blocks,
+            "num_evictions": report.num_evictions,
+            "num_copy_on_write": report.num_copy_on_write,
+            "num_preemptions": report.num_preemptions,
+            "num_free_blocks_after": report.num_free_blocks_after,
+            "reuse_gap_p90_s": stats.reuse_gap_s.percentile(90),
+            "idle_before_evict_p50_s": stats.idle_before_evict_s.percentile(50),
+            "pool_too_small": stats.pool_too_small(),
+        }, indent=2))
+    else:
+        print("\n".join(report_lines(report)))
+    return 1 if report.num_mismatched_hit_blocks else 0
+
+
+def positive(text: str) -> int:
+    value = int(text)
+    if value <= 0:
+        raise argparse.ArgumentTypeError(f"must be a positive integer, got {text}")
+    return value
+
+
+if __name__ == "__main__":
+    sys.exit(main())
