@@ -9,7 +9,7 @@ every hashed message starts with HEADER = b"kvtierd\\x00" + VERSION (0x01), then
 `tag (u8) | length (u32 little-endian) | value`, in this order:
 
     root:  ALGO (b"sha256" | b"xxh3_128"), LAYOUT (Layout.fingerprint()), TENANT (UTF-8)
-    block: PARENT (the parent digest), TOKENS (each token id as u32 little-endian),
+    block: TOKENS (each token id as u32 little-endian), PARENT (the parent digest),
            LORA (UTF-8, on every block of a LoRA request),
            MM (mm_hash | offset u32 | length u32, one per multimodal input overlapping the block,
                in order of offset),
@@ -26,6 +26,10 @@ separated by the TENANT field of the root, not by secrecy of the seed.
 
 H is sha256 (32-byte digests) by default; xxh3-128 (16 bytes) is opt-in for a trusted single
 tenant: it is not collision resistant against a chosen input.
+
+The parent comes after the tokens so that everything of a block message but the parent can be
+laid out for the whole prompt at once (one numpy pass), leaving one concatenation and one digest
+per block in the Python loop.
 """
 
 from __future__ import annotations
@@ -33,6 +37,8 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import struct
+import sys
+from array import array
 from collections.abc import Callable, Sequence
 from typing import NewType
 
@@ -71,20 +77,37 @@ def field(tag: int, value: bytes) -> bytes:
     return struct.pack("<BI", tag, len(value)) + value
 
 
-def pack_token_ids(token_ids: Sequence[int] | np.ndarray) -> bytes:
-    """Token ids as u32 little-endian bytes; raises InvalidArgument outside [0, 2**32)."""
-    array = np.asarray(token_ids)
-    if array.ndim != 1:
-        raise InvalidArgument(f"token ids must be one-dimensional, got shape {array.shape}")
-    if array.size == 0:
+_U32_CODE = next(code for code in "IL" if array(code).itemsize == 4)
+
+
+def pack_token_ids(token_ids: Sequence[int] | np.ndarray | bytes) -> bytes:
+    """Token ids as u32 little-endian bytes; raises InvalidArgument outside [0, 2**32).
+
+    Bytes are taken as already packed (the wire format): no conversion, only a length check.
+    """
+    if isinstance(token_ids, (bytes, bytearray, memoryview)):
+        if len(token_ids) % 4:
+            raise InvalidArgument(f"packed token ids are 4 bytes each, got {len(token_ids)} bytes")
+        return bytes(token_ids)
+    if isinstance(token_ids, (list, tuple, range)):
+        try:
+            packed = array(_U32_CODE, token_ids)  # C-speed for Python ints; rejects floats
+        except (OverflowError, TypeError):
+            raise InvalidArgument(f"token ids must be integers in [0, {MAX_TOKEN_ID}]") from None
+        if sys.byteorder == "big":
+            packed.byteswap()
+        return packed.tobytes()
+    array_ = np.asarray(token_ids)
+    if array_.ndim != 1:
+        raise InvalidArgument(f"token ids must be one-dimensional, got shape {array_.shape}")
+    if array_.size == 0:
         return b""
-    if array.dtype.kind not in "iu":
-        raise InvalidArgument(f"token ids must be integers, got dtype {array.dtype}")
-    if array.dtype != np.uint32:
-        if int(array.min()) < 0 or int(array.max()) > MAX_TOKEN_ID:
+    if array_.dtype.kind not in "iu":
+        raise InvalidArgument(f"token ids must be integers, got dtype {array_.dtype}")
+    if array_.dtype != np.uint32:
+        if int(array_.min()) < 0 or int(array_.max()) > MAX_TOKEN_ID:
             raise InvalidArgument(f"token ids must lie in [0, {MAX_TOKEN_ID}]")
-        array = array.astype(np.uint32)
-    return array.astype("<u4", copy=False).tobytes()
+    return array_.astype("<u4", copy=False).tobytes()
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -148,9 +171,9 @@ class Namespace:
             + field(TAG_ALGO, algo.encode())
             + field(TAG_LAYOUT, layout.fingerprint())
             + field(TAG_TENANT, tenant.encode())))
-        # Constant parts of a block message, built once.
-        self._parent_head = HEADER + KIND_BLOCK + struct.pack("<BI", TAG_PARENT, self.digest_size)
-        self._tokens_head = struct.pack("<BI", TAG_TOKENS, 4 * self.block_size)
+        # A block message is `_tokens_head + tokens + _parent_head + parent + extras`.
+        self._tokens_head = HEADER + KIND_BLOCK + struct.pack("<BI", TAG_TOKENS, 4 * self.block_size)
+        self._parent_head = struct.pack("<BI", TAG_PARENT, self.digest_size)
 
     def hash_blocks(
         self,
@@ -169,24 +192,42 @@ class Namespace:
             raise InvalidArgument("pass parent exactly when start_block > 0")
         if parent is not None and len(parent) != self.digest_size:
             raise InvalidArgument(f"parent hash must be {self.digest_size} bytes, got {len(parent)}")
-        tokens = pack_token_ids(token_ids)
-        stride = 4 * self.block_size
-        num_full_blocks = len(tokens) // stride
-        digest, parent_head, tokens_head = self._digest, self._parent_head, self._tokens_head
+        prefixes = self._block_prefixes(pack_token_ids(token_ids))
         chain: list[BlockHash] = []
+        append = chain.append
         parent_hash = self.root if parent is None else parent
-        if extras is None or extras == _NO_EXTRAS:
-            for offset in range(0, num_full_blocks * stride, stride):
-                parent_hash = digest(parent_head + parent_hash + tokens_head + tokens[offset:offset + stride])
-                chain.append(parent_hash)
-            return chain
-        for i in range(num_full_blocks):
-            extra = extras.encode_block(start_block + i, self.block_size)
-            offset = i * stride
-            parent_hash = digest(parent_head + parent_hash + tokens_head
-                                 + tokens[offset:offset + stride] + extra)
-            chain.append(parent_hash)
+        if extras is not None and extras != _NO_EXTRAS:
+            digest = self._digest
+            for i, prefix in enumerate(prefixes):
+                parent_hash = digest(prefix + parent_hash + extras.encode_block(start_block + i, self.block_size))
+                append(parent_hash)
+        elif self.algo == "sha256":  # a bound constructor: no Python frame per block
+            sha256 = hashlib.sha256
+            for prefix in prefixes:
+                parent_hash = sha256(prefix + parent_hash).digest()
+                append(parent_hash)
+        else:
+            digest = self._digest
+            for prefix in prefixes:
+                parent_hash = digest(prefix + parent_hash)
+                append(parent_hash)
         return chain
+
+    def _block_prefixes(self, tokens: bytes) -> list[bytes]:
+        """Per full block, its message up to the parent: tokens head, tokens, parent head."""
+        stride = 4 * self.block_size
+        num_blocks = len(tokens) // stride
+        head, tail = self._tokens_head, self._parent_head
+        if num_blocks < 16:  # numpy's fixed cost does not pay for a few blocks
+            return [head + tokens[i:i + stride] + tail for i in range(0, num_blocks * stride, stride)]
+        width = len(head) + stride + len(tail)
+        rows = np.empty((num_blocks, width), dtype=np.uint8)
+        rows[:, :len(head)] = np.frombuffer(head, dtype=np.uint8)
+        rows[:, len(head):len(head) + stride] = np.frombuffer(
+            tokens, dtype=np.uint8, count=num_blocks * stride).reshape(num_blocks, stride)
+        rows[:, len(head) + stride:] = np.frombuffer(tail, dtype=np.uint8)
+        laid_out = rows.tobytes()
+        return [laid_out[i:i + width] for i in range(0, num_blocks * width, width)]
 
     def check_hash(self, block_hash: bytes) -> BlockHash:
         """Validate a hash received from outside; InvalidArgument on a wrong length or type."""

@@ -134,14 +134,16 @@ class BlockIndex:
             self._check_room(hits, num_new_blocks)
             now = self._clock()
             observer = self._observer
+            reused = []  # hits on released blocks: they leave the free queue
             for block in hits:
-                if block.ref_cnt == 0:  # a reuse after release: the gap eviction competes with
-                    if observer is not None:
+                if block.ref_cnt == 0:
+                    reused.append(block)
+                    if observer is not None:  # the gap since release, which eviction competes with
                         observer.on_reuse(now - block.last_access_s)
-                    self.free_queue.remove(block)
                 block.ref_cnt += 1
                 block.last_access_s = now
-            table = hits + [self._pop_free(now) for _ in range(num_new_blocks)]
+            self.free_queue.remove_many(reused)
+            table = hits + self._pop_free(num_new_blocks, now)
             self.tables[request_id] = table
             if observer is not None:
                 observer.on_query(len(block_hashes) * self.block_size, len(hits) * self.block_size)
@@ -154,8 +156,7 @@ class BlockIndex:
         with self._lock:
             table = self._table(request_id)
             self._check_room([], num_blocks)
-            now = self._clock()
-            new_blocks = [self._pop_free(now) for _ in range(num_blocks)]
+            new_blocks = self._pop_free(num_blocks, self._clock())
             table.extend(new_blocks)
             return [block.block_id for block in new_blocks]
 
@@ -166,32 +167,59 @@ class BlockIndex:
         Returns False when another block already holds that hash: this one stays unindexed (the
         first writer wins; no hash maps to two blocks). Committing the same hash twice is a no-op.
         """
+        return self.commit_blocks(request_id, position, [block_hash], token_ids, parent_hash) == 1
+
+    def commit_blocks(self, request_id: RequestId, start_position: int, block_hashes: Sequence[bytes],
+                      token_ids: Sequence[int], parent_hash: bytes) -> int:
+        """Commit consecutive full blocks from `start_position` (what a prefill computed).
+
+        `token_ids` are the tokens of exactly these blocks; `parent_hash` is the hash before the
+        first (the root for position 0), and each hash is the parent of the next. Returns how
+        many of the blocks hold their hash afterwards. Everything is checked before anything
+        changes: a bad argument raises and commits none of them.
+        """
         token_bytes = pack_token_ids(token_ids)
+        stride = 4 * self.block_size
         with self._lock:
             table = self._table(request_id)
-            block = self._block_at(table, position)
-            self._check_hash(block_hash)
-            self._check_hash(parent_hash)
-            if len(token_bytes) != 4 * self.block_size:
+            self._check_hashes(block_hashes)
+            self._check_hashes((parent_hash,))
+            end_position = start_position + len(block_hashes)
+            if not 0 <= start_position <= end_position <= len(table) or not block_hashes:
+                raise InvalidArgument(f"positions {start_position}..{end_position - 1} are outside the "
+                                      f"request's {len(table)} blocks")
+            if len(token_bytes) != stride * len(block_hashes):
                 raise InvalidArgument(
-                    f"a block holds {self.block_size} tokens, got {len(token_bytes) // 4}: "
-                    "only full blocks are committed")
-            if block.block_hash is not None:
-                if block.block_hash == block_hash:
-                    return True
-                raise FailedPrecondition(f"block {block.block_id} is already committed under another hash")
-            expected_parent = table[position - 1].block_hash if position > 0 else self.root
+                    f"{len(block_hashes)} blocks hold {self.block_size * len(block_hashes)} tokens, got "
+                    f"{len(token_bytes) // 4}: only full blocks are committed")
+            expected_parent = table[start_position - 1].block_hash if start_position > 0 else self.root
             if expected_parent is not None and parent_hash != expected_parent:
-                raise InvalidArgument(f"parent hash of position {position} does not match the chain")
-            if block_hash in self.hash_to_block:
-                return False
-            block.block_hash = BlockHash(block_hash)
-            block.parent_hash = BlockHash(parent_hash)
-            block.token_ids = token_bytes
-            block.committed_at_s = self._clock()
-            self.hash_to_block[block.block_hash] = block
-            self._emit(BlockStored(block.block_hash, block.parent_hash, block.block_id))
-            return True
+                raise InvalidArgument(f"parent hash of position {start_position} does not match the chain")
+            now = self._clock()
+            setdefault = self.hash_to_block.setdefault
+            parents = [parent_hash, *block_hashes[:-1]]
+            block_tokens = [token_bytes[i:i + stride] for i in range(0, len(token_bytes), stride)]
+            stored: list[KVBlock] = []
+            num_already_held = 0
+            for block, block_hash, parent, tokens in zip(
+                    table[start_position:end_position], block_hashes, parents, block_tokens):
+                held = block.block_hash
+                if held is None:
+                    if setdefault(block_hash, block) is block:  # else another block holds it: not indexed
+                        block.block_hash = block_hash
+                        block.parent_hash = parent
+                        block.token_ids = tokens
+                        block.committed_at_s = now
+                        stored.append(block)
+                elif held == block_hash:
+                    num_already_held += 1
+                else:
+                    self._uncommit(stored)  # all or nothing
+                    raise FailedPrecondition(f"block {block.block_id} is already committed under another hash")
+            if self._events is not None:
+                for block in stored:
+                    self._emit(BlockStored(block.block_hash, block.parent_hash, block.block_id))
+            return num_already_held + len(stored)
 
     def free(self, request_id: RequestId) -> None:
         """Release a request's blocks tail first; a block whose ref_cnt reaches 0 joins the tail
@@ -201,13 +229,14 @@ class BlockIndex:
             if table is None:
                 raise NotFound(f"request {request_id!r} holds no blocks")
             now = self._clock()
-            append = self.free_queue.append
+            released = []
             for block in reversed(table):
                 assert block.ref_cnt > 0, f"block {block.block_id} freed more often than held"
                 block.ref_cnt -= 1
                 block.last_access_s = now
                 if block.ref_cnt == 0:
-                    append(block)
+                    released.append(block)
+            self.free_queue.extend(released)
 
     def fork(self, parent_id: RequestId, child_id: RequestId) -> list[int]:
         """A new request sharing every block of `parent_id` (n > 1 sampling): no copy, ref_cnt + 1."""
@@ -236,7 +265,7 @@ class BlockIndex:
                 return WriteTarget(block.block_id, None)
             assert block.ref_cnt > 1
             self._check_room([], 1)
-            copy = self._pop_free(self._clock())
+            copy, = self._pop_free(1, self._clock())
             if self._copy_block is not None:
                 self._copy_block(block.block_id, copy.block_id)
             table[position] = copy
@@ -253,7 +282,7 @@ class BlockIndex:
                 block = self.hash_to_block.get(block_hash)
                 if block is None or block.ref_cnt > 0:
                     continue
-                self._evict(block, now)
+                self._evict([block], now)
                 self.free_queue.remove(block)
                 self.free_queue.appendleft(block)
                 num_evicted += 1
@@ -267,7 +296,8 @@ class BlockIndex:
             for block in self.hash_to_block.values():
                 block.forget_content()
             self.hash_to_block.clear()
-            self._emit(AllBlocksCleared())
+            if self._events is not None:
+                self._emit(AllBlocksCleared())
             return True
 
     def take_events(self) -> list[IndexEvent]:
@@ -292,13 +322,19 @@ class BlockIndex:
             raise InvalidArgument(f"position {position} is outside the request's {len(table)} blocks")
         return table[position]
 
-    def _check_hash(self, block_hash: bytes) -> None:
-        if not isinstance(block_hash, bytes) or len(block_hash) != self.hash_size:
+    def _uncommit(self, blocks: list[KVBlock]) -> None:
+        """Undo the commits of this call before it raises."""
+        for block in blocks:
+            del self.hash_to_block[block.block_hash]
+            block.forget_content()
+
+    def _check_hashes(self, block_hashes: Sequence[bytes]) -> None:
+        """InvalidArgument unless every hash is bytes of `hash_size` (checked at C speed)."""
+        if set(map(type, block_hashes)) - {bytes} or set(map(len, block_hashes)) - {self.hash_size}:
             raise InvalidArgument(f"a block hash is {self.hash_size} bytes")
 
     def _token_bytes(self, block_hashes: Sequence[bytes], token_ids: Sequence[int] | None) -> bytes | None:
-        for block_hash in block_hashes:
-            self._check_hash(block_hash)
+        self._check_hashes(block_hashes)
         if token_ids is None:
             return None
         token_bytes = pack_token_ids(token_ids)
@@ -339,33 +375,40 @@ class BlockIndex:
                 f"device pool full: need {num_new_blocks} free blocks, {num_new_blocks - short} available "
                 f"of {self.num_blocks}")
 
-    def _pop_free(self, now: float) -> KVBlock:
-        """Take the next victim from the head; a block that still has a hash is evicted first."""
-        block = self.free_queue.popleft()
-        assert block.ref_cnt == 0, f"block {block.block_id} on the free queue with ref_cnt {block.ref_cnt}"
-        if block.block_hash is not None:
-            self._evict(block, now)
-        block.ref_cnt = 1
-        block.last_access_s = now
-        return block
+    def _pop_free(self, num_blocks: int, now: float) -> list[KVBlock]:
+        """Take the next victims from the head; blocks that still have a hash are evicted first."""
+        blocks = self.free_queue.popleft_many(num_blocks)
+        victims = [block for block in blocks if block.block_hash is not None]
+        if victims:
+            self._evict(victims, now)
+        for block in blocks:
+            assert block.ref_cnt == 0, f"block {block.block_id} on the free queue with ref_cnt {block.ref_cnt}"
+            block.ref_cnt = 1
+            block.last_access_s = now
+        return blocks
 
-    def _evict(self, block: KVBlock, now: float) -> None:
-        """Drop a cached block's content key: tell the tiers (they may copy it down), then forget."""
+    def _evict(self, victims: list[KVBlock], now: float) -> None:
+        """Drop cached blocks' content keys: tell the tiers (they may copy them down), then forget."""
         if self._on_evict is not None:
-            try:
-                self._on_evict(block)
-            except Exception:  # an offload failure must not corrupt the index; the block is lost below
-                log.exception("eviction hook failed for block %d", block.block_id)
+            for block in victims:
+                try:
+                    self._on_evict(block)
+                except Exception:  # an offload failure must not corrupt the index; the block is lost below
+                    log.exception("eviction hook failed for block %d", block.block_id)
         if self._observer is not None:
-            self._observer.on_evict(now - block.committed_at_s, now - block.last_access_s)
-        del self.hash_to_block[block.block_hash]
-        self._emit(BlockRemoved(block.block_hash))
-        block.forget_content()
+            for block in victims:
+                self._observer.on_evict(now - block.committed_at_s, now - block.last_access_s)
+        if self._events is not None:
+            for block in victims:
+                self._emit(BlockRemoved(block.block_hash))
+        hash_to_block = self.hash_to_block
+        for block in victims:
+            del hash_to_block[block.block_hash]
+            block.block_hash = block.parent_hash = block.token_ids = None  # as KVBlock.forget_content
 
     def _emit(self, event: IndexEvent) -> None:
+        """Queue an event; callers skip building it when events are off."""
         events = self._events
-        if events is None:
-            return
         if len(events) == events.maxlen:
             self.num_dropped_events += 1
         events.append(event)

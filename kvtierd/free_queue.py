@@ -48,6 +48,33 @@ class FreeBlockQueue:
         self._tail.prev_free = block
         self.num_free_blocks += 1
 
+    def extend(self, blocks: list[KVBlock]) -> None:
+        """Append blocks at the tail in order, linking them in one pass."""
+        last = self._tail.prev_free
+        for block in blocks:
+            assert block.prev_free is None, f"block {block.block_id} already queued"
+            block.prev_free = last
+            last.next_free = block
+            last = block
+        last.next_free = self._tail
+        self._tail.prev_free = last
+        self.num_free_blocks += len(blocks)
+
+    def popleft_many(self, num_blocks: int) -> list[KVBlock]:
+        """Take `num_blocks` from the head, in order, unlinking them in one pass."""
+        assert 0 <= num_blocks <= self.num_free_blocks, f"pop {num_blocks} of {self.num_free_blocks}"
+        taken = []
+        block = self._head.next_free
+        for _ in range(num_blocks):
+            taken.append(block)
+            following = block.next_free
+            block.prev_free = block.next_free = None
+            block = following
+        self._head.next_free = block
+        block.prev_free = self._head
+        self.num_free_blocks -= num_blocks
+        return taken
+
     def appendleft(self, block: KVBlock) -> None:
         """Put a block at the head: it is the next victim (used for blocks that hold nothing)."""
         assert block.prev_free is None and block.next_free is None, f"block {block.block_id} already queued"
@@ -65,6 +92,16 @@ class FreeBlockQueue:
         nxt.prev_free = prev
         block.prev_free = block.next_free = None
         self.num_free_blocks -= 1
+
+    def remove_many(self, blocks: list[KVBlock]) -> None:
+        """Unlink several blocks from anywhere in the queue."""
+        for block in blocks:
+            prev, nxt = block.prev_free, block.next_free
+            assert prev is not None and nxt is not None, f"block {block.block_id} is not queued"
+            prev.next_free = nxt
+            nxt.prev_free = prev
+            block.prev_free = block.next_free = None
+        self.num_free_blocks -= len(blocks)
 
     def __iter__(self) -> Iterator[KVBlock]:
         """Head to tail."""

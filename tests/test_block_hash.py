@@ -30,17 +30,22 @@ def namespace(algo="sha256", tenant="", **layout_changes) -> Namespace:
 PINNED = {
     "sha256": {
         "root": "0627808bbc61855bbbd0f8740eab29bea7ea43ce49e1bdae29296e721eea36c4",
-        "chain": ["8a143fd9265439e7d88fce0e6eaefeff2ac98ffc7f690721254f7b0313c7ed49",
-                  "c771089875cbd76a99b080f47f3e35a3cc85258891afe72778d0a371829a6fa2"],
+        "chain": ["a1c75dedcbbff1c2fea7e9ac1a30da2160fbe2e9be44674f4c263bb8df6311a3",
+                  "62513f7e146617a8cfb7da89d45096c160197fd30a1055a662eb13cf583aa505"],
+    },
+    "xxh3_128": {
+        "root": "98f2750a6e0c59d0982ec44b3c8f93fd",
+        "chain": ["2f939e48b54357af606451f9f3534501", "612364c8fa179c7fffa271c14bbc51d8"],
     },
 }
 
 
-def test_pinned_sha256_vectors():
-    """The default encoding's root and first hashes never change."""
-    ns = namespace()
-    assert ns.root.hex() == PINNED["sha256"]["root"]
-    assert [h.hex() for h in ns.hash_blocks(range(40))] == PINNED["sha256"]["chain"]
+@pytest.mark.parametrize("algo", ALGOS)
+def test_pinned_vectors(algo):
+    """The root and first hashes of Llama-3-8B, tenant "", tokens 0..39 never change."""
+    ns = namespace(algo)
+    assert ns.root.hex() == PINNED[algo]["root"]
+    assert [h.hex() for h in ns.hash_blocks(range(40))] == PINNED[algo]["chain"]
 
 
 def spec_field(tag: int, value: bytes) -> bytes:
@@ -62,11 +67,13 @@ def test_hashes_follow_the_documented_encoding(algo):
     extras = PromptExtras(lora_id="sql-lora", mm_inputs=(MultimodalInput(b"\xaa" * 8, 20, 4),),
                           cache_salt="s1")
     tokens = PROMPT[:32]
-    block0 = digest(header + b"B" + spec_field(0x10, root)
+    block0 = digest(header + b"B"
                     + spec_field(0x11, b"".join(t.to_bytes(4, "little") for t in tokens[:16]))
+                    + spec_field(0x10, root)
                     + spec_field(0x12, b"sql-lora") + spec_field(0x14, b"s1"))
-    block1 = digest(header + b"B" + spec_field(0x10, block0)
+    block1 = digest(header + b"B"
                     + spec_field(0x11, b"".join(t.to_bytes(4, "little") for t in tokens[16:]))
+                    + spec_field(0x10, block0)
                     + spec_field(0x12, b"sql-lora")
                     + spec_field(0x13, b"\xaa" * 8 + struct.pack("<II", 20, 4)))
     ns = Namespace(layout, tenant="acme", algo=algo)
@@ -215,3 +222,15 @@ def test_bad_arguments_are_refused():
     with pytest.raises(InvalidArgument):
         ns.check_hash(b"\x00" * 16)
     assert ns.check_hash(b"\x00" * 32) == b"\x00" * 32
+
+
+@pytest.mark.parametrize("algo", ALGOS)
+def test_a_long_prompt_hashes_as_block_by_block(algo):
+    """The bulk layout (many blocks) and the per-block path give the same chain."""
+    ns = namespace(algo)
+    prompt = list(range(7, 7 + 16 * 40))
+    one_at_a_time, parent = [], None
+    for block in range(40):
+        parent = ns.hash_blocks(prompt[block * 16:(block + 1) * 16], start_block=block, parent=parent)[0]
+        one_at_a_time.append(parent)
+    assert ns.hash_blocks(prompt) == one_at_a_time

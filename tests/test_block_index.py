@@ -359,3 +359,51 @@ def test_clock_default_is_monotonic_time():
     index = make_index(clock=FakeClock(5.0))
     run_request(index, "a", PROMPT)
     assert index.blocks[0].committed_at_s == 5.0
+
+
+def test_commit_blocks_commits_a_prefill_in_one_call():
+    index = make_index(max_pending_events=100)
+    index.allocate("a", hashes(PROMPT))
+    chain = hashes(PROMPT)
+    assert index.commit_blocks("a", 0, chain, PROMPT, NAMESPACE.root) == 3
+    assert [index.blocks[i].parent_hash for i in index.block_table("a")] == [NAMESPACE.root, chain[0], chain[1]]
+    assert [index.blocks[i].token_ids for i in index.block_table("a")] == [
+        b"".join(t.to_bytes(4, "little") for t in PROMPT[i * BLOCK_SIZE:(i + 1) * BLOCK_SIZE]) for i in range(3)]
+    assert len(index.take_events()) == 3
+
+
+def test_commit_blocks_is_all_or_nothing():
+    index = make_index()
+    index.allocate("a", hashes(PROMPT))
+    chain = hashes(PROMPT)
+    before = snapshot(index)
+    for bad_args in [("a", 0, [chain[0], chain[1], b"x" * 31], PROMPT, NAMESPACE.root),
+                     ("a", 1, chain, PROMPT, chain[0]),  # runs past the table
+                     ("a", 0, chain, PROMPT[:-1], NAMESPACE.root),
+                     ("a", 0, [], [], NAMESPACE.root)]:
+        with pytest.raises(InvalidArgument):
+            index.commit_blocks(*bad_args)
+        assert snapshot(index) == before
+
+
+def test_commit_blocks_continues_after_committed_blocks():
+    index = make_index()
+    index.allocate("a", hashes(PROMPT))
+    chain = hashes(PROMPT)
+    index.commit_blocks("a", 0, chain[:1], PROMPT[:BLOCK_SIZE], NAMESPACE.root)
+    assert index.commit_blocks("a", 1, chain[1:], PROMPT[BLOCK_SIZE:], chain[0]) == 2
+    assert index.lookup(chain, PROMPT) == 3
+
+
+def test_commit_blocks_undoes_its_own_commits_when_a_later_block_conflicts():
+    index = make_index(max_pending_events=100)
+    index.allocate("a", hashes(PROMPT))
+    chain = hashes(PROMPT)
+    foreign = bytes(range(32))
+    index.commit_blocks("a", 2, [foreign], PROMPT[2 * BLOCK_SIZE:], b"\x07" * 32)  # no committed parent yet
+    index.take_events()
+    before = snapshot(index)
+    with pytest.raises(FailedPrecondition, match="another hash"):
+        index.commit_blocks("a", 0, chain, PROMPT, NAMESPACE.root)
+    assert snapshot(index) == before and index.take_events() == []
+    assert index.lookup(chain) == 0

@@ -64,3 +64,26 @@ def test_links_stay_consistent_after_mixed_operations():
     for prev, nxt in zip(order, order[1:]):
         assert prev.next_free is nxt and nxt.prev_free is prev
     assert ids(queue) == [1, 2, 4, 5, 3]
+
+
+def test_popleft_many_and_extend_keep_order_and_links():
+    queue, blocks = make_queue(6)
+    taken = queue.popleft_many(4)
+    assert [b.block_id for b in taken] == [0, 1, 2, 3] and ids(queue) == [4, 5]
+    assert not any(b.is_queued for b in taken)
+    queue.extend(list(reversed(taken)))
+    assert ids(queue) == [4, 5, 3, 2, 1, 0] and len(queue) == 6
+    assert queue.popleft_many(0) == [] and queue.popleft_many(6) == blocks[4:] + blocks[3::-1]
+    assert len(queue) == 0 and queue.peekleft() is None
+    queue.extend([])
+    queue.extend(blocks[:2])
+    assert ids(queue) == [0, 1]
+
+
+def test_remove_many_unlinks_from_anywhere():
+    queue, blocks = make_queue(6)
+    queue.remove_many([blocks[0], blocks[3], blocks[5]])
+    assert ids(queue) == [1, 2, 4] and len(queue) == 3
+    assert not any(blocks[i].is_queued for i in (0, 3, 5))
+    queue.remove_many([])
+    assert ids(queue) == [1, 2, 4]

@@ -100,3 +100,11 @@ def test_module_runs_as_a_command():
                           "--system-prompt-tokens", "32", "--pool-blocks", "64"],
                          capture_output=True, text=True, check=True).stdout
     assert "prefix hit rate:" in out and "free blocks after all requests finished: 64 of 64" in out
+
+
+def test_the_kvtierd_console_script_is_installed():
+    """The README's first command calls `kvtierd simulate`: the entry point must exist."""
+    from importlib.metadata import entry_points
+
+    scripts = {ep.name: ep.value for ep in entry_points(group="console_scripts")}
+    assert scripts.get("kvtierd") == "kvtierd.cli:main"

@@ -1,0 +1,119 @@
+"""Shared by the benchmarks: a paired timing loop, statistics, and a plain-text table.
+
+Every benchmark times our operation and its baseline in the same process, round by round in
+alternation (ours, baseline, ours, baseline, ...), so that a noisy neighbour on a shared machine
+slows both sides alike. Absolute times are noise on such a machine; the ratio is the result.
+
+Timing: `time.perf_counter_ns` around one round; untimed setup before each round of ours puts the
+state back where it started; warm-up rounds are run and thrown away; the garbage collector is
+off while rounds run (our side allocates lists and objects, the baseline almost nothing, so a
+collection would land on our side by chance) and a full collection runs before the first round.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import gc
+import platform
+import statistics
+import sys
+import time
+from collections.abc import Callable, Sequence
+
+Op = Callable[[], object]
+
+TIMING_NOTE = ("timing: time.perf_counter_ns per round, ours and baseline alternating; "
+               "warm-up rounds discarded; gc disabled while timing; median over rounds (best in brackets)")
+
+
+@dataclasses.dataclass(slots=True)
+class Timings:
+    """Nanoseconds per round, one entry per timed round."""
+
+    round_ns: list[int]
+
+    @property
+    def median_ns(self) -> float:
+        return statistics.median(self.round_ns)
+
+    @property
+    def best_ns(self) -> float:
+        return min(self.round_ns)
+
+
+def time_interleaved(ops: Sequence[Op], *, rounds: int, warmup: int, setup: Op | None = None) -> list[Timings]:
+    """Time each of `ops` once per round, in turn, for `rounds` rounds after `warmup` untimed ones.
+
+    `setup` runs untimed at the start of every round (warm-up included) and once after the last:
+    it restores the starting state and may assert that the previous round did what it should.
+    """
+    clock = time.perf_counter_ns
+    for _ in range(warmup):
+        if setup is not None:
+            setup()
+        for op in ops:
+            op()
+    round_ns: list[list[int]] = [[] for _ in ops]
+    gc.collect()
+    gc_was_enabled = gc.isenabled()
+    gc.disable()
+    try:
+        for _ in range(rounds):
+            if setup is not None:
+                setup()
+            for op, samples in zip(ops, round_ns):
+                start = clock()
+                op()
+                samples.append(clock() - start)
+        if setup is not None:
+            setup()  # checks the last timed round
+    finally:
+        if gc_was_enabled:
+            gc.enable()
+    return [Timings(samples) for samples in round_ns]
+
+
+def time_pair(ours: Op, baseline: Op, *, rounds: int, warmup: int,
+              ours_setup: Op | None = None) -> tuple[Timings, Timings]:
+    """Time `ours` and `baseline` alternately; `ours_setup` runs untimed before every round."""
+    ours_timings, baseline_timings = time_interleaved(
+        [ours, baseline], rounds=rounds, warmup=warmup, setup=ours_setup)
+    return ours_timings, baseline_timings
+
+
+def parse_args(description: str, argv: Sequence[str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=description)
+    parser.add_argument("--quick", action="store_true", help="a few rounds only (smoke test); numbers are rough")
+    return parser.parse_args(argv)
+
+
+def print_header(title: str, quick: bool) -> None:
+    print(title)
+    print(f"python {platform.python_version()} ({platform.python_implementation()}), {platform.machine()}, "
+          f"{'QUICK run: rough numbers' if quick else 'full run'}")
+    print(TIMING_NOTE)
+
+
+def print_table(headers: Sequence[str], rows: Sequence[Sequence[object]]) -> None:
+    """A plain-text table: the first column left-aligned, the others right-aligned."""
+    cells = [[str(cell) for cell in row] for row in [headers, *rows]]
+    widths = [max(len(row[i]) for row in cells) for i in range(len(headers))]
+
+    def line(row: list[str]) -> str:
+        return "  ".join(cell.ljust(w) if i == 0 else cell.rjust(w) for i, (cell, w) in enumerate(zip(row, widths)))
+
+    print(line(cells[0]))
+    print("  ".join("-" * w for w in widths))
+    for row in cells[1:]:
+        print(line(row))
+    sys.stdout.flush()
+
+
+def verdict(passed: bool) -> str:
+    return "PASS" if passed else "MISS"
+
+
+def median_and_best(median: float, best: float, digits: int = 0) -> str:
+    """`median (best)`, e.g. `812 (790)`."""
+    return f"{median:,.{digits}f} ({best:,.{digits}f})"
