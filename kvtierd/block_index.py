@@ -5,7 +5,6 @@ Eviction is decided here (`_pop_free`): the head of the free queue is the victim
 
 from __future__ import annotations
 
-import collections
 import dataclasses
 import logging
 import threading
@@ -15,7 +14,7 @@ from collections.abc import Callable, Hashable, Sequence
 from kvtierd.block_hash import BlockHash, pack_token_ids
 from kvtierd.errors import FailedPrecondition, InvalidArgument, NotFound, ResourceExhausted
 from kvtierd.free_queue import FreeBlockQueue
-from kvtierd.index_events import AllBlocksCleared, BlockRemoved, BlockStored, IndexEvent
+from kvtierd.index_events import AllBlocksCleared, BlockRemoved, BlockStored, EventQueue, IndexEvent
 from kvtierd.index_metrics import IndexObserver
 from kvtierd.kv_block import KVBlock
 
@@ -84,9 +83,7 @@ class BlockIndex:
         self._on_evict = on_evict
         self._observer = observer
         self._clock = clock
-        self._events: collections.deque[IndexEvent] | None = (
-            collections.deque(maxlen=max_pending_events) if max_pending_events else None)
-        self.num_dropped_events = 0
+        self._events = EventQueue(max_pending_events) if max_pending_events else None
         self._lock = threading.Lock()
 
     # ----------------------------------------------------------------------------- queries
@@ -94,6 +91,10 @@ class BlockIndex:
     @property
     def num_free_blocks(self) -> int:
         return self.free_queue.num_free_blocks
+
+    @property
+    def num_dropped_events(self) -> int:
+        return self._events.num_dropped if self._events is not None else 0
 
     @property
     def num_cached_blocks(self) -> int:
@@ -218,7 +219,7 @@ class BlockIndex:
                     raise FailedPrecondition(f"block {block.block_id} is already committed under another hash")
             if self._events is not None:
                 for block in stored:
-                    self._emit(BlockStored(block.block_hash, block.parent_hash, block.block_id))
+                    self._events.put(BlockStored(block.block_hash, block.parent_hash, block.block_id))
             return num_already_held + len(stored)
 
     def free(self, request_id: RequestId) -> None:
@@ -267,7 +268,12 @@ class BlockIndex:
             self._check_room([], 1)
             copy, = self._pop_free(1, self._clock())
             if self._copy_block is not None:
-                self._copy_block(block.block_id, copy.block_id)
+                try:
+                    self._copy_block(block.block_id, copy.block_id)
+                except BaseException:  # the copy failed: the fresh block goes back, nothing repointed
+                    copy.ref_cnt = 0
+                    self.free_queue.appendleft(copy)
+                    raise
             table[position] = copy
             block.ref_cnt -= 1
             return WriteTarget(copy.block_id, block.block_id)
@@ -297,17 +303,13 @@ class BlockIndex:
                 block.forget_content()
             self.hash_to_block.clear()
             if self._events is not None:
-                self._emit(AllBlocksCleared())
+                self._events.put(AllBlocksCleared())
             return True
 
     def take_events(self) -> list[IndexEvent]:
         """Every event since the last call, atomically; empty unless events were enabled."""
         with self._lock:
-            if not self._events:
-                return []
-            events = list(self._events)
-            self._events.clear()
-            return events
+            return self._events.take() if self._events is not None else []
 
     # ----------------------------------------------------------------------------- internals
 
@@ -400,15 +402,8 @@ class BlockIndex:
                 self._observer.on_evict(now - block.committed_at_s, now - block.last_access_s)
         if self._events is not None:
             for block in victims:
-                self._emit(BlockRemoved(block.block_hash))
+                self._events.put(BlockRemoved(block.block_hash))
         hash_to_block = self.hash_to_block
         for block in victims:
             del hash_to_block[block.block_hash]
             block.block_hash = block.parent_hash = block.token_ids = None  # as KVBlock.forget_content
-
-    def _emit(self, event: IndexEvent) -> None:
-        """Queue an event; callers skip building it when events are off."""
-        events = self._events
-        if len(events) == events.maxlen:
-            self.num_dropped_events += 1
-        events.append(event)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 
 from kvtierd.block_hash import BlockHash
@@ -29,3 +30,26 @@ class AllBlocksCleared:
 
 
 IndexEvent = BlockStored | BlockRemoved | AllBlocksCleared
+
+
+class EventQueue:
+    """Pending events, oldest first, bounded: when full the oldest is dropped and counted.
+
+    Not thread-safe on its own: the block index holds its lock around every call.
+    """
+
+    def __init__(self, max_pending: int) -> None:
+        assert max_pending > 0
+        self._pending: collections.deque[IndexEvent] = collections.deque(maxlen=max_pending)
+        self.num_dropped = 0
+
+    def put(self, event: IndexEvent) -> None:
+        if len(self._pending) == self._pending.maxlen:
+            self.num_dropped += 1
+        self._pending.append(event)
+
+    def take(self) -> list[IndexEvent]:
+        """Every pending event; the queue is empty afterwards."""
+        events = list(self._pending)
+        self._pending.clear()
+        return events

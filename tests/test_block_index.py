@@ -407,3 +407,15 @@ def test_commit_blocks_undoes_its_own_commits_when_a_later_block_conflicts():
         index.commit_blocks("a", 0, chain, PROMPT, NAMESPACE.root)
     assert snapshot(index) == before and index.take_events() == []
     assert index.lookup(chain) == 0
+
+
+def test_a_failed_copy_on_write_returns_the_fresh_block():
+    def broken_copy(src, dst):
+        raise RuntimeError("device copy failed")
+    index = make_index(copy_block=broken_copy)
+    run_request(index, "a", PROMPT, num_extra_blocks=1)
+    index.fork("a", "b")
+    before = snapshot(index)
+    with pytest.raises(RuntimeError):
+        index.prepare_write("b", 3)
+    assert snapshot(index) == before  # no block leaked, no table repointed
