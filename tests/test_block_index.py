@@ -7,7 +7,7 @@ import pytest
 from kvtierd.errors import FailedPrecondition, InvalidArgument, NotFound, ResourceExhausted
 from kvtierd.index_events import AllBlocksCleared, BlockRemoved, BlockStored
 from kvtierd.kv_block import BlockState
-from tests.index_factories import (
+from tests.factories import (
     BLOCK_SIZE, NAMESPACE, ContentPool, FakeClock, commit_all, hashes, make_index, run_request,
     stats_index, tokens)
 

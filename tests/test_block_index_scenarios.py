@@ -7,7 +7,7 @@ import torch
 from kvtierd.block_hash import Namespace
 from kvtierd.block_index import BlockIndex
 from kvtierd.layout import Layout
-from tests.index_factories import FakeClock
+from tests.factories import FakeClock
 
 LAYOUT = Layout("scenario-model", num_layers=2, num_kv_heads=2, head_dim=4, block_size=16)
 NS = Namespace(LAYOUT, tenant="acme")

@@ -12,7 +12,7 @@ from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, 
 
 from kvtierd.errors import FailedPrecondition, ResourceExhausted
 from kvtierd.kv_block import BlockState
-from tests.index_factories import BLOCK_SIZE, NAMESPACE, ContentPool, FakeClock, make_index
+from tests.factories import BLOCK_SIZE, NAMESPACE, ContentPool, FakeClock, make_index
 
 NUM_BLOCKS = 10
 # Prompts that share prefixes of 0, 1 and 2 blocks, with and without a partial block.

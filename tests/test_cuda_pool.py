@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from conftest import small_layout
+from tests.factories import fill_pattern, small_layout
 from kvtierd.cuda_pool import CudaDevicePool
 from kvtierd.device_pool import PoolHandle, attach_device_pool, create_device_pool
 from kvtierd.errors import FailedPrecondition, InvalidArgument
@@ -40,14 +40,6 @@ CHILD = textwrap.dedent("""
 def cuda_pool():
     with create_device_pool(small_layout(), NUM_BLOCKS, device="cuda:0") as pool:
         yield pool
-
-
-def fill_pattern(pool) -> torch.Tensor:
-    numel = pool.tensor.numel()
-    pattern = torch.arange(numel, dtype=torch.float32, device=pool.device)
-    pool.tensor.copy_(pattern.view(pool.tensor.shape))
-    torch.cuda.synchronize(pool.device)
-    return pool.tensor.clone()
 
 
 @pytest.mark.gpu

@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from conftest import small_layout
+from tests.factories import fill_pattern, small_layout
 from kvtierd.device_pool import PoolHandle, attach_device_pool, create_device_pool
 from kvtierd.errors import FailedPrecondition, InvalidArgument, NotFound
 from kvtierd.shm_pool import ShmDevicePool
@@ -31,14 +31,6 @@ BAD_BLOCK_IDS = [-1, NUM_BLOCKS, 10**9, 1.0, True, "1", None]
 def pool():
     with create_device_pool(small_layout(), NUM_BLOCKS, device="shm") as pool:
         yield pool
-
-
-def fill_pattern(pool) -> torch.Tensor:
-    """Write 0, 1, 2, ... over the whole pool (exact in fp16 below 2048); return a copy."""
-    numel = pool.tensor.numel()
-    assert numel < 2048
-    pool.tensor.copy_(torch.arange(numel, dtype=torch.float32).view(pool.tensor.shape))
-    return pool.tensor.clone()
 
 
 def test_pool_is_block_major_with_layout_dtype_and_nbytes(pool):

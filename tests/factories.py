@@ -1,6 +1,9 @@
-"""Factories for block index tests: a small namespace, a fake clock, a content-tracking pool."""
+"""Test factories: a small layout, a pattern filler for pools, and block index helpers (a small
+namespace, a fake clock, a content-tracking pool)."""
 
 from __future__ import annotations
+
+import torch
 
 from kvtierd.block_hash import Namespace
 from kvtierd.block_index import BlockIndex
@@ -8,7 +11,28 @@ from kvtierd.index_metrics import IndexStats
 from kvtierd.layout import Layout
 
 BLOCK_SIZE = 4
-NAMESPACE = Namespace(Layout("test-model", 2, 2, 8, BLOCK_SIZE))
+
+
+def small_layout(block_size: int = 4, **overrides) -> Layout:
+    """A tiny layout: 2 layers, 2 KV heads of 8 dims, fp16 (512 bytes a block at block 4)."""
+    fields = dict(model_id="test-model", num_layers=2, num_kv_heads=2, head_dim=8,
+                  block_size=block_size, dtype="float16")
+    fields.update(overrides)
+    return Layout(**fields)
+
+
+def fill_pattern(pool) -> torch.Tensor:
+    """Write 0, 1, 2, ... over a whole device pool (exact in fp16 below 2048); return a copy."""
+    numel = pool.tensor.numel()
+    assert numel < 2048
+    pattern = torch.arange(numel, dtype=torch.float32, device=pool.device)
+    pool.tensor.copy_(pattern.view(pool.tensor.shape))
+    if pool.device.type == "cuda":
+        torch.cuda.synchronize(pool.device)
+    return pool.tensor.clone()
+
+
+NAMESPACE = Namespace(small_layout(BLOCK_SIZE))
 
 
 class FakeClock:
