@@ -17,6 +17,7 @@ from kvtierd.free_queue import FreeBlockQueue
 from kvtierd.index_events import AllBlocksCleared, BlockRemoved, BlockStored, EventQueue, IndexEvent
 from kvtierd.index_metrics import IndexObserver
 from kvtierd.kv_block import KVBlock
+from kvtierd.prefix_match import check_hashes, match_prefix, pack_prompt_tokens
 
 log = logging.getLogger(__name__)
 
@@ -107,12 +108,12 @@ class BlockIndex:
     def lookup(self, block_hashes: Sequence[bytes], token_ids: Sequence[int] | None = None) -> int:
         """How many leading blocks of the chain are cached here. Changes nothing."""
         with self._lock:
-            return len(self._walk_hits(block_hashes, self._token_bytes(block_hashes, token_ids)))
+            return len(self._hits(block_hashes, token_ids))
 
     def can_allocate(self, block_hashes: Sequence[bytes], num_extra_blocks: int = 0,
                      token_ids: Sequence[int] | None = None) -> bool:
         with self._lock:
-            hits = self._walk_hits(block_hashes, self._token_bytes(block_hashes, token_ids))
+            hits = self._hits(block_hashes, token_ids)
             return self._num_blocks_short(hits, len(block_hashes) - len(hits) + num_extra_blocks) <= 0
 
     # ----------------------------------------------------------------------------- mutations
@@ -130,7 +131,7 @@ class BlockIndex:
         with self._lock:
             if request_id in self.tables:
                 raise FailedPrecondition(f"request {request_id!r} already holds blocks")
-            hits = self._walk_hits(block_hashes, self._token_bytes(block_hashes, token_ids))
+            hits = self._hits(block_hashes, token_ids)
             num_new_blocks = len(block_hashes) - len(hits) + num_extra_blocks
             self._check_room(hits, num_new_blocks)
             now = self._clock()
@@ -183,8 +184,7 @@ class BlockIndex:
         stride = 4 * self.block_size
         with self._lock:
             table = self._table(request_id)
-            self._check_hashes(block_hashes)
-            self._check_hashes((parent_hash,))
+            check_hashes([*block_hashes, parent_hash], self.hash_size)
             end_position = start_position + len(block_hashes)
             if not 0 <= start_position <= end_position <= len(table) or not block_hashes:
                 raise InvalidArgument(f"positions {start_position}..{end_position - 1} are outside the "
@@ -330,40 +330,10 @@ class BlockIndex:
             del self.hash_to_block[block.block_hash]
             block.forget_content()
 
-    def _check_hashes(self, block_hashes: Sequence[bytes]) -> None:
-        """InvalidArgument unless every hash is bytes of `hash_size` (checked at C speed)."""
-        if set(map(type, block_hashes)) - {bytes} or set(map(len, block_hashes)) - {self.hash_size}:
-            raise InvalidArgument(f"a block hash is {self.hash_size} bytes")
-
-    def _token_bytes(self, block_hashes: Sequence[bytes], token_ids: Sequence[int] | None) -> bytes | None:
-        self._check_hashes(block_hashes)
-        if token_ids is None:
-            return None
-        token_bytes = pack_token_ids(token_ids)
-        if len(token_bytes) < 4 * self.block_size * len(block_hashes):
-            raise InvalidArgument(
-                f"{len(block_hashes)} hashes need {self.block_size * len(block_hashes)} tokens, "
-                f"got {len(token_bytes) // 4}")
-        return token_bytes
-
-    def _walk_hits(self, block_hashes: Sequence[bytes], token_bytes: bytes | None) -> list[KVBlock]:
-        """The cached blocks of the chain's longest verified prefix. A block counts only if its
-        stored parent is the chain's previous hash and, with tokens, its stored tokens match."""
-        hits: list[KVBlock] = []
-        get = self.hash_to_block.get
-        parent = self.root
-        stride = 4 * self.block_size
-        for i, block_hash in enumerate(block_hashes):
-            block = get(block_hash)
-            if block is None:
-                break
-            if parent is not None and block.parent_hash != parent:
-                break
-            if token_bytes is not None and block.token_ids != token_bytes[i * stride:(i + 1) * stride]:
-                break
-            hits.append(block)
-            parent = block_hash
-        return hits
+    def _hits(self, block_hashes: Sequence[bytes], token_ids: Sequence[int] | None) -> list[KVBlock]:
+        check_hashes(block_hashes, self.hash_size)
+        token_bytes = pack_prompt_tokens(token_ids, len(block_hashes), self.block_size)
+        return match_prefix(self.hash_to_block, block_hashes, token_bytes, self.root, self.block_size)
 
     def _num_blocks_short(self, hits: list[KVBlock], num_new_blocks: int) -> int:
         """How many free blocks are missing for `num_new_blocks`, after the hits leave the queue."""
