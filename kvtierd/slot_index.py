@@ -1,0 +1,215 @@
+"""The slot index of a lower tier (host DRAM, SSD): which fixed-size slot holds which block.
+
+Each slot holds one block. Entries are found by block hash and evicted least recently used
+first. Operations that move bytes are two-phase, so a slot in flight is never evicted or reused:
+
+- `prepare_store(blocks)` reserves one slot per new block: free slots first, then the slots of
+  the least recently used entries that nobody is loading. The new entries are STORING: lookups
+  do not see them and they cannot be evicted. The evicted entries come back in the plan with
+  their bytes still in their slots, so the caller can copy them further down before it writes.
+  `complete_store(entries, success)` makes the entries READY, or drops them and frees their
+  slots: a failed store leaves no entry.
+- `prepare_load(hashes)` pins the leading READY hits, which leave the LRU order while pinned.
+  `complete_load(entries)` unpins them; the last unpin puts an entry back as most recently used.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import threading
+import time
+from collections.abc import Callable, Sequence
+
+from kvtierd.block_hash import BlockHash
+from kvtierd.errors import InvalidArgument
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class BlockMeta:
+    """What a tier keeps beside a block's bytes: its key, and what verifies it."""
+
+    block_hash: BlockHash
+    parent_hash: BlockHash
+    token_ids: bytes  # packed u32
+
+
+@dataclasses.dataclass(slots=True, eq=False)
+class SlotEntry:
+    """One block in one slot. Mutated only by SlotIndex under its lock."""
+
+    meta: BlockMeta
+    slot: int
+    storing: bool = True  # reserved, bytes being written: invisible and not evictable
+    num_loads: int = 0  # pins by loads in flight: not evictable while > 0
+    last_use_s: float = 0.0
+
+    @property
+    def block_hash(self) -> BlockHash:
+        return self.meta.block_hash
+
+
+@dataclasses.dataclass(slots=True)
+class StorePlan:
+    """Slots for the blocks that fit, in order; entries evicted to make room (bytes intact)."""
+
+    stores: list[SlotEntry]
+    evicted: list[SlotEntry]
+    num_skipped: int  # blocks already present (stored or being stored) or that did not fit
+
+
+class SlotIndex:
+    """hash → slot for `num_slots` slots, least recently used first.
+
+    Invariants: every slot is either free or held by exactly one entry; `_lru` holds exactly the
+    READY entries with no load in flight (the evictable ones), oldest first; an entry that is
+    STORING or pinned is never evicted and its slot never handed out.
+    """
+
+    def __init__(self, num_slots: int, clock: Callable[[], float] = time.monotonic) -> None:
+        if num_slots < 0:
+            raise InvalidArgument(f"num_slots must be >= 0, got {num_slots}")
+        self.num_slots = num_slots
+        self._free_slots = list(range(num_slots - 1, -1, -1))  # a stack: slot 0 first
+        self._entries: dict[bytes, SlotEntry] = {}
+        self._lru: collections.OrderedDict[bytes, SlotEntry] = collections.OrderedDict()
+        self._clock = clock
+        self._lock = threading.Lock()
+        self.num_evictions = 0
+
+    # ----------------------------------------------------------------------------- queries
+
+    @property
+    def num_used_slots(self) -> int:
+        return self.num_slots - len(self._free_slots)
+
+    @property
+    def num_ready(self) -> int:
+        with self._lock:
+            return sum(not entry.storing for entry in self._entries.values())
+
+    def __contains__(self, block_hash: bytes) -> bool:
+        with self._lock:
+            entry = self._entries.get(block_hash)
+            return entry is not None and not entry.storing
+
+    def lookup(self, block_hashes: Sequence[bytes], parent: bytes | None = None,
+               token_bytes: bytes | None = None, block_size: int = 0) -> int:
+        """How many leading blocks of the chain are READY here (verified like prefix_match).
+        Changes nothing."""
+        with self._lock:
+            return len(self._ready_prefix(block_hashes, parent, token_bytes, block_size))
+
+    def entries(self) -> list[SlotEntry]:
+        """A snapshot of every entry (for recovery checks, stats and tests)."""
+        with self._lock:
+            return list(self._entries.values())
+
+    # ----------------------------------------------------------------------------- stores
+
+    def prepare_store(self, blocks: Sequence[BlockMeta]) -> StorePlan:
+        """Reserve slots for the blocks not already here, in order, while slots can be found."""
+        with self._lock:
+            stores: list[SlotEntry] = []
+            evicted: list[SlotEntry] = []
+            num_skipped = 0
+            now = self._clock()
+            for meta in blocks:
+                if meta.block_hash in self._entries:
+                    num_skipped += 1
+                    continue
+                if self._free_slots:
+                    slot = self._free_slots.pop()
+                elif self._lru:
+                    _, victim = self._lru.popitem(last=False)
+                    del self._entries[victim.block_hash]
+                    evicted.append(victim)
+                    self.num_evictions += 1
+                    slot = victim.slot
+                else:
+                    num_skipped += 1  # every slot is in flight
+                    continue
+                entry = SlotEntry(meta, slot, last_use_s=now)
+                self._entries[meta.block_hash] = entry
+                stores.append(entry)
+            return StorePlan(stores, evicted, num_skipped)
+
+    def complete_store(self, entries: Sequence[SlotEntry], success: bool) -> None:
+        """READY on success; otherwise the entries go and their slots are free again."""
+        with self._lock:
+            for entry in entries:
+                assert entry.storing and self._entries.get(entry.block_hash) is entry, entry
+                if success:
+                    entry.storing = False
+                    self._lru[entry.block_hash] = entry
+                else:
+                    del self._entries[entry.block_hash]
+                    self._free_slots.append(entry.slot)
+
+    def restore(self, entries: Sequence[tuple[BlockMeta, int, float]]) -> None:
+        """Insert READY entries at given slots (recovery from a persistent index), oldest first."""
+        with self._lock:
+            taken = {slot for _, slot, _ in entries}
+            if len(taken) != len(entries) or self._entries or any(not 0 <= s < self.num_slots for s in taken):
+                raise InvalidArgument("restore needs an empty index and distinct slots in range")
+            for meta, slot, last_use_s in sorted(entries, key=lambda e: e[2]):
+                entry = SlotEntry(meta, slot, storing=False, last_use_s=last_use_s)
+                self._entries[meta.block_hash] = entry
+                self._lru[meta.block_hash] = entry
+            self._free_slots = [s for s in range(self.num_slots - 1, -1, -1) if s not in taken]
+
+    # ----------------------------------------------------------------------------- loads
+
+    def prepare_load(self, block_hashes: Sequence[bytes], parent: bytes | None = None,
+                     token_bytes: bytes | None = None, block_size: int = 0) -> list[SlotEntry]:
+        """Pin the leading verified READY hits of the chain; they cannot be evicted until
+        complete_load. Returns the pinned entries (possibly none)."""
+        with self._lock:
+            hits = self._ready_prefix(block_hashes, parent, token_bytes, block_size)
+            now = self._clock()
+            for entry in hits:
+                if entry.num_loads == 0:
+                    del self._lru[entry.block_hash]
+                entry.num_loads += 1
+                entry.last_use_s = now
+            return hits
+
+    def complete_load(self, entries: Sequence[SlotEntry]) -> None:
+        with self._lock:
+            for entry in entries:
+                assert entry.num_loads > 0 and self._entries.get(entry.block_hash) is entry, entry
+                entry.num_loads -= 1
+                if entry.num_loads == 0:
+                    self._lru[entry.block_hash] = entry  # most recently used
+
+    # ----------------------------------------------------------------------------- removal
+
+    def remove(self, block_hashes: Sequence[bytes]) -> list[SlotEntry]:
+        """Drop the named READY entries that no load pins (a corrupt block, an operator's evict).
+        Returns what was dropped; their slots are free."""
+        with self._lock:
+            removed = []
+            for block_hash in block_hashes:
+                entry = self._lru.pop(block_hash, None)
+                if entry is None:
+                    continue
+                del self._entries[block_hash]
+                self._free_slots.append(entry.slot)
+                removed.append(entry)
+            return removed
+
+    def _ready_prefix(self, block_hashes: Sequence[bytes], parent: bytes | None,
+                      token_bytes: bytes | None, block_size: int) -> list[SlotEntry]:
+        hits: list[SlotEntry] = []
+        stride = 4 * block_size
+        for i, block_hash in enumerate(block_hashes):
+            entry = self._entries.get(block_hash)
+            if entry is None or entry.storing:
+                break
+            if parent is not None and entry.meta.parent_hash != parent:
+                break
+            if token_bytes is not None and entry.meta.token_ids != token_bytes[i * stride:(i + 1) * stride]:
+                break
+            hits.append(entry)
+            parent = block_hash
+        return hits

@@ -1,0 +1,124 @@
+"""The slot index of the lower tiers: two-phase stores and loads, LRU eviction, protection."""
+
+from __future__ import annotations
+
+import pytest
+
+from kvtierd.errors import InvalidArgument
+from kvtierd.slot_index import BlockMeta, SlotIndex
+from tests.factories import FakeClock
+
+
+def chain(n: int, start: int = 0) -> list[BlockMeta]:
+    """n chained blocks with distinct fake hashes (32 bytes) and 4 tokens each."""
+    metas, parent = [], b"\x00" * 32
+    for i in range(start, start + n):
+        block_hash = i.to_bytes(4, "little") * 8
+        metas.append(BlockMeta(block_hash, parent, bytes([i % 256]) * 16))
+        parent = block_hash
+    return metas
+
+
+def store(index: SlotIndex, metas: list[BlockMeta], success: bool = True):
+    plan = index.prepare_store(metas)
+    index.complete_store(plan.stores, success)
+    return plan
+
+
+def hashes(metas):
+    return [m.block_hash for m in metas]
+
+
+def test_stores_take_free_slots_and_become_visible_only_when_complete():
+    index = SlotIndex(4)
+    metas = chain(3)
+    plan = index.prepare_store(metas)
+    assert [e.slot for e in plan.stores] == [0, 1, 2] and plan.evicted == [] and plan.num_skipped == 0
+    assert index.lookup(hashes(metas)) == 0  # STORING is invisible
+    index.complete_store(plan.stores, success=True)
+    assert index.lookup(hashes(metas)) == 3 and index.num_used_slots == 3
+
+
+def test_a_failed_store_leaves_no_entry_and_frees_its_slots():
+    index = SlotIndex(4)
+    store(index, chain(3), success=False)
+    assert index.entries() == [] and index.num_used_slots == 0
+    assert sorted(e.slot for e in index.prepare_store(chain(4)).stores) == [0, 1, 2, 3]  # all usable again
+
+
+def test_blocks_already_present_are_skipped():
+    index = SlotIndex(8)
+    store(index, chain(3))
+    plan = index.prepare_store(chain(5))
+    assert plan.num_skipped == 3 and len(plan.stores) == 2
+
+
+def test_eviction_takes_the_least_recently_used_and_returns_its_bytes_location():
+    clock = FakeClock()
+    index = SlotIndex(3, clock)
+    metas = chain(3)
+    store(index, metas)
+    clock.advance(1)
+    pinned = index.prepare_load(hashes(metas[:1]))  # block 0 becomes most recently used
+    index.complete_load(pinned)
+    plan = index.prepare_store(chain(1, start=10))
+    assert [e.block_hash for e in plan.evicted] == [metas[1].block_hash]
+    assert plan.stores[0].slot == plan.evicted[0].slot
+    assert index.num_evictions == 1
+
+
+def test_a_pinned_entry_is_never_evicted():
+    index = SlotIndex(2)
+    metas = chain(2)
+    store(index, metas)
+    pinned = index.prepare_load(hashes(metas))
+    plan = index.prepare_store(chain(2, start=10))
+    assert plan.stores == [] and plan.evicted == [] and plan.num_skipped == 2
+    index.complete_load(pinned)
+    assert len(index.prepare_store(chain(2, start=10)).stores) == 2
+
+
+def test_a_storing_entry_is_never_evicted():
+    index = SlotIndex(2)
+    first = index.prepare_store(chain(2))
+    second = index.prepare_store(chain(2, start=10))
+    assert second.stores == [] and second.num_skipped == 2
+    index.complete_store(first.stores, True)
+
+
+def test_loads_pin_only_the_leading_verified_hits():
+    index = SlotIndex(8)
+    metas = chain(4)
+    store(index, metas)
+    token_bytes = b"".join(m.token_ids for m in metas)
+    assert index.lookup(hashes(metas), parent=b"\x00" * 32, token_bytes=token_bytes, block_size=4) == 4
+    forged = bytearray(token_bytes)
+    forged[2 * 16] ^= 1
+    assert index.lookup(hashes(metas), token_bytes=bytes(forged), block_size=4) == 2
+    assert index.lookup(hashes(metas), parent=b"\x01" * 32) == 0
+    assert index.lookup([metas[0].block_hash, metas[2].block_hash]) == 1  # block 2's parent is block 1
+    assert len(index.prepare_load(hashes(metas), parent=b"\x00" * 32)) == 4
+
+
+def test_remove_drops_ready_unpinned_entries_only():
+    index = SlotIndex(4)
+    metas = chain(3)
+    store(index, metas)
+    pinned = index.prepare_load(hashes(metas[:1]))
+    removed = index.remove(hashes(metas) + [b"\x09" * 32])
+    assert [e.block_hash for e in removed] == hashes(metas[1:])
+    assert index.lookup(hashes(metas)) == 1 and index.num_used_slots == 1
+    index.complete_load(pinned)
+
+
+def test_restore_rebuilds_entries_and_free_slots():
+    index = SlotIndex(4)
+    metas = chain(2)
+    index.restore([(metas[0], 3, 5.0), (metas[1], 1, 2.0)])
+    assert index.lookup(hashes(metas)) == 2 and index.num_used_slots == 2
+    plan = index.prepare_store(chain(3, start=10))
+    assert [e.slot for e in plan.stores] == [0, 2, 1]  # the two free slots, then the evicted one
+    assert [e.block_hash for e in plan.evicted] == [metas[1].block_hash]  # the older one goes first
+    assert plan.evicted[0].block_hash == metas[1].block_hash  # the older one goes first
+    with pytest.raises(InvalidArgument):
+        SlotIndex(2).restore([(metas[0], 0, 0.0), (metas[1], 0, 0.0)])
