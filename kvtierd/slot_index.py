@@ -198,6 +198,19 @@ class SlotIndex:
                 removed.append(entry)
             return removed
 
+    def evict_lru(self, num_entries: int) -> list[SlotEntry]:
+        """Drop up to `num_entries` least recently used entries that nobody loads (watermarks).
+        Returns them; their slots are free."""
+        with self._lock:
+            evicted = []
+            while self._lru and len(evicted) < num_entries:
+                _, entry = self._lru.popitem(last=False)
+                del self._entries[entry.block_hash]
+                self._free_slots.append(entry.slot)
+                evicted.append(entry)
+            self.num_evictions += len(evicted)
+            return evicted
+
     def _ready_prefix(self, block_hashes: Sequence[bytes], parent: bytes | None,
                       token_bytes: bytes | None, block_size: int) -> list[SlotEntry]:
         hits: list[SlotEntry] = []

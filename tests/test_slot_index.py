@@ -122,3 +122,17 @@ def test_restore_rebuilds_entries_and_free_slots():
     assert plan.evicted[0].block_hash == metas[1].block_hash  # the older one goes first
     with pytest.raises(InvalidArgument):
         SlotIndex(2).restore([(metas[0], 0, 0.0), (metas[1], 0, 0.0)])
+
+
+def test_evict_lru_drops_oldest_unpinned_first():
+    clock = FakeClock()
+    index = SlotIndex(4, clock)
+    metas = chain(4)
+    for meta in metas:
+        store(index, [meta])
+        clock.advance(1)
+    pinned = index.prepare_load(hashes(metas[:1]))
+    evicted = index.evict_lru(2)
+    assert [e.block_hash for e in evicted] == hashes(metas[1:3])
+    assert index.num_used_slots == 2 and index.num_evictions == 2
+    index.complete_load(pinned)
