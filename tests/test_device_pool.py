@@ -105,7 +105,7 @@ def test_segment_mode_is_exactly_0600_and_gone_after_close(umask):
     info = path.stat()
     assert stat.S_IMODE(info.st_mode) == 0o600
     assert info.st_size == pool.nbytes
-    assert pool.handle.name.startswith(f"kvtierd-{os.getpid()}-")
+    assert pool.handle.name.startswith(f"kvtierd-pool-{os.getpid()}-")
     pool.close()
     assert not path.exists()
     pool.close()
