@@ -23,7 +23,7 @@ log = logging.getLogger(__name__)
 
 RequestId = Hashable
 CopyBlock = Callable[[int, int], None]  # (src_block_id, dst_block_id): copy the bytes
-EvictionHook = Callable[[KVBlock], None]  # sees the block before its content is dropped
+EvictionHook = Callable[[list[KVBlock]], None]  # sees the victims before their content is dropped
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -81,7 +81,7 @@ class BlockIndex:
         self.hash_to_block: dict[BlockHash, KVBlock] = {}
         self.tables: dict[RequestId, list[KVBlock]] = {}
         self._copy_block = copy_block
-        self._on_evict = on_evict
+        self.on_evict = on_evict  # set once, before use: the tier manager offloads through it
         self._observer = observer
         self._clock = clock
         self._events = EventQueue(max_pending_events) if max_pending_events else None
@@ -250,6 +250,20 @@ class BlockIndex:
             self.tables[child_id] = list(table)
             return [block.block_id for block in table]
 
+    def hold(self, holder_id: RequestId, block_ids: Sequence[int]) -> None:
+        """Take a reference on blocks for a reader that is not a request (a copy to a lower tier):
+        they are neither evicted nor reused until `free(holder_id)`."""
+        with self._lock:
+            if holder_id in self.tables:
+                raise FailedPrecondition(f"holder {holder_id!r} already holds blocks")
+            if any(not 0 <= block_id < self.num_blocks for block_id in block_ids):
+                raise InvalidArgument(f"block ids must be in [0, {self.num_blocks})")
+            blocks = [self.blocks[block_id] for block_id in block_ids]
+            self.free_queue.remove_many([block for block in blocks if block.ref_cnt == 0])
+            for block in blocks:
+                block.ref_cnt += 1
+            self.tables[holder_id] = blocks
+
     def prepare_write(self, request_id: RequestId, position: int) -> WriteTarget:
         """The block a request may write at `position`, copied first if anyone else holds it.
 
@@ -361,12 +375,11 @@ class BlockIndex:
 
     def _evict(self, victims: list[KVBlock], now: float) -> None:
         """Drop cached blocks' content keys: tell the tiers (they may copy them down), then forget."""
-        if self._on_evict is not None:
-            for block in victims:
-                try:
-                    self._on_evict(block)
-                except Exception:  # an offload failure must not corrupt the index; the block is lost below
-                    log.exception("eviction hook failed for block %d", block.block_id)
+        if self.on_evict is not None:
+            try:
+                self.on_evict(victims)
+            except Exception:  # an offload failure must not corrupt the index; the blocks are lost below
+                log.exception("eviction hook failed for %d blocks", len(victims))
         if self._observer is not None:
             for block in victims:
                 self._observer.on_evict(now - block.committed_at_s, now - block.last_access_s)

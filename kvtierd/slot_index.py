@@ -174,6 +174,21 @@ class SlotIndex:
                 entry.last_use_s = now
             return hits
 
+    def pin_present(self, block_hashes: Sequence[bytes]) -> list[SlotEntry]:
+        """Pin every named READY entry, chained or not (a copy further down reads them);
+        missing ones are skipped. Unpin with complete_load."""
+        with self._lock:
+            pinned = []
+            for block_hash in block_hashes:
+                entry = self._entries.get(block_hash)
+                if entry is None or entry.storing:
+                    continue
+                if entry.num_loads == 0:
+                    del self._lru[block_hash]
+                entry.num_loads += 1
+                pinned.append(entry)
+            return pinned
+
     def complete_load(self, entries: Sequence[SlotEntry]) -> None:
         with self._lock:
             for entry in entries:

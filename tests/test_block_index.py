@@ -113,7 +113,7 @@ def test_a_collision_is_a_miss_when_tokens_are_verified():
 
 def test_popping_a_cached_block_evicts_it():
     evicted = []
-    index = make_index(3, on_evict=lambda block: evicted.append((block.block_id, block.block_hash)),
+    index = make_index(3, on_evict=lambda blocks: evicted.extend((b.block_id, b.block_hash) for b in blocks),
                        max_pending_events=100)
     run_request(index, "a", PROMPT)
     chain = hashes(PROMPT)
@@ -129,7 +129,7 @@ def test_popping_a_cached_block_evicts_it():
 
 
 def test_a_failing_eviction_hook_does_not_corrupt_the_index():
-    def broken_hook(block):
+    def broken_hook(blocks):
         raise OSError("tier down")
     index = make_index(3, on_evict=broken_hook)
     run_request(index, "a", PROMPT)
@@ -419,3 +419,18 @@ def test_a_failed_copy_on_write_returns_the_fresh_block():
     with pytest.raises(RuntimeError):
         index.prepare_write("b", 3)
     assert snapshot(index) == before  # no block leaked, no table repointed
+
+
+def test_hold_keeps_blocks_from_eviction_until_freed():
+    index = make_index(3)
+    run_request(index, "a", PROMPT)
+    index.free("a")
+    index.hold(("copy", 1), [0, 2])  # a copy reads blocks 0 and 2
+    assert index.num_free_blocks == 1 and index.blocks[0].ref_cnt == 1
+    assert index.allocate("b", hashes(tokens(900, BLOCK_SIZE))).block_ids == [1]
+    with pytest.raises(ResourceExhausted):
+        index.allocate("c", hashes(tokens(950, BLOCK_SIZE)))
+    index.free(("copy", 1))
+    assert index.lookup(hashes(PROMPT)) == 1  # block 1 went to "b"; 0 is still cached
+    with pytest.raises(InvalidArgument):
+        index.hold("x", [99])

@@ -136,3 +136,14 @@ def test_evict_lru_drops_oldest_unpinned_first():
     assert [e.block_hash for e in evicted] == hashes(metas[1:3])
     assert index.num_used_slots == 2 and index.num_evictions == 2
     index.complete_load(pinned)
+
+
+def test_pin_present_pins_unchained_entries_and_skips_missing():
+    index = SlotIndex(4)
+    metas = chain(4)
+    store(index, metas)
+    pinned = index.pin_present([metas[3].block_hash, b"\x09" * 32, metas[1].block_hash])
+    assert [e.block_hash for e in pinned] == [metas[3].block_hash, metas[1].block_hash]
+    assert [e.block_hash for e in index.evict_lru(4)] == [metas[0].block_hash, metas[2].block_hash]
+    index.complete_load(pinned)
+    assert index.num_used_slots == 2
