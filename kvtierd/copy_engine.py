@@ -12,10 +12,11 @@ from __future__ import annotations
 
 import abc
 import concurrent.futures
+import contextlib
 import enum
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 
 from kvtierd.errors import InvalidArgument
 
@@ -50,6 +51,13 @@ class Bandwidth:
 
     def seconds_for(self, nbytes: int) -> float:
         return nbytes / self.bytes_per_s
+
+    @contextlib.contextmanager
+    def measure(self, nbytes: int) -> Iterator[None]:
+        """Record a sample for the code inside the block (not when it raises)."""
+        start = time.perf_counter()
+        yield
+        self.record(nbytes, time.perf_counter() - start)
 
 
 class Transfer:
@@ -116,11 +124,15 @@ class CopyEngine(abc.ABC):
     def _start(self, transfer: Transfer, job: Job) -> None:
         """Begin the job; resolve `transfer.future` (and record bandwidth) when it has landed."""
 
+    def wait_idle(self, timeout_s: float | None = None) -> bool:
+        """Wait until nothing is in flight; False on timeout."""
+        with self._budget:
+            return self._budget.wait_for(lambda: self.inflight_bytes == 0, timeout_s)
+
     def close(self) -> None:
         """Finish what is in flight, then refuse new work."""
         self.closed = True
-        with self._budget:
-            self._budget.wait_for(lambda: self.inflight_bytes == 0)
+        self.wait_idle()
 
 
 class ThreadCopyEngine(CopyEngine):
