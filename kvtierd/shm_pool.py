@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import torch
 
 from kvtierd.device_pool import DevicePool, PoolHandle, _check_num_blocks
 from kvtierd.errors import InvalidArgument

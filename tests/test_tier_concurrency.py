@@ -11,7 +11,7 @@ import torch
 
 from kvtierd.errors import ResourceExhausted
 from kvtierd.tier_config import EdgePolicy
-from tests.factories import BLOCK_SIZE, NAMESPACE, tokens
+from tests.factories import BLOCK_SIZE, tokens
 from tests.tier_factories import content_for, make_manager, prefill
 
 PROMPTS = [tokens(1000 * (i + 1), 4 * BLOCK_SIZE) for i in range(20)]  # 80 blocks: more than T0 + T1

@@ -22,6 +22,7 @@ def manager():
 def push_out(manager, num_prompts: int = 3) -> None:
     """Run other prompts through the 8-block pool so that PROMPT's blocks are evicted."""
     for i in range(num_prompts):
+        manager.drain()  # write-through holds blocks until their copy lands
         prefill(manager, f"other-{i}", tokens(10_000 * (i + 1), 4 * BLOCK_SIZE))
         manager.release(f"other-{i}")
     manager.drain()
