@@ -100,6 +100,17 @@ class SlotIndex:
         with self._lock:
             return len(self._ready_prefix(block_hashes, parent, token_bytes, block_size))
 
+    def metas(self, block_hashes: Sequence[bytes]) -> list[BlockMeta]:
+        """The stored keys of the leading READY entries named (stops at the first absent one)."""
+        with self._lock:
+            metas = []
+            for block_hash in block_hashes:
+                entry = self._entries.get(block_hash)
+                if entry is None or entry.storing:
+                    break
+                metas.append(entry.meta)
+            return metas
+
     def entries(self) -> list[SlotEntry]:
         """A snapshot of every entry (for recovery checks, stats and tests)."""
         with self._lock:

@@ -15,7 +15,8 @@ import pytest
 BENCHMARKS = pathlib.Path(__file__).resolve().parents[1] / "benchmarks"
 
 
-@pytest.mark.parametrize("script, num_rows", [("bench_block_index.py", 7), ("bench_hashing.py", 8)])
+@pytest.mark.parametrize("script, num_rows", [("bench_block_index.py", 7), ("bench_hashing.py", 8), ("bench_ssd_tier.py", 4),
+                                              ("bench_tier_copy.py", 2)])
 def test_benchmark_prints_ratios(script, num_rows):
     out = subprocess.run([sys.executable, str(BENCHMARKS / script), "--quick"], capture_output=True, text=True,
                          check=True, timeout=300).stdout

@@ -147,3 +147,11 @@ def test_pin_present_pins_unchained_entries_and_skips_missing():
     assert [e.block_hash for e in index.evict_lru(4)] == [metas[0].block_hash, metas[2].block_hash]
     index.complete_load(pinned)
     assert index.num_used_slots == 2
+
+
+def test_metas_returns_the_stored_keys_of_the_leading_entries():
+    index = SlotIndex(4)
+    metas = chain(3)
+    store(index, metas[:2])
+    assert index.metas(hashes(metas)) == metas[:2]
+    assert index.metas([metas[1].block_hash]) == [metas[1]]
