@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import signal
 import sys
 
 from kvtierd import __version__
@@ -13,6 +14,8 @@ from kvtierd.errors import KvtierError
 
 
 def main(argv: list[str] | None = None) -> int:
+    # A file-size limit must surface as EFBIG to the SSD tier (which stops admitting), not kill us.
+    signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
     parser = argparse.ArgumentParser(prog="kvtierd", description="KV-cache tiering daemon for LLM inference.")
     parser.add_argument("--version", action="version", version=f"kvtierd {__version__}")
     commands = parser.add_subparsers(dest="command", required=True)

@@ -36,7 +36,7 @@ class Offloader:
         if tiers.host is None or tiers.config.t0_to_t1 is not EdgePolicy.ON_EVICT:
             return
         metas = [BlockMeta(b.block_hash, b.parent_hash, b.token_ids) for b in victims]
-        plan = self._prepare_t1_store(metas)
+        plan = self.prepare_t1_store(metas)
         if not plan.stores:
             return
         block_of = {b.block_hash: b.block_id for b in victims}
@@ -58,7 +58,7 @@ class Offloader:
         tiers = self.tiers
         if tiers.host is None or tiers.config.t0_to_t1 is not EdgePolicy.WRITE_THROUGH or not metas:
             return
-        plan = self._prepare_t1_store(metas)
+        plan = self.prepare_t1_store(metas)
         if not plan.stores:
             return
         block_of = {m.block_hash: block_id for m, block_id in zip(metas, block_ids)}
@@ -84,8 +84,9 @@ class Offloader:
         slot_ids = [e.slot for e in entries]
         return lambda: tiers.host.codec.encode(tiers.pool.tensor, block_ids, tiers.host.slots, slot_ids)
 
-    def _prepare_t1_store(self, metas: list[BlockMeta]) -> StorePlan:
-        """Reserve T1 slots; entries T1 evicts for them go to T2 first when that edge is on_evict."""
+    def prepare_t1_store(self, metas: list[BlockMeta]) -> StorePlan:
+        """Reserve T1 slots; entries T1 evicts for them go to T2 first when that edge is on_evict.
+        Every store into T1 (offload or promotion) reserves through here."""
         plan = self.tiers.host.index.prepare_store(metas)
         if plan.evicted and self.tiers.config.t1_to_t2 is EdgePolicy.ON_EVICT:
             self._write_t2(plan.evicted)  # synchronous: their slots are about to be overwritten

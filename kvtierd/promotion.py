@@ -24,6 +24,7 @@ import torch
 from kvtierd.block_hash import pack_token_ids
 from kvtierd.copy_engine import Direction
 from kvtierd.errors import KvtierError
+from kvtierd.offload import Offloader
 from kvtierd.slot_index import BlockMeta, SlotEntry
 from kvtierd.tier_config import worth_loading
 from kvtierd.tiers import Tiers
@@ -71,12 +72,13 @@ class _Segment:
 
     metas: list[BlockMeta]
     num_loaded: int | None = None  # None while in flight
-    rows: torch.Tensor | None = None  # T2 only: the blocks read, in T1's codec
+    source: tuple = (None, [], None)  # T2 only: (rows, row ids, codec) the upload decodes from
 
 
 class Promoter:
-    def __init__(self, tiers: Tiers) -> None:
+    def __init__(self, tiers: Tiers, offloader: Offloader) -> None:
         self.tiers = tiers
+        self.offloader = offloader  # reserves T1 slots (spilling T1's victims to T2 by policy)
         self._pending: dict[object, Ticket] = {}
         self._lock = threading.Lock()
 
@@ -200,15 +202,13 @@ class Promoter:
                                    len(metas) * tiers.ssd_codec.slot_nbytes)
 
         def after_read(error: BaseException | None) -> None:
-            rows = None if error is not None else segment.rows
-            if rows is None or rows.shape[0] == 0:
+            if error is not None or not segment.source[1]:
                 segment.num_loaded = 0
                 done()
                 return
-            ids = list(range(rows.shape[0]))
-            codec = tiers.host.codec if tiers.host is not None else tiers.ssd_codec
+            rows, ids, codec = segment.source
             job = lambda: codec.decode(rows, ids, tiers.pool.tensor, targets[:len(ids)])  # noqa: E731
-            upload = tiers.engine.submit(Direction.HOST_TO_DEVICE, job, rows.numel())
+            upload = tiers.engine.submit(Direction.HOST_TO_DEVICE, job, len(ids) * codec.slot_nbytes)
 
             def after_upload(upload_error: BaseException | None) -> None:
                 segment.num_loaded = 0 if upload_error is not None else len(ids)
@@ -219,25 +219,39 @@ class Promoter:
         tiers.after(read, after_read)
 
     def _read_t2_into_t1(self, segment: _Segment) -> None:
-        """Read the segment's blocks from T2 (verified) and store them in T1. Sets segment.rows:
-        the leading blocks read, in T1's codec."""
+        """Read the segment's blocks from T2 (verified) and store them in T1. Sets the rows the
+        upload decodes from: T1 slots when T1 took every block in the same codec (read into
+        directly, O_DIRECT without staging), else a host buffer."""
         tiers = self.tiers
         metas = segment.metas
-        raw = torch.empty((len(metas), tiers.ssd_codec.slot_nbytes), dtype=torch.uint8)
-        parent = metas[0].parent_hash if metas else None
-        with tiers.ssd_read.measure(raw.numel()):
-            num_read = tiers.ssd.load([m.block_hash for m in metas], raw, parent=parent)
+        hashes = [m.block_hash for m in metas]
+        host = tiers.host
+        plan = self.offloader.prepare_t1_store(metas) if host is not None else None
+        direct = plan is not None and len(plan.stores) == len(metas) and host.codec.name == tiers.ssd_codec.name
+        if direct:
+            slot_ids = [e.slot for e in plan.stores]
+            with tiers.ssd_read.measure(len(metas) * tiers.ssd_codec.slot_nbytes):
+                num_read = tiers.ssd.load(hashes, [host.slots[s] for s in slot_ids], parent=metas[0].parent_hash)
+            host.index.complete_store(plan.stores[:num_read], success=True)
+            host.index.complete_store(plan.stores[num_read:], success=False)
+            segment.source = (host.slots, slot_ids[:num_read], host.codec)
+        else:
+            raw = torch.empty((len(metas), tiers.ssd_codec.slot_nbytes), dtype=torch.uint8)
+            with tiers.ssd_read.measure(raw.numel()):
+                num_read = tiers.ssd.load(hashes, raw, parent=metas[0].parent_hash)
+            if host is None:
+                segment.source = (raw, list(range(num_read)), tiers.ssd_codec)
+            else:
+                rows = tiers.t2_rows_for_t1(raw[:num_read])
+                row_of = {m.block_hash: i for i, m in enumerate(metas[:num_read])}
+                stored = [e for e in plan.stores if e.block_hash in row_of]
+                for entry in stored:
+                    host.slots[entry.slot].copy_(rows[row_of[entry.block_hash]])
+                host.index.complete_store(stored, success=True)
+                host.index.complete_store([e for e in plan.stores if e.block_hash not in row_of], success=False)
+                segment.source = (rows, list(range(num_read)), host.codec)
         if num_read < len(metas):
             tiers.counters.add("num_failed_load_blocks", len(metas) - num_read)
-        rows = tiers.t2_rows_for_t1(raw[:num_read]) if tiers.host is not None else raw[:num_read]
-        segment.rows = rows
-        if tiers.host is None or num_read == 0:
-            return
-        plan = tiers.host.index.prepare_store(metas[:num_read])
-        row_of = {m.block_hash: i for i, m in enumerate(metas[:num_read])}
-        for entry in plan.stores:
-            tiers.host.slots[entry.slot].copy_(rows[row_of[entry.block_hash]])
-        tiers.host.index.complete_store(plan.stores, success=True)
 
     def _finish(self, request_id, start: int, targets: list[int], segments: list[_Segment], ticket: Ticket) -> None:
         """When every segment has landed: commit the contiguous prefix that loaded, resolve."""

@@ -252,21 +252,24 @@ class SsdTier:
 
     # ------------------------------------------------------------------------------ loads
 
-    def load(self, hashes: Sequence[bytes], out: torch.Tensor, parent: bytes | None = None,
+    def load(self, hashes: Sequence[bytes], out: torch.Tensor | Sequence[torch.Tensor], parent: bytes | None = None,
              token_bytes: bytes | None = None, block_size: int = 0) -> int:
         """Copy the leading verified hits into out[:k]; returns k. A block that fails to read or
-        verify ends the prefix, is dropped and counted; its row of `out` is zeroed."""
-        if not (isinstance(out, torch.Tensor) and out.dtype == torch.uint8 and out.device.type == "cpu"
-                and out.dim() == 2 and out.shape[1] == self.slot_nbytes and out.shape[0] >= len(hashes)
-                and out.stride(1) == 1):
+        verify ends the prefix, is dropped and counted; its row of `out` is zeroed. `out` is a
+        uint8 tensor `[>= n, slot_nbytes]` or a list of n rows (e.g. host-tier slots: a row that
+        is 4 KiB aligned and one stride long is read into directly, without staging)."""
+        rows = list(out[:len(hashes)]) if isinstance(out, torch.Tensor) else list(out)
+        if len(rows) < len(hashes) or not all(
+                isinstance(row, torch.Tensor) and row.dtype == torch.uint8 and row.device.type == "cpu"
+                and row.shape == (self.slot_nbytes,) and row.is_contiguous() for row in rows):
             raise InvalidArgument(
-                f"out must be a CPU uint8 tensor [>= {len(hashes)}, {self.slot_nbytes}] with contiguous rows")
+                f"out must be CPU uint8 rows of {self.slot_nbytes} contiguous bytes, at least {len(hashes)}")
         with self._operation():
             entries = self._index.prepare_load(hashes, parent, token_bytes, block_size)
             if not entries:
                 return 0
             try:
-                destinations = [memoryview(out[i].numpy()) for i in range(len(entries))]
+                destinations = [memoryview(rows[i].numpy()) for i in range(len(entries))]
                 results = self._run_all(self._load_run, entries, destinations)
             finally:
                 self._index.complete_load(entries)

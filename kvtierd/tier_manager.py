@@ -46,7 +46,7 @@ class TierManager:
         engine = create_copy_engine(str(pool.device), **engine_kwargs)
         self.tiers = Tiers(layout, index, pool, host, ssd, engine, config)
         self.offloader = Offloader(self.tiers)
-        self.promoter = Promoter(self.tiers)
+        self.promoter = Promoter(self.tiers, self.offloader)
         index.on_evict = self.offloader.on_t0_evict
 
     @property

@@ -126,3 +126,26 @@ def test_a_corrupt_ssd_block_is_a_miss_never_wrong_bytes(manager, tmp_path):
     assert manager.stats()["t2"]["num_corrupted"] >= 1
     assert manager.index.lookup(CHAIN) == num_ready  # nothing past the failure is committed
     manager.release("b")
+
+
+def test_on_evict_from_t1_spills_to_t2(tmp_path):
+    manager = make_manager(host_blocks=4, ssd_config=ssd_config(tmp_path), t1_to_t2=EdgePolicy.ON_EVICT)
+    try:
+        prefill(manager, "a", PROMPT)
+        manager.release("a")
+        manager.index.evict(CHAIN)  # T0 → T1 (on_evict): the 4 slots are full
+        manager.drain()
+        assert manager.tiers.ssd.lookup(CHAIN) == 0  # nothing written down yet under on_evict
+        other = tokens(7000, 4 * BLOCK_SIZE)
+        prefill(manager, "b", other)
+        manager.release("b")
+        manager.index.evict(NAMESPACE.hash_blocks(other))  # T1 evicts PROMPT's blocks: they go to T2
+        manager.drain()
+        hits = manager.lookup(CHAIN, PROMPT)
+        assert (hits.t1, hits.t2) == (0, 4)
+        acquisition = manager.acquire("c", CHAIN, 0, PROMPT)
+        assert acquisition.ticket.wait(10) == 4
+        assert_holds(manager, acquisition.block_ids, CHAIN)
+        manager.release("c")
+    finally:
+        manager.close()
