@@ -58,13 +58,16 @@ class Offloader:
         tiers = self.tiers
         if tiers.host is None or tiers.config.t0_to_t1 is not EdgePolicy.WRITE_THROUGH or not metas:
             return
-        plan = self.prepare_t1_store(metas)
-        if not plan.stores:
-            return
-        block_of = {m.block_hash: block_id for m, block_id in zip(metas, block_ids)}
-        stored_ids = [block_of[e.block_hash] for e in plan.stores]
         holder = ("write-through", next(self._holder_ids))
-        tiers.index.hold(holder, stored_ids)  # neither evicted nor reused until the copy landed
+        tiers.index.hold(holder, block_ids)  # neither evicted nor reused until the copy landed
+        # A block reused before the hold (its request released meanwhile) no longer holds its hash.
+        block_of = {m.block_hash: block_id for m, block_id in zip(metas, block_ids)
+                    if tiers.index.blocks[block_id].block_hash == m.block_hash}
+        plan = self.prepare_t1_store([m for m in metas if m.block_hash in block_of])
+        if not plan.stores:
+            tiers.index.free(holder)
+            return
+        stored_ids = [block_of[e.block_hash] for e in plan.stores]
         transfer = tiers.engine.submit(Direction.DEVICE_TO_HOST, self._encode_job(stored_ids, plan.stores),
                                        len(plan.stores) * tiers.host.codec.slot_nbytes)
 
