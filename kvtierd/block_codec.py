@@ -41,16 +41,33 @@ class RawCodec(BlockCodec):
         super().__init__(layout)
         self.slot_nbytes = layout.bytes_per_block
 
-    def _as_block(self, slot_row: torch.Tensor) -> torch.Tensor:
-        return slot_row.view(self.layout.torch_dtype).view(self.layout.block_shape)
+    def _as_blocks(self, slot_rows: torch.Tensor) -> torch.Tensor:
+        """Rows `[n, slot_nbytes]` (contiguous) as blocks `[n, *block_shape]` of the layout's dtype."""
+        return slot_rows.view(self.layout.torch_dtype).view(slot_rows.shape[0], *self.layout.block_shape)
 
     def encode(self, pool, block_ids, slots, slot_ids):
-        for block_id, slot_id in zip(block_ids, slot_ids):
-            self._as_block(slots[slot_id]).copy_(pool[block_id], non_blocking=True)
+        for block_start, slot_start, n in _runs(block_ids, slot_ids, slots):
+            self._as_blocks(slots[slot_start:slot_start + n]).copy_(pool[block_start:block_start + n], non_blocking=True)
 
     def decode(self, slots, slot_ids, pool, block_ids):
-        for block_id, slot_id in zip(block_ids, slot_ids):
-            pool[block_id].copy_(self._as_block(slots[slot_id]), non_blocking=True)
+        for block_start, slot_start, n in _runs(block_ids, slot_ids, slots):
+            pool[block_start:block_start + n].copy_(self._as_blocks(slots[slot_start:slot_start + n]), non_blocking=True)
+
+
+def _runs(block_ids: list[int], slot_ids: list[int], slots: torch.Tensor) -> list[tuple[int, int, int]]:
+    """(first block, first slot, length) of each run where both ids go up by one: one copy a run.
+    Rows that are not back to back (a slot stride above the slot's bytes) make runs of one."""
+    if not block_ids:
+        return []
+    back_to_back = slots.is_contiguous()
+    runs = [[block_ids[0], slot_ids[0], 1]]
+    for block_id, slot_id in zip(block_ids[1:], slot_ids[1:]):
+        run = runs[-1]
+        if back_to_back and block_id == run[0] + run[2] and slot_id == run[1] + run[2]:
+            run[2] += 1
+        else:
+            runs.append([block_id, slot_id, 1])
+    return [tuple(run) for run in runs]
 
 
 class Fp8Codec(BlockCodec):
