@@ -28,11 +28,16 @@ def push_out(manager, num_prompts: int = 3) -> None:
     manager.drain()
 
 
-def test_evicted_blocks_are_offloaded_and_promoted_back_with_their_bytes(manager):
+def only_in_t1(manager) -> list[bytes]:
+    """Run PROMPT once, then push its blocks out of T0 (into T1 under on_evict); its chain."""
     prefill(manager, "a", PROMPT)
     manager.release("a")
     push_out(manager)
-    chain = NAMESPACE.hash_blocks(PROMPT)
+    return NAMESPACE.hash_blocks(PROMPT)
+
+
+def test_evicted_blocks_are_offloaded_and_promoted_back_with_their_bytes(manager):
+    chain = only_in_t1(manager)
     assert manager.index.lookup(chain) == 0
     assert manager.lookup(chain, PROMPT).t1 == 4
     acquisition = manager.acquire("b", chain, 0, PROMPT)
@@ -76,10 +81,7 @@ def test_off_policy_moves_nothing():
 
 
 def test_a_tier_slower_than_recompute_is_skipped(manager):
-    prefill(manager, "a", PROMPT)
-    manager.release("a")
-    push_out(manager)
-    chain = NAMESPACE.hash_blocks(PROMPT)
+    chain = only_in_t1(manager)
     slow = manager.acquire("b", chain, 0, PROMPT, recompute_s_per_token=1e-15)
     assert slow.num_t1_blocks == 0 and slow.ticket.wait(1) == 0
     assert manager.stats()["skipped_slow_blocks"] == 4
@@ -90,10 +92,7 @@ def test_a_tier_slower_than_recompute_is_skipped(manager):
 
 
 def test_a_failed_load_is_a_miss_and_leaves_the_blocks_writable(manager, monkeypatch):
-    prefill(manager, "a", PROMPT)
-    manager.release("a")
-    push_out(manager)
-    chain = NAMESPACE.hash_blocks(PROMPT)
+    chain = only_in_t1(manager)
 
     def broken_decode(*args):
         raise RuntimeError("DMA error")
