@@ -42,6 +42,18 @@ __device__ __forceinline__ void copy_chunk(unsigned char* dst, const unsigned ch
   }
 }
 
+// The engine chunk that slot chunk `chunk` (slot i, layer, kv) maps to: cache[layer][kv, block_ids[i]].
+__device__ __forceinline__ unsigned char* engine_chunk(const u64* __restrict__ layer_ptrs,
+                                                       const long long* __restrict__ block_ids,
+                                                       long long chunk, int num_layers,
+                                                       long long num_engine_blocks, long long chunk_bytes) {
+  const long long kv = chunk % 2;
+  const int layer = (int)((chunk / 2) % num_layers);
+  const long long slot = chunk / 2 / num_layers;
+  unsigned char* cache = reinterpret_cast<unsigned char*>(layer_ptrs[layer]);
+  return cache + (kv * num_engine_blocks + block_ids[slot]) * chunk_bytes;
+}
+
 // slots[i, layer, kv] = cache[layer][kv, block_ids[i]] for every i < num_blocks.
 extern "C" __global__ void kv_gather_blocks(const u64* __restrict__ layer_ptrs,
                                             const long long* __restrict__ block_ids,
@@ -51,12 +63,9 @@ extern "C" __global__ void kv_gather_blocks(const u64* __restrict__ layer_ptrs,
                                             int unit_bytes) {
   const long long num_chunks = (long long)num_blocks * num_layers * 2;
   for (long long chunk = blockIdx.x; chunk < num_chunks; chunk += gridDim.x) {
-    const long long kv = chunk % 2;
-    const int layer = (int)((chunk / 2) % num_layers);
-    const long long slot = chunk / 2 / num_layers;
-    const unsigned char* cache = reinterpret_cast<const unsigned char*>(layer_ptrs[layer]);
-    const unsigned char* src = cache + (kv * num_engine_blocks + block_ids[slot]) * chunk_bytes;
-    copy_chunk(slots + chunk * chunk_bytes, src, chunk_bytes, unit_bytes);
+    copy_chunk(slots + chunk * chunk_bytes,
+               engine_chunk(layer_ptrs, block_ids, chunk, num_layers, num_engine_blocks, chunk_bytes),
+               chunk_bytes, unit_bytes);
   }
 }
 
@@ -69,11 +78,7 @@ extern "C" __global__ void kv_scatter_blocks(const u64* __restrict__ layer_ptrs,
                                              int unit_bytes) {
   const long long num_chunks = (long long)num_blocks * num_layers * 2;
   for (long long chunk = blockIdx.x; chunk < num_chunks; chunk += gridDim.x) {
-    const long long kv = chunk % 2;
-    const int layer = (int)((chunk / 2) % num_layers);
-    const long long slot = chunk / 2 / num_layers;
-    unsigned char* cache = reinterpret_cast<unsigned char*>(layer_ptrs[layer]);
-    unsigned char* dst = cache + (kv * num_engine_blocks + block_ids[slot]) * chunk_bytes;
-    copy_chunk(dst, slots + chunk * chunk_bytes, chunk_bytes, unit_bytes);
+    copy_chunk(engine_chunk(layer_ptrs, block_ids, chunk, num_layers, num_engine_blocks, chunk_bytes),
+               slots + chunk * chunk_bytes, chunk_bytes, unit_bytes);
   }
 }

@@ -53,11 +53,16 @@ class Offloader:
         tiers.counters.add("num_offloaded_blocks", len(plan.stores), "t0_t1")
         self._after_t1_store(plan.stores)
 
-    def after_commit(self, block_ids: list[int], metas: list[BlockMeta]) -> None:
+    def after_commit(self, request_id, start_position: int, block_hashes: list[bytes], token_bytes: bytes,
+                     parent_hash: bytes) -> None:
         """Write-through T0 → T1 of blocks just committed (a no-op under other policies)."""
         tiers = self.tiers
-        if tiers.host is None or tiers.config.t0_to_t1 is not EdgePolicy.WRITE_THROUGH or not metas:
+        if tiers.host is None or tiers.config.t0_to_t1 is not EdgePolicy.WRITE_THROUGH or not block_hashes:
             return
+        stride = 4 * tiers.layout.block_size
+        metas = [BlockMeta(h, p, token_bytes[i * stride:(i + 1) * stride])
+                 for i, (h, p) in enumerate(zip(block_hashes, [parent_hash, *block_hashes[:-1]]))]
+        block_ids = tiers.index.block_table(request_id)[start_position:start_position + len(block_hashes)]
         holder = ("write-through", next(self._holder_ids))
         tiers.index.hold(holder, block_ids)  # neither evicted nor reused until the copy landed
         # A block reused before the hold (its request released meanwhile) no longer holds its hash.

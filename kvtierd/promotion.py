@@ -72,7 +72,7 @@ class _Segment:
 
     metas: list[BlockMeta]
     num_loaded: int | None = None  # None while in flight
-    source: tuple = (None, [], None)  # T2 only: (rows, row ids, codec) the upload decodes from
+    source: tuple | None = None  # T2 only, once read: (rows, row ids, codec) the upload decodes from
 
 
 class Promoter:
@@ -110,8 +110,7 @@ class Promoter:
         allocation = tiers.index.allocate(request_id, block_hashes, num_extra_blocks, token_bytes)
         n0 = allocation.num_hit_blocks
         t1_entries = self._t1_hits(block_hashes, token_bytes, n0, cost)
-        t2_metas = self._t2_hits(block_hashes, token_bytes, n0 + len(t1_entries), cost) \
-            if len(t1_entries) < len(block_hashes) - n0 else []
+        t2_metas = self._t2_hits(block_hashes, token_bytes, n0 + len(t1_entries), cost)
         tiers.counters.add("num_hit_blocks", n0, "t0")
         if not t1_entries and not t2_metas:
             return Acquisition(allocation.block_ids, n0, 0, 0, Ticket(n0))
@@ -202,7 +201,7 @@ class Promoter:
                                    len(metas) * tiers.ssd_codec.slot_nbytes)
 
         def after_read(error: BaseException | None) -> None:
-            if error is not None or not segment.source[1]:
+            if error is not None or not segment.source[1]:  # source is set when the read returned
                 segment.num_loaded = 0
                 done()
                 return

@@ -272,11 +272,7 @@ def _pwritev_all(fd: int, buffers: list[memoryview], offset: int) -> None:
         if written == 0:
             raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
         offset += written
-        while buffers and written >= buffers[0].nbytes:
-            written -= buffers[0].nbytes
-            buffers = buffers[1:]
-        if written:
-            buffers = [buffers[0][written:], *buffers[1:]]
+        buffers = _advance(buffers, written)
 
 
 def _preadv_all(fd: int, buffers: list[memoryview], offset: int) -> int:
@@ -288,9 +284,15 @@ def _preadv_all(fd: int, buffers: list[memoryview], offset: int) -> int:
             break
         total += nbytes
         offset += nbytes
-        while buffers and nbytes >= buffers[0].nbytes:
-            nbytes -= buffers[0].nbytes
-            buffers = buffers[1:]
-        if nbytes:
-            buffers = [buffers[0][nbytes:], *buffers[1:]]
+        buffers = _advance(buffers, nbytes)
     return total
+
+
+def _advance(buffers: list[memoryview], nbytes: int) -> list[memoryview]:
+    """The buffers left after a partial vectored transfer of `nbytes`."""
+    while buffers and nbytes >= buffers[0].nbytes:
+        nbytes -= buffers[0].nbytes
+        buffers = buffers[1:]
+    if nbytes:
+        buffers = [buffers[0][nbytes:], *buffers[1:]]
+    return buffers

@@ -20,7 +20,6 @@ from kvtierd.index_metrics import IndexObserver
 from kvtierd.layout import Layout
 from kvtierd.offload import Offloader
 from kvtierd.promotion import Acquisition, Promoter, TierHits
-from kvtierd.slot_index import BlockMeta
 from kvtierd.tier_config import TierConfig
 from kvtierd.tiers import Tiers
 
@@ -67,12 +66,7 @@ class TierManager:
         """Commit computed full blocks; under write_through they start their way down at once."""
         token_bytes = pack_token_ids(token_ids)
         num_held = self.tiers.index.commit_blocks(request_id, start_position, block_hashes, token_bytes, parent_hash)
-        stride = 4 * self.tiers.layout.block_size
-        parents = [parent_hash, *block_hashes[:-1]]
-        metas = [BlockMeta(h, p, token_bytes[i * stride:(i + 1) * stride])
-                 for i, (h, p) in enumerate(zip(block_hashes, parents))]
-        block_ids = self.tiers.index.block_table(request_id)[start_position:start_position + len(block_hashes)]
-        self.offloader.after_commit(block_ids, metas)
+        self.offloader.after_commit(request_id, start_position, block_hashes, token_bytes, parent_hash)
         return num_held
 
     def release(self, request_id, timeout_s: float = 60.0) -> None:

@@ -32,6 +32,17 @@ def fill_pattern(pool) -> torch.Tensor:
     return pool.tensor.clone()
 
 
+def check_copy_block_copies_exactly_one(pool) -> None:
+    """copy_block(0, 2): block 2 becomes block 0, every other block keeps its bytes (4-block pool)."""
+    before = fill_pattern(pool)
+    pool.copy_block(0, 2)
+    if pool.device.type == "cuda":
+        torch.cuda.synchronize(pool.device)
+    assert torch.equal(pool.tensor[2], before[0])
+    for block_id in (0, 1, 3):
+        assert torch.equal(pool.tensor[block_id], before[block_id])
+
+
 NAMESPACE = Namespace(small_layout(BLOCK_SIZE))
 
 

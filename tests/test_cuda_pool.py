@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.factories import fill_pattern, small_layout
+from tests.factories import check_copy_block_copies_exactly_one, fill_pattern, small_layout
 from kvtierd.cuda_pool import CudaDevicePool
 from kvtierd.device_pool import PoolHandle, attach_device_pool, create_device_pool
 from kvtierd.errors import FailedPrecondition, InvalidArgument
@@ -78,11 +78,8 @@ def test_second_process_maps_the_pool_through_the_ipc_handle(cuda_pool):
 @pytest.mark.gpu
 @requires_cuda
 def test_cuda_copy_block_copies_exactly_one_block(cuda_pool):
-    before = fill_pattern(cuda_pool)
-    cuda_pool.copy_block(0, 2)
-    assert torch.equal(cuda_pool.tensor[2], before[0])
-    for block_id in (0, 1, 3):
-        assert torch.equal(cuda_pool.tensor[block_id], before[block_id])
+    check_copy_block_copies_exactly_one(cuda_pool)
+    before = cuda_pool.tensor.clone()
     with pytest.raises(InvalidArgument, match="block_id"):
         cuda_pool.copy_block(0, NUM_BLOCKS)
     assert torch.equal(cuda_pool.tensor[[0, 1, 3]], before[[0, 1, 3]])

@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.factories import fill_pattern, small_layout
+from tests.factories import check_copy_block_copies_exactly_one, fill_pattern, small_layout
 from kvtierd.device_pool import PoolHandle, attach_device_pool, create_device_pool
 from kvtierd.errors import FailedPrecondition, InvalidArgument, NotFound
 from kvtierd.shm_pool import ShmDevicePool
@@ -71,11 +71,8 @@ def test_layer_kv_views_alias_the_pool(pool):
 
 def test_copy_block_copies_exactly_one_block(pool):
     """copy_block(0, 2): block 2 becomes block 0, every other block keeps its bytes."""
-    before = fill_pattern(pool)
-    pool.copy_block(0, 2)
-    assert torch.equal(pool.tensor[2], before[0])
-    for block_id in (0, 1, 3):
-        assert torch.equal(pool.tensor[block_id], before[block_id])
+    check_copy_block_copies_exactly_one(pool)
+    before = pool.tensor.clone()
     pool.copy_block(3, 3)
     assert torch.equal(pool.tensor[3], before[3])
 

@@ -7,7 +7,7 @@ import torch
 
 from kvtierd.tier_config import EdgePolicy
 from tests.factories import BLOCK_SIZE, NAMESPACE, tokens
-from tests.tier_factories import assert_holds, content_for, make_manager, prefill
+from tests.tier_factories import content_for, make_manager, prefill, promote_exactly
 
 PROMPT = tokens(100, 4 * BLOCK_SIZE)
 
@@ -40,10 +40,8 @@ def test_evicted_blocks_are_offloaded_and_promoted_back_with_their_bytes(manager
     chain = only_in_t1(manager)
     assert manager.index.lookup(chain) == 0
     assert manager.lookup(chain, PROMPT).t1 == 4
-    acquisition = manager.acquire("b", chain, 0, PROMPT)
+    acquisition = promote_exactly(manager, "b", PROMPT)
     assert (acquisition.num_t0_hit_blocks, acquisition.num_t1_blocks) == (0, 4)
-    assert acquisition.ticket.wait(10) == 4
-    assert_holds(manager, acquisition.block_ids, chain)
     assert manager.index.lookup(chain, PROMPT) == 4  # promoted blocks are committed in T0
     assert manager.stats()["hit_blocks"]["t1"] == 4
     manager.release("b")

@@ -10,7 +10,7 @@ import pytest
 from kvtierd.ssd_tier import SsdTierConfig
 from kvtierd.tier_config import EdgePolicy
 from tests.factories import BLOCK_SIZE, NAMESPACE, tokens
-from tests.tier_factories import assert_holds, content_for, make_manager, prefill
+from tests.tier_factories import assert_holds, content_for, make_manager, prefill, promote_exactly
 
 PROMPT = tokens(100, 4 * BLOCK_SIZE)
 CHAIN = NAMESPACE.hash_blocks(PROMPT)
@@ -40,10 +40,8 @@ def test_blocks_flow_down_to_t2_and_promote_back_through_t1(manager):
     prefill(manager, "a", PROMPT)
     manager.release("a")
     only_in_t2(manager)
-    acquisition = manager.acquire("b", CHAIN, 0, PROMPT)
+    acquisition = promote_exactly(manager, "b", PROMPT)
     assert (acquisition.num_t0_hit_blocks, acquisition.num_t1_blocks, acquisition.num_t2_blocks) == (0, 0, 4)
-    assert acquisition.ticket.wait(10) == 4
-    assert_holds(manager, acquisition.block_ids, CHAIN)
     manager.drain()
     assert manager.tiers.host.index.lookup(CHAIN) == 4  # landed in T1 on the way up
     assert manager.index.lookup(CHAIN, PROMPT) == 4
@@ -60,9 +58,7 @@ def test_a_restarted_manager_serves_t2_hits(tmp_path):
     try:
         hits = second.lookup(CHAIN, PROMPT)
         assert (hits.t0, hits.t1, hits.t2) == (0, 0, 4)
-        acquisition = second.acquire("b", CHAIN, 0, PROMPT)
-        assert acquisition.ticket.wait(10) == 4
-        assert_holds(second, acquisition.block_ids, CHAIN)
+        promote_exactly(second, "b", PROMPT)
         second.release("b")
     finally:
         second.close()
@@ -143,9 +139,7 @@ def test_on_evict_from_t1_spills_to_t2(tmp_path):
         manager.drain()
         hits = manager.lookup(CHAIN, PROMPT)
         assert (hits.t1, hits.t2) == (0, 4)
-        acquisition = manager.acquire("c", CHAIN, 0, PROMPT)
-        assert acquisition.ticket.wait(10) == 4
-        assert_holds(manager, acquisition.block_ids, CHAIN)
+        promote_exactly(manager, "c", PROMPT)
         manager.release("c")
     finally:
         manager.close()

@@ -41,3 +41,13 @@ def prefill(manager: TierManager, request_id, token_ids: list[int], num_extra_bl
 def assert_holds(manager: TierManager, block_ids: list[int], chain: list[bytes]) -> None:
     for block_id, block_hash in zip(block_ids, chain):
         assert torch.equal(manager.pool.tensor[block_id], content_for(block_hash)), block_id
+
+
+def promote_exactly(manager: TierManager, request_id, token_ids: list[int]):
+    """Acquire a prompt held below T0, wait, and check that every block came back with its own
+    bytes. The request still holds the blocks; the acquisition is returned for more checks."""
+    chain = NAMESPACE.hash_blocks(token_ids)
+    acquisition = manager.acquire(request_id, chain, 0, token_ids)
+    assert acquisition.ticket.wait(10) == len(chain)
+    assert_holds(manager, acquisition.block_ids, chain)
+    return acquisition
