@@ -36,3 +36,33 @@ class ResourceExhausted(KvtierError):
     """Something is full; the message says what."""
 
     code = "RESOURCE_EXHAUSTED"
+
+
+class Unauthenticated(KvtierError):
+    """The call carries no credential, or one the daemon does not know."""
+
+    code = "UNAUTHENTICATED"
+
+
+class PermissionDenied(KvtierError):
+    """The credential is valid but does not allow this (a session of another tenant)."""
+
+    code = "PERMISSION_DENIED"
+
+
+class Unavailable(KvtierError):
+    """The daemon cannot be reached (not running, wrong address, shutting down)."""
+
+    code = "UNAVAILABLE"
+
+
+class DeadlineExceeded(KvtierError):
+    """The call did not finish within its timeout."""
+
+    code = "DEADLINE_EXCEEDED"
+
+
+ERRORS_BY_CODE: dict[str, type[KvtierError]] = {
+    cls.code: cls for cls in (InvalidArgument, NotFound, FailedPrecondition, ResourceExhausted,
+                              Unauthenticated, PermissionDenied, Unavailable, DeadlineExceeded)
+}
