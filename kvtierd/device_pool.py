@@ -18,6 +18,7 @@ import dataclasses
 import operator
 from typing import Literal
 
+import numpy as np
 import torch
 
 from kvtierd.errors import FailedPrecondition, InvalidArgument
@@ -128,6 +129,25 @@ class DevicePool(abc.ABC):
         dst = self._check_block_id(dst_block_id, "dst_block_id")
         if src != dst:
             self.tensor[dst].copy_(self.tensor[src])
+
+    def block_bytes(self, block_id: int) -> torch.Tensor:
+        """One block as `bytes_per_block` uint8 values (a view on CPU pools)."""
+        return self.block(block_id).view(-1).view(torch.uint8)
+
+    def read_block(self, block_id: int) -> bytes:
+        """A copy of one block's bytes, in block-major order."""
+        return self.block_bytes(block_id).cpu().numpy().tobytes()
+
+    def write_block(self, block_id: int, data: bytes | bytearray | memoryview) -> None:
+        """Overwrite one block with `bytes_per_block` bytes; InvalidArgument on another length."""
+        if len(data) != self.layout.bytes_per_block:
+            raise InvalidArgument(f"a block of this layout is {self.layout.bytes_per_block} bytes, got {len(data)}")
+        source = np.frombuffer(data, dtype=np.uint8)
+        target = self.block_bytes(block_id)
+        if target.device.type == "cpu":
+            target.numpy()[:] = source
+        else:  # a pageable host copy, then one upload
+            target.copy_(torch.from_numpy(source.copy()))
 
     def layer_kv(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Views `(pool[:, layer, 0], pool[:, layer, 1])`: K and V of one layer for all blocks."""

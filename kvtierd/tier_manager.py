@@ -31,10 +31,12 @@ class TierManager:
 
     def __init__(self, layout: Layout, num_device_blocks: int, config: TierConfig = TierConfig(), *,
                  ssd_config=None, device: str = "auto", root: BlockHash | None = None, hash_size: int = 32,
-                 observer: IndexObserver | None = None, copy_threads: int = 2) -> None:
+                 observer: IndexObserver | None = None, copy_threads: int = 2,
+                 max_pending_events: int = 0) -> None:
         pool = create_device_pool(layout, num_device_blocks, device)
         index = BlockIndex(num_device_blocks, layout.block_size, hash_size=hash_size, root=root,
-                           copy_block=pool.copy_block, observer=observer)
+                           copy_block=pool.copy_block, observer=observer,
+                           max_pending_events=max_pending_events)
         host = HostTier(layout, config.host_capacity_bytes, config.host_codec) if config.host_capacity_bytes else None
         ssd = None
         if ssd_config is not None:

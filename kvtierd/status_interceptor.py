@@ -1,0 +1,126 @@
+"""The one interceptor of the KvTier service: who is calling, which status a failure gets, and
+how long each call took.
+
+- Authentication: the tenant of every KvTier call is resolved from its credential before the
+  handler runs (tenants.Authenticator) and is available to the handler as `current_tenant()`.
+  The health and reflection services are not authenticated (Kubernetes probes carry no token).
+- Errors: a kvtierd.errors.KvtierError becomes the status its `code` names, with its message;
+  anything else is logged with its traceback and becomes INTERNAL. Handlers never catch.
+- Metrics: every call's method, final code and duration go to `observe(method, code, seconds)`.
+"""
+
+from __future__ import annotations
+
+import contextvars
+import logging
+import time
+from collections.abc import Callable
+
+import grpc
+
+from kvtierd.errors import KvtierError
+from kvtierd.tenants import Authenticator, Tenant
+
+log = logging.getLogger(__name__)
+
+SERVICE_PREFIX = "/kvtierd.v1.KvTier/"
+_TENANT: contextvars.ContextVar[Tenant] = contextvars.ContextVar("kvtierd_tenant")
+
+
+def current_tenant() -> Tenant:
+    """The tenant of the call being handled (set by the interceptor)."""
+    return _TENANT.get()
+
+
+class StatusInterceptor(grpc.aio.ServerInterceptor):
+    def __init__(self, authenticator: Authenticator,
+                 observe: Callable[[str, str, float], None] | None = None) -> None:
+        self.authenticator = authenticator
+        self.observe = observe
+
+    async def intercept_service(self, continuation, handler_call_details):
+        handler = await continuation(handler_call_details)
+        method_path = handler_call_details.method
+        if handler is None or not method_path.startswith(SERVICE_PREFIX):
+            return handler
+        method = method_path[len(SERVICE_PREFIX):]
+        metadata = handler_call_details.invocation_metadata
+        if handler.unary_unary is not None:
+            return grpc.unary_unary_rpc_method_handler(
+                self._unary(handler.unary_unary, method, metadata),
+                handler.request_deserializer, handler.response_serializer)
+        if handler.stream_unary is not None:
+            return grpc.stream_unary_rpc_method_handler(
+                self._unary(handler.stream_unary, method, metadata),
+                handler.request_deserializer, handler.response_serializer)
+        if handler.unary_stream is not None:
+            return grpc.unary_stream_rpc_method_handler(
+                self._streaming(handler.unary_stream, method, metadata),
+                handler.request_deserializer, handler.response_serializer)
+        return grpc.stream_stream_rpc_method_handler(
+            self._streaming(handler.stream_stream, method, metadata),
+            handler.request_deserializer, handler.response_serializer)
+
+    def _authenticate(self, metadata, context) -> None:
+        auth_context = context.auth_context() if self.authenticator.tokens is None else {}
+        _TENANT.set(self.authenticator.tenant(metadata, context.peer(), auth_context))
+
+    def _unary(self, behavior, method: str, metadata):
+        async def handle(request, context):
+            start = time.perf_counter()
+            code = "OK"
+            try:
+                self._authenticate(metadata, context)
+                return await behavior(request, context)
+            except BaseException as error:
+                code = code_of(error)
+                await _abort(error, code, context, method)
+            finally:
+                self._observe(method, code, start)
+        return handle
+
+    def _streaming(self, behavior, method: str, metadata):
+        async def handle(request, context):
+            start = time.perf_counter()
+            code = "OK"
+            try:
+                self._authenticate(metadata, context)
+                async for response in behavior(request, context):
+                    yield response
+            except BaseException as error:
+                code = code_of(error)
+                await _abort(error, code, context, method)
+            finally:
+                self._observe(method, code, start)
+        return handle
+
+    def _observe(self, method: str, code: str, start: float) -> None:
+        if self.observe is not None:
+            self.observe(method, code, time.perf_counter() - start)
+
+
+def code_of(error: BaseException) -> str:
+    """The status name a failure ends its call with."""
+    if isinstance(error, KvtierError):
+        return error.code
+    if type(error).__name__ == "CancelledError":
+        return "CANCELLED"
+    if _is_abort(error):
+        return "ABORTED"
+    return "INTERNAL"
+
+
+async def _abort(error: BaseException, code: str, context, method: str) -> None:
+    """End the call with `code`: our errors with their message, the unexpected as INTERNAL
+    (logged with the traceback). Cancellation and grpc's own aborts pass through."""
+    if code in ("CANCELLED", "ABORTED") or not isinstance(error, Exception):
+        raise error
+    if code == "INTERNAL":
+        log.error("%s failed", method, exc_info=error)
+        await context.abort(grpc.StatusCode.INTERNAL, f"internal error in {method}: {type(error).__name__}: {error}")
+    await context.abort(getattr(grpc.StatusCode, code, grpc.StatusCode.UNKNOWN), str(error))
+
+
+def _is_abort(error: BaseException) -> bool:
+    """context.abort() raises an exception of grpc's own to end the call: let it through."""
+    return type(error).__module__.startswith("grpc")
