@@ -34,8 +34,18 @@ def main(argv: list[str] | None = None) -> int:
     simulate.add_argument("--seed", type=int, default=defaults.seed)
     simulate.add_argument("--json", action="store_true", help="print the report as JSON")
 
+    serve = commands.add_parser(
+        "serve", help="run the daemon: gRPC on a unix socket (and TCP), metrics on their own port",
+        description="Serves the KvTier gRPC API on a unix socket (mode 0600) by default, with health "
+                    "checks, reflection and Prometheus metrics. Configuration: defaults, then the TOML "
+                    "file, then KVTIERD_* variables, then flags. SIGTERM stops it cleanly.")
+    from kvtierd.daemon_config import add_flags
+    add_flags(serve)
+
     args = parser.parse_args(argv)
     try:
+        if args.command == "serve":
+            return run_serve(args)
         return run_simulate(args)
     except KvtierError as e:
         print(f"kvtierd: error: {e}", file=sys.stderr)
@@ -73,6 +83,13 @@ def run_simulate(args: argparse.Namespace) -> int:
     else:
         print("\n".join(report_lines(report)))
     return 1 if report.num_mismatched_hit_blocks else 0
+
+
+def run_serve(args: argparse.Namespace) -> int:
+    from kvtierd.daemon_config import load_config, overrides_from_args
+    from kvtierd.server import run
+
+    return run(load_config(args.config, overrides=overrides_from_args(args)))
 
 
 def positive(text: str) -> int:

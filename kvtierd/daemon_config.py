@@ -37,7 +37,7 @@ CHOICES = {"pool.hash_algo": HASH_ALGOS, "host.codec": CODECS, "ssd.codec": CODE
            "ssd.durability": DURABILITY_POLICIES, "policy.t0_to_t1": EDGE_POLICIES,
            "policy.t1_to_t2": EDGE_POLICIES, "log_level": LOG_LEVELS}
 CONFIG_ENV = "KVTIERD_CONFIG"  # names the config file when load_config gets no path
-FOREIGN_ENV_PREFIXES = ("KVTIERD_BENCH_",)  # KVTIERD_ variables of other tools; serve ignores them
+FOREIGN_ENV_PREFIXES = ("KVTIERD_BENCH_", "KVTIERD_TOKEN", "KVTIERD_ADDRESS")  # of the client and benchmarks; serve ignores them
 
 
 def default_socket_path(environ: Mapping[str, str] = os.environ) -> str:

@@ -70,10 +70,12 @@ class Session:
 class SessionTable:
     """Live sessions by id; opens, renews, reclaims."""
 
-    def __init__(self, lease_s: float, quotas: QuotaBook, on_closed: Callable[[int, str], None] | None = None,
+    def __init__(self, lease_s: float, quotas: QuotaBook, on_opened: Callable[[], None] | None = None,
+                 on_closed: Callable[[int, str], None] | None = None,
                  clock: Callable[[], float] = time.monotonic) -> None:
         self.lease_s = lease_s
         self.quotas = quotas
+        self._on_opened = on_opened  # metrics
         self._on_closed = on_closed  # (num reclaimed refs, reason): metrics
         self._clock = clock
         self._sessions: dict[str, Session] = {}
@@ -86,6 +88,8 @@ class SessionTable:
     def open(self, tenant: Tenant, pool: Pool) -> Session:
         session = Session(secrets.token_hex(16), tenant, pool, self._clock() + self.lease_s)
         self._sessions[session.session_id] = session
+        if self._on_opened is not None:
+            self._on_opened()
         return session
 
     def get(self, session_id: str, tenant: Tenant) -> Session:
