@@ -91,13 +91,13 @@ class KvTierServicer(kvtier_pb2_grpc.KvTierServicer):
                                   pending=pending)
 
     async def Wait(self, request: pb.WaitRequest, context) -> pb.WaitResponse:
+        if request.timeout_s < 0:
+            raise InvalidArgument(f"timeout_s must be >= 0, got {request.timeout_s}")
         session = self._session(request.session_id)
         held = session.held(request.request_id)
         if held.ticket is None:
             table = session.pool.manager.index.block_table(session.key(request.request_id))
             return pb.WaitResponse(num_ready_blocks=_num_leading_committed(session.pool, table))
-        if request.timeout_s < 0:
-            raise InvalidArgument(f"timeout_s must be >= 0, got {request.timeout_s}")
         timeout_s = request.timeout_s or self.default_wait_s
         try:
             ready = await asyncio.wait_for(asyncio.shield(asyncio.wrap_future(held.ticket.future)), timeout_s)
