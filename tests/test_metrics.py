@@ -27,15 +27,6 @@ def prompt(i: int, num_blocks: int = 12) -> list[int]:
     return list(range(10_000 * (i + 1), 10_000 * (i + 1) + num_blocks * LAYOUT.block_size))
 
 
-@pytest.fixture(scope="session")
-def promtool() -> str:
-    """scripts/install-promtool, as CI runs it from a clean checkout. A failure fails the tests."""
-    done = subprocess.run([str(REPO / "scripts" / "install-promtool")], capture_output=True, text=True, timeout=600)
-    if done.returncode != 0:
-        pytest.fail(f"scripts/install-promtool failed ({done.returncode}):\n{done.stdout}\n{done.stderr}")
-    return done.stdout.strip().splitlines()[-1]
-
-
 def check_metrics(promtool: str, text: bytes) -> None:
     done = subprocess.run([promtool, "check", "metrics"], input=text, capture_output=True, timeout=60)
     assert done.returncode == 0, (done.stdout + done.stderr).decode()
