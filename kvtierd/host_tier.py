@@ -10,7 +10,7 @@ import torch
 from kvtierd.block_codec import make_codec
 from kvtierd.host_slab import HostSlab, slot_stride
 from kvtierd.layout import Layout
-from kvtierd.slot_index import SlotIndex
+from kvtierd.slot_index import SlotIndex, slots_within
 
 
 class HostTier:
@@ -38,6 +38,13 @@ class HostTier:
     @property
     def used_bytes(self) -> int:
         return self.index.num_used_slots * self.slab.stride
+
+    def set_owner_quota(self, owner_of, limit_bytes) -> None:
+        """Per-owner byte limits (None = none), enforced in slots; see SlotIndex.set_owner_quota."""
+        self.index.set_owner_quota(owner_of, lambda owner: slots_within(limit_bytes(owner), self.slab.stride))
+
+    def num_bytes_of(self, owner: bytes) -> int:
+        return self.index.num_slots_of(owner) * self.slab.stride
 
     def close(self) -> None:
         self.slab.close()

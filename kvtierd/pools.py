@@ -20,6 +20,7 @@ from kvtierd.block_hash import HASH_FUNCTIONS, Namespace
 from kvtierd.capacity import PoolCapacity, layout_lines
 from kvtierd.errors import FailedPrecondition, ResourceExhausted
 from kvtierd.layout import Layout
+from kvtierd.quotas import QuotaBook, owner_of
 from kvtierd.tenants import TAG_BYTES
 from kvtierd.tier_config import TierConfig
 from kvtierd.tier_manager import TierManager
@@ -47,7 +48,7 @@ class PoolSettings:
 class Pool:
     """One layout's tiers, and what clients of that layout need to know."""
 
-    def __init__(self, layout: Layout, settings: PoolSettings, observer=None) -> None:
+    def __init__(self, layout: Layout, settings: PoolSettings, observer=None, quotas: QuotaBook | None = None) -> None:
         num_blocks = settings.t0_bytes // layout.bytes_per_block
         if num_blocks < 1:
             raise FailedPrecondition(
@@ -66,6 +67,11 @@ class Pool:
         self.manager = TierManager(layout, num_blocks, settings.tier_config, ssd_config=ssd_config,
                                    device=settings.device, hash_size=TAG_BYTES + self.digest_size,
                                    observer=observer, max_pending_events=MAX_PENDING_EVENTS)
+        tiers = self.manager.tiers
+        if quotas is not None and quotas.limits_lower_tiers:
+            for tier, store in (("t1", tiers.host), ("t2", tiers.ssd)):
+                if store is not None:
+                    store.set_owner_quota(owner_of, quotas.lower_tier_limit(tier))
 
     @property
     def num_blocks(self) -> int:
@@ -94,8 +100,9 @@ def layout_id(layout: Layout) -> str:
 class PoolRegistry:
     """layout → Pool. `get_or_create` builds a pool once, even under concurrent attaches."""
 
-    def __init__(self, settings: PoolSettings, observer_for=None) -> None:
+    def __init__(self, settings: PoolSettings, observer_for=None, quotas: QuotaBook | None = None) -> None:
         self.settings = settings
+        self.quotas = quotas
         self._observer_for = observer_for  # model_id → IndexObserver, or None
         self._pools: dict[Layout, Pool] = {}
         self._lock = threading.Lock()  # creation only; lookups read the dict
@@ -120,7 +127,7 @@ class PoolRegistry:
                     f"the daemon serves {len(self._pools)} layouts already (pool.max_layouts); "
                     f"cannot create a pool for {layout.model_id}")
             observer = self._observer_for(layout.model_id) if self._observer_for else None
-            pool = Pool(layout, self.settings, observer)
+            pool = Pool(layout, self.settings, observer, self.quotas)
             self._pools[layout] = pool
         for line in pool.capacity_lines():
             log.info("%s", line)

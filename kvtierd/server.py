@@ -78,10 +78,10 @@ class Daemon:
         self.metrics = DaemonMetrics()
         tokens = TokenBook.load(server_config.tokens_file) if server_config.tokens_file else None
         self.authenticator = Authenticator(tokens)
-        self.registry = PoolRegistry(pool_settings(config), self.metrics.index_observer)
+        quotas = QuotaBook(config.quotas)
+        self.registry = PoolRegistry(pool_settings(config), self.metrics.index_observer, quotas)
         self.registry.on_created.append(lambda pool: self.metrics.add_pool_source(
             pool.layout.model_id, pool.layout.block_size, pool.layout.bytes_per_block, pool.manager.stats))
-        quotas = QuotaBook({tenant: quota.t0_bytes for tenant, quota in config.quotas.items()})
         self.sessions = SessionTable(server_config.lease_s, quotas, self.metrics.session_opened,
                                      self.metrics.session_closed)
         self.feed = EventFeed(self.registry)

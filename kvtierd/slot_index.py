@@ -76,6 +76,10 @@ class SlotIndex:
         self._clock = clock
         self._lock = threading.Lock()
         self.num_evictions = 0
+        self._owner_of: Callable[[bytes], bytes] | None = None  # set by set_owner_quota
+        self._max_slots_of: Callable[[bytes], int | None] = lambda owner: None
+        self._num_slots_by_owner: collections.Counter[bytes] = collections.Counter()
+        self.num_quota_skips = 0  # blocks not stored: their owner was at its limit with nothing evictable
 
     # ----------------------------------------------------------------------------- queries
 
@@ -129,19 +133,30 @@ class SlotIndex:
                 if meta.block_hash in self._entries:
                     num_skipped += 1
                     continue
-                if self._free_slots:
+                owner = self._owner_of(meta.block_hash) if self._owner_of is not None else None
+                limit = self._max_slots_of(owner) if owner is not None else None
+                if limit is not None and self._num_slots_by_owner[owner] >= limit:
+                    victim = next((e for e in self._lru.values() if self._owner_of(e.block_hash) == owner), None)
+                    if victim is None:
+                        num_skipped += 1  # the owner's slots are all in flight
+                        self.num_quota_skips += 1
+                        continue
+                    del self._lru[victim.block_hash]
+                elif self._free_slots:
+                    victim = None
                     slot = self._free_slots.pop()
                 elif self._lru:
                     _, victim = self._lru.popitem(last=False)
-                    del self._entries[victim.block_hash]
-                    evicted.append(victim)
-                    self.num_evictions += 1
-                    slot = victim.slot
                 else:
                     num_skipped += 1  # every slot is in flight
                     continue
+                if victim is not None:
+                    self._delete(victim.block_hash)
+                    evicted.append(victim)
+                    self.num_evictions += 1
+                    slot = victim.slot
                 entry = SlotEntry(meta, slot, last_use_s=now)
-                self._entries[meta.block_hash] = entry
+                self._insert(entry)
                 stores.append(entry)
             return StorePlan(stores, evicted, num_skipped)
 
@@ -154,7 +169,7 @@ class SlotIndex:
                     entry.storing = False
                     self._lru[entry.block_hash] = entry
                 else:
-                    del self._entries[entry.block_hash]
+                    self._delete(entry.block_hash)
                     self._free_slots.append(entry.slot)
 
     def restore(self, entries: Sequence[tuple[BlockMeta, int, float]]) -> None:
@@ -165,7 +180,7 @@ class SlotIndex:
                 raise InvalidArgument("restore needs an empty index and distinct slots in range")
             for meta, slot, last_use_s in sorted(entries, key=lambda e: e[2]):
                 entry = SlotEntry(meta, slot, storing=False, last_use_s=last_use_s)
-                self._entries[meta.block_hash] = entry
+                self._insert(entry)
                 self._lru[meta.block_hash] = entry
             self._free_slots = [s for s in range(self.num_slots - 1, -1, -1) if s not in taken]
 
@@ -219,7 +234,7 @@ class SlotIndex:
                 entry = self._lru.pop(block_hash, None)
                 if entry is None:
                     continue
-                del self._entries[block_hash]
+                self._delete(block_hash)
                 self._free_slots.append(entry.slot)
                 removed.append(entry)
             return removed
@@ -231,11 +246,38 @@ class SlotIndex:
             evicted = []
             while self._lru and len(evicted) < num_entries:
                 _, entry = self._lru.popitem(last=False)
-                del self._entries[entry.block_hash]
+                self._delete(entry.block_hash)
                 self._free_slots.append(entry.slot)
                 evicted.append(entry)
             self.num_evictions += len(evicted)
             return evicted
+
+    # ----------------------------------------------------------------------------- owners
+
+    def set_owner_quota(self, owner_of: Callable[[bytes], bytes], max_slots_of: Callable[[bytes], int | None]) -> None:
+        """Limit the slots each owner (a tenant: `owner_of(block_hash)`) may hold to
+        `max_slots_of(owner)` (None = no limit). An owner at its limit stores a new block in the slot
+        of its own least recently used entry; with none evictable, the block is not stored."""
+        with self._lock:
+            self._owner_of = owner_of
+            self._max_slots_of = max_slots_of
+            self._num_slots_by_owner = collections.Counter(map(owner_of, self._entries))
+
+    def num_slots_of(self, owner: bytes) -> int:
+        with self._lock:
+            return self._num_slots_by_owner[owner]
+
+    def _insert(self, entry: SlotEntry) -> None:
+        self._entries[entry.block_hash] = entry
+        if self._owner_of is not None:
+            self._num_slots_by_owner[self._owner_of(entry.block_hash)] += 1
+
+    def _delete(self, block_hash: bytes) -> None:
+        del self._entries[block_hash]
+        if self._owner_of is not None:
+            owner = self._owner_of(block_hash)
+            self._num_slots_by_owner[owner] -= 1
+            assert self._num_slots_by_owner[owner] >= 0
 
     def _ready_prefix(self, block_hashes: Sequence[bytes], parent: bytes | None,
                       token_bytes: bytes | None, block_size: int) -> list[SlotEntry]:
@@ -252,3 +294,8 @@ class SlotIndex:
             hits.append(entry)
             parent = block_hash
         return hits
+
+
+def slots_within(limit_bytes: int | None, slot_stride_bytes: int) -> int | None:
+    """How many slots of `slot_stride_bytes` a byte limit allows (None: no limit)."""
+    return None if limit_bytes is None else limit_bytes // slot_stride_bytes

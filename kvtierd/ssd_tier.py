@@ -36,7 +36,7 @@ import xxhash
 
 from kvtierd.errors import FailedPrecondition, InvalidArgument
 from kvtierd.layout import Layout
-from kvtierd.slot_index import BlockMeta, SlotEntry, SlotIndex
+from kvtierd.slot_index import BlockMeta, SlotEntry, SlotIndex, slots_within
 from kvtierd.ssd_files import SlotFiles
 from kvtierd.ssd_config import SsdTierConfig, describe_error, lock_directory
 from kvtierd.ssd_index import Record, SsdIndex
@@ -150,6 +150,13 @@ class SsdTier:
         """The stored keys (hash, parent, token ids) of the leading held blocks named."""
         return self._index.metas(hashes)
 
+    def set_owner_quota(self, owner_of, limit_bytes) -> None:
+        """Per-owner byte limits (None = none), enforced in slots; see SlotIndex.set_owner_quota."""
+        self._index.set_owner_quota(owner_of, lambda owner: slots_within(limit_bytes(owner), self.stride))
+
+    def num_bytes_of(self, owner: bytes) -> int:
+        return self._index.num_slots_of(owner) * self.stride
+
     def stats(self) -> dict:
         with self._stats_lock:
             return dict(
@@ -159,7 +166,8 @@ class SsdTier:
                 num_io_errors=self.num_io_errors, num_evictions=self._index.num_evictions,
                 num_recovered=self.num_recovered, num_dropped_on_open=self.num_dropped_on_open,
                 admitting=self._admitting, reason=self._reason, bytes_written=self.bytes_written,
-                bytes_read=self.bytes_read, o_direct=self._files.o_direct, durability=self.config.durability)
+                bytes_read=self.bytes_read, o_direct=self._files.o_direct, durability=self.config.durability,
+                quota_skips=self._index.num_quota_skips)
 
     @property
     def admitting(self) -> bool:

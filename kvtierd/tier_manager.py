@@ -110,7 +110,8 @@ class TierManager:
         }
         if tiers.host is not None:
             stats["t1"] = {"capacity_bytes": tiers.host.capacity_bytes, "used_bytes": tiers.host.used_bytes,
-                           "codec": tiers.host.codec.name, "evictions": tiers.host.index.num_evictions}
+                           "codec": tiers.host.codec.name, "evictions": tiers.host.index.num_evictions,
+                           "quota_skips": tiers.host.index.num_quota_skips}
         if tiers.ssd is not None:
             stats["t2"] = dict(tiers.ssd.stats(), codec=tiers.ssd_codec.name)
         return stats

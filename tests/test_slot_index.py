@@ -155,3 +155,53 @@ def test_metas_returns_the_stored_keys_of_the_leading_entries():
     store(index, metas[:2])
     assert index.metas(hashes(metas)) == metas[:2]
     assert index.metas([metas[1].block_hash]) == [metas[1]]
+
+
+def owned(owner: bytes, metas: list[BlockMeta]) -> list[BlockMeta]:
+    """The same chain under keys that start with `owner` (a tenant tag)."""
+    return [BlockMeta(owner + m.block_hash, owner + m.parent_hash, m.token_ids) for m in metas]
+
+
+def test_an_owner_at_its_limit_recycles_its_own_oldest_slot_not_another_owners():
+    """Owner a may hold 2 slots: its third block evicts a's least recently used, never b's."""
+    clock = FakeClock()
+    index = SlotIndex(6, clock=clock)
+    index.set_owner_quota(lambda key: key[:1], {b"a": 2}.get)
+    a, b = owned(b"a", chain(3)), owned(b"b", chain(3, start=10))
+    store(index, b[:1])
+    clock.advance(1)
+    store(index, a[:2])
+    clock.advance(1)
+    store(index, b[1:])
+    clock.advance(1)
+    plan = store(index, a[2:])
+    assert [e.block_hash for e in plan.evicted] == [a[0].block_hash]  # a's oldest, though b[0] is older
+    assert index.num_slots_of(b"a") == 2 and index.num_slots_of(b"b") == 3
+    assert index.lookup(hashes(b)) == 3
+    assert all(m.block_hash in index for m in a[1:]) and a[0].block_hash not in index
+
+
+def test_an_owner_at_its_limit_with_every_slot_pinned_stores_nothing():
+    index = SlotIndex(6)
+    index.set_owner_quota(lambda key: key[:1], lambda owner: 1 if owner == b"a" else None)
+    a = owned(b"a", chain(2))
+    store(index, a[:1])
+    pinned = index.prepare_load([a[0].block_hash])
+    plan = store(index, a[1:])
+    assert plan.stores == [] and plan.num_skipped == 1 and index.num_quota_skips == 1
+    index.complete_load(pinned)
+    assert [e.block_hash for e in store(index, a[1:]).evicted] == [a[0].block_hash]
+
+
+def test_owner_counts_follow_every_removal_and_a_zero_limit_stores_nothing():
+    index = SlotIndex(8)
+    a = owned(b"a", chain(4))
+    store(index, a)
+    index.set_owner_quota(lambda key: key[:1], {b"a": 8, b"z": 0}.get)  # counts what is already there
+    assert index.num_slots_of(b"a") == 4
+    index.remove([a[0].block_hash])
+    index.evict_lru(1)
+    failed = index.prepare_store(owned(b"a", chain(1, start=20)))
+    index.complete_store(failed.stores, success=False)
+    assert index.num_slots_of(b"a") == 2
+    assert store(index, owned(b"z", chain(1))).stores == []
