@@ -78,14 +78,13 @@ class Pool:
         return self.manager.index.num_blocks
 
     def capacity_lines(self, request_tokens: int = 8192) -> list[str]:
-        stats = self.manager.stats()
+        tiers = self.manager.tiers
         lines = layout_lines(self.layout)
         lines += PoolCapacity(self.layout, self.num_blocks).lines("T0 device pool", request_tokens)
-        bytes_per_block = self.layout.bytes_per_block
-        for tier, name in (("t1", "T1 host"), ("t2", "T2 SSD")):
-            if tier in stats:
-                num_blocks = stats[tier]["capacity_bytes"] // bytes_per_block
-                lines.append(PoolCapacity(self.layout, num_blocks).lines(name, request_tokens)[0])
+        for name, num_slots in (("T1 host", tiers.host.slab.num_slots if tiers.host else 0),
+                                ("T2 SSD", tiers.ssd.num_slots if tiers.ssd else 0)):
+            if num_slots:  # slots are 4 KiB aligned: a small block can take more than its bytes
+                lines.append(PoolCapacity(self.layout, num_slots).lines(name, request_tokens)[0])
         return lines
 
     def close(self) -> None:
