@@ -170,6 +170,8 @@ class SessionTable:
         self._sessions.pop(session.session_id, None)
         num_refs = 0
         for request_id in list(session.requests):
+            if request_id not in session.requests:  # a Release in flight took it meanwhile
+                continue
             try:
                 num_refs += await self.release(session, request_id)
             except Exception:  # one bad request must not leak the others
