@@ -15,41 +15,23 @@ import grpc
 import grpc.aio
 
 from kvtierd.client_calls import (
-    EVENTS_RETRY_WINDOW_S, Acquired, BlockData, Call, PutResult, PutStream, Retry, SessionBase, TlsOptions,
-    TokenIds, attach_request, bearer_metadata, channel_options, default_target, events_request,
-    get_request, map_rpc_error)
+    EVENTS_RETRY_WINDOW_S, Acquired, BlockData, Call, ClientBase, PutResult, PutStream, Retry, SessionBase,
+    TlsOptions, TokenIds, attach_request, events_request, get_request, map_rpc_error)
 from kvtierd.device_pool import attach_device_pool
-from kvtierd.errors import FailedPrecondition, InvalidArgument
 from kvtierd.layout import Layout
 from kvtierd.v1 import kvtier_pb2 as pb
-from kvtierd.v1 import kvtier_pb2_grpc
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
 KEEPALIVE_CLOSE_GRACE_S = 0.5
 
 
-class AsyncKvtierClient:
+class AsyncKvtierClient(ClientBase):
     """A grpc.aio channel to one daemon. Create and use it inside one event loop."""
 
     def __init__(self, target: str | None = None, *, token: str | None = None, tls: TlsOptions | None = None,
                  timeout_s: float = 5.0, max_attempts: int = 4, max_message_bytes: int = 16 << 20) -> None:
-        if not timeout_s > 0 or max_attempts < 1:
-            raise InvalidArgument(f"need timeout_s > 0 and max_attempts >= 1, got {timeout_s}, {max_attempts}")
-        self.target = target or default_target()
-        self.timeout_s = timeout_s
-        self.max_attempts = max_attempts
-        self.closed = False
-        self._metadata = bearer_metadata(token)
-        options = channel_options(self.target, max_message_bytes)
-        self._channel = (grpc.aio.insecure_channel(self.target, options=options) if tls is None
-                         else grpc.aio.secure_channel(self.target, tls.credentials(), options=options))
-        self._stub = kvtier_pb2_grpc.KvTierStub(self._channel)
-        self._sessions: set[AsyncSession] = set()  # open sessions; close() closes them
-
-    def _check_open(self) -> None:
-        if self.closed:
-            raise FailedPrecondition(f"the client of {self.target} is closed")
+        super().__init__(grpc.aio, target, token, tls, timeout_s, max_attempts, max_message_bytes)
 
     async def _retrying(self, attempt: Callable[[float], Awaitable[T]], timeout_s: float | None) -> T:
         """Await `attempt(seconds_left)`, retrying UNAVAILABLE per the policy of client_calls.Retry."""
@@ -135,9 +117,6 @@ class AsyncKvtierClient:
 
     async def __aexit__(self, *exc_info: object) -> None:
         await self.close()
-
-    def __repr__(self) -> str:
-        return f"AsyncKvtierClient({self.target!r}{', closed' if self.closed else ''})"
 
 
 class AsyncSession(SessionBase):

@@ -23,14 +23,12 @@ from typing import TypeVar
 import grpc
 
 from kvtierd.client_calls import (
-    EVENTS_RETRY_WINDOW_S, Acquired, BlockData, Call, PutResult, PutStream, Retry, SessionBase, TlsOptions,
-    TokenIds, attach_request, bearer_metadata, channel_options, default_target, events_request,
-    get_request, map_rpc_error)
+    EVENTS_RETRY_WINDOW_S, Acquired, BlockData, Call, ClientBase, PutResult, PutStream, Retry, SessionBase,
+    TlsOptions, TokenIds, attach_request, events_request, get_request, map_rpc_error)
 from kvtierd.device_pool import attach_device_pool
-from kvtierd.errors import FailedPrecondition, InvalidArgument
+from kvtierd.errors import FailedPrecondition
 from kvtierd.layout import Layout
 from kvtierd.v1 import kvtier_pb2 as pb
-from kvtierd.v1 import kvtier_pb2_grpc
 
 __all__ = ["KvtierClient", "Session", "EventStream", "TlsOptions", "Acquired", "PutResult",
            "AsyncKvtierClient", "AsyncSession"]
@@ -40,28 +38,16 @@ T = TypeVar("T")
 KEEPALIVE_CLOSE_GRACE_S = 0.5  # after half-closing KeepAlive, how long the daemon may take to end it
 
 
-class KvtierClient:
+class KvtierClient(ClientBase):
     """A channel to one daemon; thread-safe. `close()` ends its sessions, streams and channel."""
 
     def __init__(self, target: str | None = None, *, token: str | None = None, tls: TlsOptions | None = None,
                  timeout_s: float = 5.0, max_attempts: int = 4, max_message_bytes: int = 16 << 20) -> None:
-        if not timeout_s > 0 or max_attempts < 1:
-            raise InvalidArgument(f"need timeout_s > 0 and max_attempts >= 1, got {timeout_s}, {max_attempts}")
-        self.target = target or default_target()
-        self.timeout_s = timeout_s
-        self.max_attempts = max_attempts
-        self.closed = False
-        self._metadata = bearer_metadata(token)
-        options = channel_options(self.target, max_message_bytes)
-        self._channel = (grpc.insecure_channel(self.target, options=options) if tls is None
-                         else grpc.secure_channel(self.target, tls.credentials(), options=options))
-        self._stub = kvtier_pb2_grpc.KvTierStub(self._channel)
-        self._sessions: set[Session] = set()  # open sessions; close() closes them
+        super().__init__(grpc, target, token, tls, timeout_s, max_attempts, max_message_bytes)
 
     def _retrying(self, attempt: Callable[[float], T], timeout_s: float | None) -> T:
         """Run `attempt(seconds_left)`, retrying UNAVAILABLE per the policy of client_calls.Retry."""
-        if self.closed:
-            raise FailedPrecondition(f"the client of {self.target} is closed")
+        self._check_open()
         retry = Retry(self.max_attempts, self.timeout_s if timeout_s is None else timeout_s)
         while True:
             try:
@@ -147,9 +133,6 @@ class KvtierClient:
 
     def __exit__(self, *exc_info: object) -> None:
         self.close()
-
-    def __repr__(self) -> str:
-        return f"KvtierClient({self.target!r}{', closed' if self.closed else ''})"
 
 
 class Session(SessionBase):

@@ -29,6 +29,7 @@ from kvtierd.device_pool import DevicePool
 from kvtierd.errors import ERRORS_BY_CODE, FailedPrecondition, InvalidArgument, KvtierError, Unavailable
 from kvtierd.layout import Layout
 from kvtierd.v1 import kvtier_pb2 as pb
+from kvtierd.v1 import kvtier_pb2_grpc
 from kvtierd.wire import handle_from_proto, layout_to_proto
 
 TokenIds = Union[Sequence[int], np.ndarray, torch.Tensor, bytes]
@@ -238,6 +239,33 @@ def get_request(layout: Layout, block_hashes: Sequence[bytes], token_ids: TokenI
 
 def events_request(layout: Layout | None) -> pb.EventsRequest:
     return pb.EventsRequest() if layout is None else pb.EventsRequest(layout=layout_to_proto(layout))
+
+
+class ClientBase:
+    """What the blocking and the asyncio client share: the target, the credentials, the limits
+    and the channel (`channels` is the module making it: `grpc` or `grpc.aio`)."""
+
+    def __init__(self, channels, target: str | None, token: str | None, tls: TlsOptions | None,
+                 timeout_s: float, max_attempts: int, max_message_bytes: int) -> None:
+        if not timeout_s > 0 or max_attempts < 1:
+            raise InvalidArgument(f"need timeout_s > 0 and max_attempts >= 1, got {timeout_s}, {max_attempts}")
+        self.target = target or default_target()
+        self.timeout_s = timeout_s
+        self.max_attempts = max_attempts
+        self.closed = False
+        self._metadata = bearer_metadata(token)
+        options = channel_options(self.target, max_message_bytes)
+        self._channel = (channels.insecure_channel(self.target, options=options) if tls is None
+                         else channels.secure_channel(self.target, tls.credentials(), options=options))
+        self._stub = kvtier_pb2_grpc.KvTierStub(self._channel)
+        self._sessions: set = set()  # open sessions; close() closes them
+
+    def _check_open(self) -> None:
+        if self.closed:
+            raise FailedPrecondition(f"the client of {self.target} is closed")
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}({self.target!r}{', closed' if self.closed else ''})"
 
 
 class SessionBase:
