@@ -136,12 +136,10 @@ class BlockIndex:
             self._check_room(hits, num_new_blocks)
             now = self._clock()
             observer = self._observer
-            reused = []  # hits on released blocks: they leave the free queue
+            reused = [block for block in hits if block.ref_cnt == 0]  # released: they leave the free queue
+            if observer is not None and reused:  # the gaps since release, which eviction competes with
+                observer.on_reuse([now - block.last_access_s for block in reused])
             for block in hits:
-                if block.ref_cnt == 0:
-                    reused.append(block)
-                    if observer is not None:  # the gap since release, which eviction competes with
-                        observer.on_reuse(now - block.last_access_s)
                 block.ref_cnt += 1
                 block.last_access_s = now
             self.free_queue.remove_many(reused)
@@ -381,8 +379,8 @@ class BlockIndex:
             except Exception:  # an offload failure must not corrupt the index; the blocks are lost below
                 log.exception("eviction hook failed for %d blocks", len(victims))
         if self._observer is not None:
-            for block in victims:
-                self._observer.on_evict(now - block.committed_at_s, now - block.last_access_s)
+            self._observer.on_evict([now - block.committed_at_s for block in victims],
+                                    [now - block.last_access_s for block in victims])
         if self._events is not None:
             for block in victims:
                 self._events.put(BlockRemoved(block.block_hash))

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import collections
 import math
+from collections.abc import Sequence
 from typing import Protocol
 
 
@@ -20,9 +21,11 @@ class IndexObserver(Protocol):
 
     def on_query(self, num_query_tokens: int, num_hit_tokens: int) -> None: ...
 
-    def on_evict(self, lifetime_s: float, idle_s: float) -> None: ...
+    def on_evict(self, lifetimes_s: Sequence[float], idles_s: Sequence[float]) -> None:
+        """Blocks evicted together: per block, time since commit and since last release."""
 
-    def on_reuse(self, gap_s: float) -> None: ...
+    def on_reuse(self, gaps_s: Sequence[float]) -> None:
+        """Released blocks taken again by one prefix hit: per block, time since its release."""
 
 
 class Samples:
@@ -60,13 +63,15 @@ class IndexStats:
         self.num_query_tokens += num_query_tokens
         self.num_hit_tokens += num_hit_tokens
 
-    def on_evict(self, lifetime_s: float, idle_s: float) -> None:
-        self.num_evictions += 1
-        self.lifetime_s.add(lifetime_s)
-        self.idle_before_evict_s.add(idle_s)
+    def on_evict(self, lifetimes_s: Sequence[float], idles_s: Sequence[float]) -> None:
+        self.num_evictions += len(lifetimes_s)
+        for lifetime_s, idle_s in zip(lifetimes_s, idles_s):
+            self.lifetime_s.add(lifetime_s)
+            self.idle_before_evict_s.add(idle_s)
 
-    def on_reuse(self, gap_s: float) -> None:
-        self.reuse_gap_s.add(gap_s)
+    def on_reuse(self, gaps_s: Sequence[float]) -> None:
+        for gap_s in gaps_s:
+            self.reuse_gap_s.add(gap_s)
 
     @property
     def hit_rate(self) -> float:

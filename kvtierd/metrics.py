@@ -14,11 +14,12 @@ Every series carries the model (`model` label) where it belongs to one pool.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from wsgiref.simple_server import WSGIServer
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest, start_http_server
 
+from kvtierd.bucket_histogram import BucketHistogram
 from kvtierd.metrics_collector import PoolSource, TierCollector
 
 # Block ages: 1 ms (a block reused within one batch) to 1 h; older ones land in +Inf.
@@ -30,31 +31,31 @@ RPC_BUCKETS_S = (0.00005, 0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0
 
 
 class PrometheusIndexObserver:
-    """An IndexObserver (index_metrics.py) for one block index: histogram children bound once,
-    plain integer counters for the rest. Called under that index's lock, so the counters need
-    no lock of their own: give each index its own observer."""
+    """An IndexObserver (index_metrics.py) for one block index: plain counters and bucket
+    histograms that a scrape reads (metrics_collector.py). Called under that index's lock, so
+    nothing here needs a lock of its own: give each index its own observer."""
 
-    __slots__ = ("num_query_tokens", "num_hit_tokens", "num_evictions", "_lifetime", "_idle", "_reuse_gap")
+    __slots__ = ("num_query_tokens", "num_hit_tokens", "num_evictions", "lifetime_s", "idle_s", "reuse_gap_s")
 
-    def __init__(self, lifetime: Histogram, idle: Histogram, reuse_gap: Histogram) -> None:
+    def __init__(self) -> None:
         self.num_query_tokens = 0
         self.num_hit_tokens = 0  # t0 only: lower-tier hits are counted by the pool
         self.num_evictions = 0  # t0 evictions
-        self._lifetime = lifetime
-        self._idle = idle
-        self._reuse_gap = reuse_gap
+        self.lifetime_s = BucketHistogram(BLOCK_AGE_BUCKETS_S)
+        self.idle_s = BucketHistogram(BLOCK_AGE_BUCKETS_S)
+        self.reuse_gap_s = BucketHistogram(BLOCK_AGE_BUCKETS_S)
 
     def on_query(self, num_query_tokens: int, num_hit_tokens: int) -> None:
         self.num_query_tokens += num_query_tokens
         self.num_hit_tokens += num_hit_tokens
 
-    def on_evict(self, lifetime_s: float, idle_s: float) -> None:
-        self.num_evictions += 1
-        self._lifetime.observe(lifetime_s)
-        self._idle.observe(idle_s)
+    def on_evict(self, lifetimes_s: Sequence[float], idles_s: Sequence[float]) -> None:
+        self.num_evictions += len(lifetimes_s)
+        self.lifetime_s.observe_many(lifetimes_s)
+        self.idle_s.observe_many(idles_s)
 
-    def on_reuse(self, gap_s: float) -> None:
-        self._reuse_gap.observe(gap_s)
+    def on_reuse(self, gaps_s: Sequence[float]) -> None:
+        self.reuse_gap_s.observe_many(gaps_s)
 
 
 class DaemonMetrics:
@@ -63,16 +64,6 @@ class DaemonMetrics:
     def __init__(self, registry: CollectorRegistry | None = None) -> None:
         self.registry = registry if registry is not None else CollectorRegistry()
         r = self.registry
-        self._block_lifetime = Histogram(
-            "kvtierd_block_lifetime_seconds", "Time from a T0 block's commit to its eviction.",
-            ["model"], buckets=BLOCK_AGE_BUCKETS_S, registry=r)
-        self._block_idle = Histogram(
-            "kvtierd_block_idle_before_evict_seconds", "Time from a T0 block's last release to its eviction.",
-            ["model"], buckets=BLOCK_AGE_BUCKETS_S, registry=r)
-        self._block_reuse_gap = Histogram(
-            "kvtierd_block_reuse_gap_seconds",
-            "Time from a T0 block's last release to its reuse by a prefix hit (hits on blocks in use not counted).",
-            ["model"], buckets=BLOCK_AGE_BUCKETS_S, registry=r)
         self._rpc_duration = Histogram(
             "kvtierd_rpc_duration_seconds", "Time to serve an RPC, by method and status code.",
             ["method", "code"], buckets=RPC_BUCKETS_S, registry=r)
@@ -88,21 +79,25 @@ class DaemonMetrics:
         self._tiers = TierCollector()
         r.register(self._tiers)
         self._http = None  # (server, thread) while serve_http runs
+        self._rpc_children: dict[tuple[str, str], tuple] = {}
 
     # ------------------------------------------------------------------------ block index
 
     def index_observer(self, model_id: str) -> PrometheusIndexObserver:
         """A new observer for one block index of `model_id` (pass it as TierManager(observer=...))."""
-        observer = PrometheusIndexObserver(self._block_lifetime.labels(model_id), self._block_idle.labels(model_id),
-                                           self._block_reuse_gap.labels(model_id))
+        observer = PrometheusIndexObserver()
         self._tiers.add_observer(model_id, observer)
         return observer
 
     # ------------------------------------------------------------------------ rpc, sessions
 
     def observe_rpc(self, method: str, code: str, seconds: float) -> None:
-        self._rpc_duration.labels(method, code).observe(seconds)
-        self._rpcs.labels(method, code).inc()
+        children = self._rpc_children.get((method, code))
+        if children is None:  # labels() takes a lock and a lookup: bind each pair once
+            children = self._rpc_children[(method, code)] = (self._rpc_duration.labels(method, code),
+                                                            self._rpcs.labels(method, code))
+        children[0].observe(seconds)
+        children[1].inc()
 
     def session_opened(self) -> None:
         self._sessions.inc()

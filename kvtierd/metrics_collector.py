@@ -16,7 +16,9 @@ import threading
 from collections.abc import Callable, Iterator
 from typing import Protocol
 
-from prometheus_client.metrics_core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.metrics_core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily, Metric
+
+from kvtierd.bucket_histogram import BucketHistogram
 
 log = logging.getLogger(__name__)
 
@@ -27,6 +29,19 @@ class IndexCounts(Protocol):
     num_query_tokens: int
     num_hit_tokens: int
     num_evictions: int
+    lifetime_s: BucketHistogram
+    idle_s: BucketHistogram
+    reuse_gap_s: BucketHistogram
+
+
+# observer attribute → (name, help) of the per-model block-age histograms
+_AGE_HISTOGRAMS = {
+    "lifetime_s": ("kvtierd_block_lifetime_seconds", "Time from a T0 block's commit to its eviction."),
+    "idle_s": ("kvtierd_block_idle_before_evict_seconds", "Time from a T0 block's last release to its eviction."),
+    "reuse_gap_s": ("kvtierd_block_reuse_gap_seconds",
+                    "Time from a T0 block's last release to its reuse by a prefix hit (hits on blocks in use "
+                    "not counted)."),
+}
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -108,6 +123,12 @@ class TierCollector:
             families["query_tokens"].add_metric([model], sum(o.num_query_tokens for o in found))
             families["hit_tokens"].add_metric([model, "t0"], sum(o.num_hit_tokens for o in found))
             families["evictions"].add_metric([model, "t0"], sum(o.num_evictions for o in found))
+            for attribute in _AGE_HISTOGRAMS:
+                histograms = [getattr(o, attribute) for o in found]
+                total = histograms[0].cumulative()
+                for other in histograms[1:]:
+                    total = [(le, a + b) for (le, a), (_, b) in zip(total, other.cumulative())]
+                families[attribute].add_metric([model], total, sum_value=sum(h.sum for h in histograms))
         for model, source in pools:
             try:
                 stats = source.stats()
@@ -119,8 +140,11 @@ class TierCollector:
 
 
 def _new_families() -> dict[str, Metric]:
-    return {key: kind(name, help_text, labels=("model", *labels))
-            for key, (kind, name, help_text, labels) in _FAMILIES.items()}
+    families = {key: kind(name, help_text, labels=("model", *labels))
+                for key, (kind, name, help_text, labels) in _FAMILIES.items()}
+    families.update({key: HistogramMetricFamily(name, help_text, labels=("model",))
+                     for key, (name, help_text) in _AGE_HISTOGRAMS.items()})
+    return families
 
 
 def _add_pool(families: dict[str, Metric], model: str, source: PoolSource, stats: dict) -> None:

@@ -224,3 +224,17 @@ def test_promtool_accepts_the_rendered_and_the_served_exposition(pool, promtool)
     metrics.close()
     with pytest.raises(OSError):
         urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=2)
+
+
+def test_bucket_histogram_counts_the_same_in_small_and_large_batches():
+    """A value equal to a bound lands in that bound's bucket (Prometheus `le`), both paths agree."""
+    from kvtierd.bucket_histogram import BucketHistogram
+
+    values = [0.0, 0.1, 0.10001, 1.0, 5.0, 10.0, 11.0, 1e9] * 4
+    small, large = BucketHistogram([0.1, 1, 10]), BucketHistogram([0.1, 1, 10])
+    for value in values:
+        small.observe_many([value])  # bisect path
+    large.observe_many(values)  # numpy path (32 values)
+    expected = [("0.1", 8), ("1.0", 16), ("10.0", 24), ("+Inf", 32)]
+    assert small.cumulative() == large.cumulative() == expected
+    assert small.sum == pytest.approx(large.sum) and small.count == 32
