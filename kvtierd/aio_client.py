@@ -71,7 +71,7 @@ class AsyncKvtierClient(ClientBase):
         self._check_open()
         stream = PutStream(layout, blocks, parent_hash)
         try:
-            response = await self._stub.Put(stream.requests(), metadata=self._metadata,
+            response = await self._put(stream.requests(), metadata=self._metadata,
                                             timeout=self.timeout_s if timeout_s is None else timeout_s)
         except (grpc.RpcError, asyncio.CancelledError) as error:
             if stream.error is not None:  # grpc.aio cancels the call when the request iterator raises
@@ -88,8 +88,8 @@ class AsyncKvtierClient(ClientBase):
         async def attempt(timeout: float) -> list[tuple[bytes, bytes]]:
             blocks: list[tuple[bytes, bytes]] = []
             try:
-                async for response in self._stub.Get(request, timeout=timeout, metadata=self._metadata):
-                    blocks.append((bytes(response.block_hash), bytes(response.data)))
+                async for block in self._get(request, timeout=timeout, metadata=self._metadata):
+                    blocks.append(block)  # (hash, data), decoded by block_frames.decode_get_response
             except grpc.RpcError as error:
                 if blocks:  # data has flowed: no retry
                     raise map_rpc_error(error, self.target) from error

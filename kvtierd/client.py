@@ -86,7 +86,7 @@ class KvtierClient(ClientBase):
             raise FailedPrecondition(f"the client of {self.target} is closed")
         stream = PutStream(layout, blocks, parent_hash)
         try:
-            response = self._stub.Put(stream.requests(), metadata=self._metadata,
+            response = self._put(stream.requests(), metadata=self._metadata,
                                       timeout=self.timeout_s if timeout_s is None else timeout_s)
         except grpc.RpcError as error:
             if stream.error is not None:
@@ -102,8 +102,8 @@ class KvtierClient(ClientBase):
         def attempt(timeout: float) -> list[tuple[bytes, bytes]]:
             blocks: list[tuple[bytes, bytes]] = []
             try:
-                for response in self._stub.Get(request, timeout=timeout, metadata=self._metadata):
-                    blocks.append((bytes(response.block_hash), bytes(response.data)))
+                for block in self._get(request, timeout=timeout, metadata=self._metadata):
+                    blocks.append(block)  # (hash, data), decoded by block_frames.decode_get_response
             except grpc.RpcError as error:
                 if blocks:  # data has flowed: no retry
                     raise map_rpc_error(error, self.target) from error

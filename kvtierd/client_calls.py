@@ -24,6 +24,7 @@ import grpc
 import numpy as np
 import torch
 
+from kvtierd.block_frames import decode_get_response, encode_put_request
 from kvtierd.block_hash import Namespace, pack_token_ids
 from kvtierd.device_pool import DevicePool
 from kvtierd.errors import ERRORS_BY_CODE, FailedPrecondition, InvalidArgument, KvtierError, Unavailable
@@ -35,6 +36,8 @@ from kvtierd.wire import handle_from_proto, layout_to_proto
 TokenIds = Union[Sequence[int], np.ndarray, torch.Tensor, bytes]
 BlockData = Union[bytes, bytearray, memoryview, torch.Tensor]
 
+PUT_METHOD = "/kvtierd.v1.KvTier/Put"
+GET_METHOD = "/kvtierd.v1.KvTier/Get"
 RETRY_BASE_S = 0.05
 RETRY_CAP_S = 1.0
 WAIT_MARGIN_S = 1.0  # Wait's RPC deadline is the daemon-side timeout plus this
@@ -186,12 +189,13 @@ def check_block_size(data: BlockData, layout: Layout) -> None:
         raise InvalidArgument(f"a block of this layout is {layout.bytes_per_block} bytes, got {nbytes}")
 
 
-def block_bytes(data: BlockData, layout: Layout) -> bytes:
-    """A block's bytes in block-major order; a tensor is copied to the host as raw bytes."""
+def block_buffer(data: BlockData, layout: Layout) -> BlockData | np.ndarray:
+    """A block's bytes in block-major order, as a buffer (a tensor's host bytes, not copied
+    when it is already a contiguous CPU tensor)."""
     check_block_size(data, layout)
     if isinstance(data, torch.Tensor):
-        return data.detach().contiguous().cpu().reshape(-1).view(torch.uint8).numpy().tobytes()
-    return bytes(data)
+        return data.detach().contiguous().cpu().reshape(-1).view(torch.uint8).numpy()
+    return data
 
 
 class PutStream:
@@ -210,18 +214,15 @@ class PutStream:
         self.parent_hash = bytes(parent_hash or b"")
         self.error: KvtierError | None = None
 
-    def requests(self) -> Iterator[pb.PutRequest]:
+    def requests(self) -> Iterator[bytes]:
+        """Serialized PutRequests (block_frames.py: the block is copied once, into the message)."""
         for index, (block_hash, token_ids, data) in enumerate(self.blocks):
             try:
-                request = pb.PutRequest(block_hash=bytes(block_hash), token_ids=optional_tokens(token_ids),
-                                        data=block_bytes(data, self.layout))
+                yield encode_put_request(bytes(block_hash), optional_tokens(token_ids), block_buffer(data, self.layout),
+                                         *((layout_to_proto(self.layout), self.parent_hash) if index == 0 else ()))
             except KvtierError as error:
                 self.error = error
                 raise
-            if index == 0:
-                request.layout.CopyFrom(layout_to_proto(self.layout))
-                request.parent_hash = self.parent_hash
-            yield request
 
     def result(self, response: pb.PutResponse) -> PutResult:
         return PutResult(response.num_blocks, response.num_already_cached_blocks)
@@ -258,6 +259,11 @@ class ClientBase:
         self._channel = (channels.insecure_channel(self.target, options=options) if tls is None
                          else channels.secure_channel(self.target, tls.credentials(), options=options))
         self._stub = kvtier_pb2_grpc.KvTierStub(self._channel)
+        # Put and Get move block bytes: serialized by block_frames.py, not through protobuf objects
+        self._put = self._channel.stream_unary(PUT_METHOD, request_serializer=None,
+                                               response_deserializer=pb.PutResponse.FromString)
+        self._get = self._channel.unary_stream(GET_METHOD, request_serializer=pb.GetRequest.SerializeToString,
+                                               response_deserializer=decode_get_response)
         self._sessions: set = set()  # open sessions; close() closes them
 
     def _check_open(self) -> None:

@@ -37,7 +37,7 @@ from kvtierd.sessions import SessionTable
 from kvtierd.status_interceptor import StatusInterceptor
 from kvtierd.tenants import Authenticator, TokenBook
 from kvtierd.tier_config import TierConfig
-from kvtierd.v1 import kvtier_pb2, kvtier_pb2_grpc
+from kvtierd.v1 import kvtier_pb2
 
 log = logging.getLogger("kvtierd")
 
@@ -99,8 +99,7 @@ class Daemon:
             interceptors=[StatusInterceptor(self.authenticator, self.metrics.observe_rpc)],
             options=[("grpc.max_receive_message_length", limit), ("grpc.max_send_message_length", limit),
                      ("grpc.so_reuseport", 0)])
-        kvtier_pb2_grpc.add_KvTierServicer_to_server(KvTierServicer(self.registry, self.sessions, self.feed),
-                                                     self.server)
+        self.server.add_generic_rpc_handlers((kvtier_handlers(KvTierServicer(self.registry, self.sessions, self.feed)),))
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
         reflection.enable_server_reflection([SERVICE_NAME, health.SERVICE_NAME, reflection.SERVICE_NAME], self.server)
         if server_config.socket:
@@ -169,6 +168,26 @@ class Daemon:
         if self.config.server.socket:
             with contextlib.suppress(FileNotFoundError):
                 os.unlink(self.config.server.socket)
+
+
+def kvtier_handlers(servicer: KvTierServicer) -> grpc.GenericRpcHandler:
+    """The KvTier methods with their protobuf (de)serializers, except the block bytes: Put's
+    requests arrive serialized and Get's responses leave serialized (block_frames.py), so a
+    block is not copied through protobuf objects."""
+    service = kvtier_pb2.DESCRIPTOR.services_by_name["KvTier"]
+    handlers = {}
+    for method in service.methods:
+        kind = _HANDLER_KINDS[method.client_streaming, method.server_streaming]
+        request = getattr(kvtier_pb2, method.input_type.name)
+        response = getattr(kvtier_pb2, method.output_type.name)
+        handlers[method.name] = kind(getattr(servicer, method.name),
+                                     request_deserializer=None if method.name == "Put" else request.FromString,
+                                     response_serializer=None if method.name == "Get" else response.SerializeToString)
+    return grpc.method_handlers_generic_handler(service.full_name, handlers)
+
+
+_HANDLER_KINDS = {(False, False): grpc.unary_unary_rpc_method_handler, (True, False): grpc.stream_unary_rpc_method_handler,
+                  (False, True): grpc.unary_stream_rpc_method_handler, (True, True): grpc.stream_stream_rpc_method_handler}
 
 
 def prepare_socket_path(path: str) -> None:

@@ -12,6 +12,7 @@ import asyncio
 import itertools
 
 from kvtierd import __version__
+from kvtierd.block_frames import PutFrame, encode_get_response
 from kvtierd.block_hash import pack_token_ids
 from kvtierd.errors import DeadlineExceeded, FailedPrecondition, InvalidArgument
 from kvtierd.event_feed import EventFeed
@@ -155,11 +156,14 @@ class KvTierServicer(kvtier_pb2_grpc.KvTierServicer):
         tenant = current_tenant()
         put = None
         try:
-            async for message in request_iterator:
+            async for raw in request_iterator:  # serialized PutRequests: the block bytes are not copied
+                frame = PutFrame.decode(raw)
                 if put is None:
-                    put = _PutStream(await self._pool(layout_from_proto(message.layout)), tenant,
-                                     ("put", next(self._put_ids)), self.sessions, message.parent_hash)
-                put.add(message)
+                    if frame.layout is None:
+                        raise InvalidArgument("the first message of a Put must name the layout")
+                    put = _PutStream(await self._pool(layout_from_proto(frame.layout)), tenant,
+                                     ("put", next(self._put_ids)), self.sessions, frame.parent_hash)
+                put.add(frame)
                 if len(put.batch) == PUT_BATCH_BLOCKS:
                     put.flush()
             if put is None:
@@ -192,7 +196,8 @@ class KvTierServicer(kvtier_pb2_grpc.KvTierServicer):
         try:
             num_ready = await asyncio.shield(asyncio.wrap_future(acquired.ticket.future))
             for client_hash, block_id in zip(request.block_hashes[:num_ready], acquired.block_ids):
-                yield pb.GetResponse(block_hash=client_hash, data=manager.pool.read_block(block_id))
+                # serialized here, from the pool's bytes, in one copy (block_frames.py)
+                yield encode_get_response(client_hash, manager.pool.block_bytes(block_id).cpu().numpy())
         finally:  # no await here: a cancelled stream must still release
             if acquired.ticket.done():
                 manager.release(key)
@@ -234,17 +239,17 @@ class _PutStream:
     def __init__(self, pool: Pool, tenant: Tenant, key, sessions: SessionTable, parent_hash: bytes) -> None:
         self.pool, self.tenant, self.key, self.quotas = pool, tenant, key, sessions.quotas
         self.parent = _parent_key(tenant, pool, 0 if not parent_hash else 1, parent_hash or pool.client_root)
-        self.batch: list[pb.PutRequest] = []
+        self.batch: list[PutFrame] = []
         self.commits: list[tuple[int, list[bytes], bytes, bytes]] = []  # (position, keys, tokens, parent)
         self.num_blocks = self.num_already_cached = self.num_held_blocks = 0
 
-    def add(self, message: pb.PutRequest) -> None:
+    def add(self, message: PutFrame) -> None:
         layout = self.pool.layout
         check_hashes([message.block_hash], self.pool.digest_size)
         if len(message.token_ids) != 4 * layout.block_size:
             raise InvalidArgument(f"a block holds {layout.block_size} tokens (u32), got {len(message.token_ids)} bytes")
-        if len(message.data) != layout.bytes_per_block:
-            raise InvalidArgument(f"a block of this layout is {layout.bytes_per_block} bytes, got {len(message.data)}")
+        if message.data.nbytes != layout.bytes_per_block:
+            raise InvalidArgument(f"a block of this layout is {layout.bytes_per_block} bytes, got {message.data.nbytes}")
         self.batch.append(message)
 
     def flush(self) -> None:
