@@ -31,7 +31,7 @@ from kvtierd.errors import ERRORS_BY_CODE, FailedPrecondition, InvalidArgument, 
 from kvtierd.layout import Layout
 from kvtierd.v1 import kvtier_pb2 as pb
 from kvtierd.v1 import kvtier_pb2_grpc
-from kvtierd.wire import handle_from_proto, layout_to_proto
+from kvtierd.wire import READ_CHUNK_OPTIONS, handle_from_proto, layout_to_proto
 
 TokenIds = Union[Sequence[int], np.ndarray, torch.Tensor, bytes]
 BlockData = Union[bytes, bytearray, memoryview, torch.Tensor]
@@ -108,6 +108,7 @@ def channel_options(target: str, max_message_bytes: int) -> list[tuple[str, Any]
         # Reconnect soon after a daemon restart, so that retries can reach it.
         ("grpc.initial_reconnect_backoff_ms", 100),
         ("grpc.max_reconnect_backoff_ms", 2000),
+        *READ_CHUNK_OPTIONS,
     ]
     if unix_socket_path(target) is not None:
         options.append(("grpc.default_authority", "localhost"))

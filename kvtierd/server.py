@@ -38,6 +38,7 @@ from kvtierd.status_interceptor import StatusInterceptor
 from kvtierd.tenants import Authenticator, TokenBook
 from kvtierd.tier_config import TierConfig
 from kvtierd.v1 import kvtier_pb2
+from kvtierd.wire import READ_CHUNK_OPTIONS
 
 log = logging.getLogger("kvtierd")
 
@@ -98,7 +99,7 @@ class Daemon:
         self.server = grpc.aio.server(
             interceptors=[StatusInterceptor(self.authenticator, self.metrics.observe_rpc)],
             options=[("grpc.max_receive_message_length", limit), ("grpc.max_send_message_length", limit),
-                     ("grpc.so_reuseport", 0)])
+                     ("grpc.so_reuseport", 0), *READ_CHUNK_OPTIONS])
         self.server.add_generic_rpc_handlers((kvtier_handlers(KvTierServicer(self.registry, self.sessions, self.feed)),))
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
         reflection.enable_server_reflection([SERVICE_NAME, health.SERVICE_NAME, reflection.SERVICE_NAME], self.server)
