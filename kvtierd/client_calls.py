@@ -181,6 +181,9 @@ def optional_tokens(token_ids: TokenIds | None) -> bytes:
 
 
 def hash_list(block_hashes: Iterable[bytes]) -> list[bytes]:
+    """The hashes as a list of bytes (what a protobuf repeated bytes field takes)."""
+    if isinstance(block_hashes, list) and set(map(type, block_hashes)) <= {bytes}:
+        return block_hashes  # the common case, checked at C speed
     return [bytes(block_hash) for block_hash in block_hashes]
 
 

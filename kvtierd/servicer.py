@@ -291,6 +291,7 @@ class _PutStream:
 
 
 def _keys(tenant: Tenant, pool: Pool, client_hashes) -> list[bytes]:
+    client_hashes = list(client_hashes)  # a protobuf repeated field makes new bytes on every read: read once
     check_hashes(client_hashes, pool.digest_size)
     return tenant.keys(client_hashes)
 

@@ -47,8 +47,7 @@ class Tenant:
         return self.tag + client_hash
 
     def keys(self, client_hashes) -> list[bytes]:
-        tag = self.tag
-        return [tag + h for h in client_hashes]
+        return list(map(self.tag.__add__, client_hashes))
 
     def owns(self, key: bytes) -> bool:
         return key[:TAG_BYTES] == self.tag
