@@ -114,7 +114,8 @@ class BlockIndex:
                      token_ids: Sequence[int] | None = None) -> bool:
         with self._lock:
             hits = self._hits(block_hashes, token_ids)
-            return self._num_blocks_short(hits, len(block_hashes) - len(hits) + num_extra_blocks) <= 0
+            num_new_blocks = len(block_hashes) - len(hits) + num_extra_blocks
+            return self._num_blocks_short(_released(hits), num_new_blocks) <= 0
 
     # ----------------------------------------------------------------------------- mutations
 
@@ -133,10 +134,10 @@ class BlockIndex:
                 raise FailedPrecondition(f"request {request_id!r} already holds blocks")
             hits = self._hits(block_hashes, token_ids)
             num_new_blocks = len(block_hashes) - len(hits) + num_extra_blocks
-            self._check_room(hits, num_new_blocks)
+            reused = _released(hits)  # they leave the free queue
+            self._check_room(reused, num_new_blocks)
             now = self._clock()
             observer = self._observer
-            reused = [block for block in hits if block.ref_cnt == 0]  # released: they leave the free queue
             if observer is not None and reused:  # the gaps since release, which eviction competes with
                 observer.on_reuse([now - block.last_access_s for block in reused])
             for block in hits:
@@ -347,13 +348,13 @@ class BlockIndex:
         token_bytes = pack_prompt_tokens(token_ids, len(block_hashes), self.block_size)
         return match_prefix(self.hash_to_block, block_hashes, token_bytes, self.root, self.block_size)
 
-    def _num_blocks_short(self, hits: list[KVBlock], num_new_blocks: int) -> int:
-        """How many free blocks are missing for `num_new_blocks`, after the hits leave the queue."""
-        num_hits_queued = sum(1 for block in hits if block.ref_cnt == 0)
-        return num_new_blocks - (self.free_queue.num_free_blocks - num_hits_queued)
+    def _num_blocks_short(self, queued_hits: list[KVBlock], num_new_blocks: int) -> int:
+        """How many free blocks are missing for `num_new_blocks`, after the hits on released
+        blocks (`queued_hits`, on the free queue) leave the queue."""
+        return num_new_blocks - (self.free_queue.num_free_blocks - len(queued_hits))
 
-    def _check_room(self, hits: list[KVBlock], num_new_blocks: int) -> None:
-        short = self._num_blocks_short(hits, num_new_blocks)
+    def _check_room(self, queued_hits: list[KVBlock], num_new_blocks: int) -> None:
+        short = self._num_blocks_short(queued_hits, num_new_blocks)
         if short > 0:
             raise ResourceExhausted(
                 f"device pool full: need {num_new_blocks} free blocks, {num_new_blocks - short} available "
@@ -388,3 +389,8 @@ class BlockIndex:
         for block in victims:
             del hash_to_block[block.block_hash]
             block.block_hash = block.parent_hash = block.token_ids = None  # as KVBlock.forget_content
+
+
+def _released(blocks: list[KVBlock]) -> list[KVBlock]:
+    """The blocks nobody holds (ref_cnt 0): they sit on the free queue."""
+    return [block for block in blocks if block.ref_cnt == 0]

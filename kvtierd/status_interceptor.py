@@ -37,40 +37,43 @@ class StatusInterceptor(grpc.aio.ServerInterceptor):
                  observe: Callable[[str, str, float], None] | None = None) -> None:
         self.authenticator = authenticator
         self.observe = observe
+        self._wrapped: dict[str, grpc.RpcMethodHandler] = {}  # method path → its wrapped handler, made once
 
     async def intercept_service(self, continuation, handler_call_details):
-        handler = await continuation(handler_call_details)
         method_path = handler_call_details.method
+        wrapped = self._wrapped.get(method_path)
+        if wrapped is not None:
+            return wrapped
+        handler = await continuation(handler_call_details)
         if handler is None or not method_path.startswith(SERVICE_PREFIX):
             return handler
         method = method_path[len(SERVICE_PREFIX):]
-        metadata = handler_call_details.invocation_metadata
         if handler.unary_unary is not None:
-            return grpc.unary_unary_rpc_method_handler(
-                self._unary(handler.unary_unary, method, metadata),
-                handler.request_deserializer, handler.response_serializer)
-        if handler.stream_unary is not None:
-            return grpc.stream_unary_rpc_method_handler(
-                self._unary(handler.stream_unary, method, metadata),
-                handler.request_deserializer, handler.response_serializer)
-        if handler.unary_stream is not None:
-            return grpc.unary_stream_rpc_method_handler(
-                self._streaming(handler.unary_stream, method, metadata),
-                handler.request_deserializer, handler.response_serializer)
-        return grpc.stream_stream_rpc_method_handler(
-            self._streaming(handler.stream_stream, method, metadata),
-            handler.request_deserializer, handler.response_serializer)
+            wrapped = grpc.unary_unary_rpc_method_handler(
+                self._unary(handler.unary_unary, method), handler.request_deserializer, handler.response_serializer)
+        elif handler.stream_unary is not None:
+            wrapped = grpc.stream_unary_rpc_method_handler(
+                self._unary(handler.stream_unary, method), handler.request_deserializer, handler.response_serializer)
+        elif handler.unary_stream is not None:
+            wrapped = grpc.unary_stream_rpc_method_handler(
+                self._streaming(handler.unary_stream, method), handler.request_deserializer,
+                handler.response_serializer)
+        else:
+            wrapped = grpc.stream_stream_rpc_method_handler(
+                self._streaming(handler.stream_stream, method), handler.request_deserializer,
+                handler.response_serializer)
+        self._wrapped[method_path] = wrapped
+        return wrapped
 
-    def _authenticate(self, metadata, context) -> None:
-        auth_context = context.auth_context() if self.authenticator.tokens is None else {}
-        _TENANT.set(self.authenticator.tenant(metadata, context.peer(), auth_context))
+    def _authenticate(self, context) -> None:
+        _TENANT.set(self.authenticator.tenant(context.invocation_metadata(), context.peer(), context.auth_context))
 
-    def _unary(self, behavior, method: str, metadata):
+    def _unary(self, behavior, method: str):
         async def handle(request, context):
             start = time.perf_counter()
             code = "OK"
             try:
-                self._authenticate(metadata, context)
+                self._authenticate(context)
                 return await behavior(request, context)
             except BaseException as error:
                 code = code_of(error)
@@ -79,12 +82,12 @@ class StatusInterceptor(grpc.aio.ServerInterceptor):
                 self._observe(method, code, start)
         return handle
 
-    def _streaming(self, behavior, method: str, metadata):
+    def _streaming(self, behavior, method: str):
         async def handle(request, context):
             start = time.perf_counter()
             code = "OK"
             try:
-                self._authenticate(metadata, context)
+                self._authenticate(context)
                 async for response in behavior(request, context):
                     yield response
             except BaseException as error:

@@ -23,6 +23,7 @@ import hashlib
 import logging
 import os
 import stat
+from collections.abc import Callable
 
 from kvtierd.errors import InvalidArgument, Unauthenticated
 
@@ -110,7 +111,8 @@ class Authenticator:
             return f"bearer tokens from {self.tokens.path} ({self.tokens.num_tokens} tokens)"
         return f"unix peer: the socket owner ({self.socket_tenant.name}); TCP: TLS client certificate"
 
-    def tenant(self, metadata, peer: str, auth_context: dict) -> Tenant:
+    def tenant(self, metadata, peer: str, auth_context: Callable[[], dict]) -> Tenant:
+        """The caller's tenant; `auth_context()` (the TLS peer's properties) is read only for TCP."""
         if self.tokens is not None:
             for key, value in metadata or ():
                 if key == "authorization":
@@ -119,9 +121,9 @@ class Authenticator:
                         raise Unauthenticated("authorization metadata must be 'Bearer <token>'")
                     return self.tokens.tenant_of(token.strip())
             raise Unauthenticated("this daemon requires a bearer token (authorization: Bearer <token>)")
-        names = auth_context.get("x509_common_name") if auth_context else None
-        if names:
-            return Tenant.named(names[0].decode())
         if peer.startswith("unix:"):
             return self.socket_tenant
+        names = auth_context().get("x509_common_name")
+        if names:
+            return Tenant.named(names[0].decode())
         raise Unauthenticated("no credential: TCP callers need a bearer token or a TLS client certificate")
