@@ -88,6 +88,7 @@ class Daemon:
         self.feed = EventFeed(self.registry)
         self.health = health.aio.HealthServicer()
         self.server: grpc.aio.Server | None = None
+        self.servicer: KvTierServicer | None = None
         self.addresses: list[str] = []
         self.metrics_port: int | None = None
         self._tasks: list[asyncio.Task] = []
@@ -100,7 +101,8 @@ class Daemon:
             interceptors=[StatusInterceptor(self.authenticator, self.metrics.observe_rpc)],
             options=[("grpc.max_receive_message_length", limit), ("grpc.max_send_message_length", limit),
                      ("grpc.so_reuseport", 0), *READ_CHUNK_OPTIONS])
-        self.server.add_generic_rpc_handlers((kvtier_handlers(KvTierServicer(self.registry, self.sessions, self.feed)),))
+        self.servicer = KvTierServicer(self.registry, self.sessions, self.feed)
+        self.server.add_generic_rpc_handlers((kvtier_handlers(self.servicer),))
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
         reflection.enable_server_reflection([SERVICE_NAME, health.SERVICE_NAME, reflection.SERVICE_NAME], self.server)
         if server_config.socket:
@@ -157,6 +159,8 @@ class Daemon:
     async def stop(self) -> None:
         for name in ("", SERVICE_NAME):
             await self.health.set(name, health_pb2.HealthCheckResponse.NOT_SERVING)
+        if self.servicer is not None:
+            self.servicer.begin_shutdown()
         if self.server is not None:
             await self.server.stop(self.config.server.grace_s)
         for task in self._tasks:

@@ -37,6 +37,28 @@ class KvTierServicer(kvtier_pb2_grpc.KvTierServicer):
         self.feed = feed
         self.default_wait_s = default_wait_s
         self._put_ids = itertools.count()
+        self._shutdown = asyncio.Event()  # set at SIGTERM: long-lived streams end at once
+
+    def begin_shutdown(self) -> None:
+        """End every KeepAlive and Events stream now (sessions are then reclaimed), so that the
+        server's grace period is spent on calls that finish, not on streams that never do."""
+        self._shutdown.set()
+
+    async def _until_shutdown(self, next_item):
+        """The items `await next_item()` gives, until it ends or the daemon shuts down."""
+        while not self._shutdown.is_set():
+            item = asyncio.ensure_future(next_item())
+            stop = asyncio.ensure_future(self._shutdown.wait())
+            done, _ = await asyncio.wait({item, stop}, return_when=asyncio.FIRST_COMPLETED)
+            stop.cancel()
+            if item not in done:
+                item.cancel()
+                return
+            try:
+                value = item.result()
+            except StopAsyncIteration:
+                return
+            yield value
 
     # ----------------------------------------------------------------------------- sessions
 
@@ -58,7 +80,7 @@ class KvTierServicer(kvtier_pb2_grpc.KvTierServicer):
         tenant = current_tenant()
         session = None
         try:
-            async for ping in request_iterator:
+            async for ping in self._until_shutdown(request_iterator.__aiter__().__anext__):
                 if session is None:
                     session = self.sessions.get(ping.session_id, tenant)
                     self.sessions.stream_opened(session)
@@ -216,8 +238,8 @@ class KvTierServicer(kvtier_pb2_grpc.KvTierServicer):
         layout = layout_from_proto(request.layout) if request.HasField("layout") else None
         subscriber = self.feed.subscribe(current_tenant(), layout)
         try:
-            while True:
-                yield await subscriber.queue.get()
+            async for event in self._until_shutdown(subscriber.queue.get):
+                yield event
         finally:
             self.feed.unsubscribe(subscriber)
 
