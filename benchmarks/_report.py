@@ -17,6 +17,7 @@ import dataclasses
 import gc
 import platform
 import statistics
+import subprocess
 import sys
 import time
 from collections.abc import Callable, Sequence
@@ -117,3 +118,15 @@ def verdict(passed: bool) -> str:
 def median_and_best(median: float, best: float, digits: int = 0) -> str:
     """`median (best)`, e.g. `812 (790)`."""
     return f"{median:,.{digits}f} ({best:,.{digits}f})"
+
+
+def stop_process(process: subprocess.Popen, timeout_s: float = 10.0) -> None:
+    """SIGTERM a baseline server, SIGKILL it if it does not exit in time."""
+    if process.poll() is not None:
+        return
+    process.terminate()
+    try:
+        process.wait(timeout_s)
+    except subprocess.TimeoutExpired:
+        process.kill()
+        process.wait(timeout_s)

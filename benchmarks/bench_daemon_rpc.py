@@ -243,12 +243,7 @@ class FloorServer:
         return self
 
     def __exit__(self, *exc_info: object) -> None:
-        self.process.terminate()
-        try:
-            self.process.wait(10)
-        except subprocess.TimeoutExpired:
-            self.process.kill()
-            self.process.wait(10)
+        _report.stop_process(self.process)
 
 
 async def measure(daemon: DaemonProcess, floor: FloorServer, args, rng) -> list[list[object]]:

@@ -88,13 +88,7 @@ class RedisServer:
 
     def stop(self) -> None:
         self.client.close()
-        if self.process.poll() is None:
-            self.process.terminate()
-            try:
-                self.process.wait(10)
-            except subprocess.TimeoutExpired:
-                self.process.kill()
-                self.process.wait(10)
+        _report.stop_process(self.process)
 
     def __enter__(self) -> RedisServer:
         return self

@@ -15,7 +15,7 @@ import grpc
 import grpc.aio
 
 from kvtierd.client_calls import (
-    EVENTS_RETRY_WINDOW_S, Acquired, BlockData, Call, ClientBase, PutResult, PutStream, Retry, SessionBase,
+    Acquired, BlockData, Call, ClientBase, EventStreamBase, PutResult, PutStream, Retry, SessionBase,
     TlsOptions, TokenIds, attach_request, events_request, get_request, map_rpc_error)
 from kvtierd.device_pool import attach_device_pool
 from kvtierd.layout import Layout
@@ -215,16 +215,8 @@ class AsyncKeepAlive:
             await asyncio.wait({self._task}, timeout=KEEPALIVE_CLOSE_GRACE_S)
 
 
-class AsyncEventStream:
+class AsyncEventStream(EventStreamBase):
     """EventStream (client.py) as an async iterator."""
-
-    def __init__(self, client: AsyncKvtierClient, request: pb.EventsRequest, timeout_s: float | None) -> None:
-        self._client = client
-        self._open = lambda: client._stub.Events(request, timeout=timeout_s, metadata=client._metadata)
-        self._retry = Retry(client.max_attempts, EVENTS_RETRY_WINDOW_S)
-        self._received = False
-        self._cancelled = False
-        self._call = self._open()
 
     def __aiter__(self) -> AsyncEventStream:
         return self

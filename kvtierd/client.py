@@ -23,7 +23,7 @@ from typing import TypeVar
 import grpc
 
 from kvtierd.client_calls import (
-    EVENTS_RETRY_WINDOW_S, Acquired, BlockData, Call, ClientBase, PutResult, PutStream, Retry, SessionBase,
+    Acquired, BlockData, Call, ClientBase, EventStreamBase, PutResult, PutStream, Retry, SessionBase,
     TlsOptions, TokenIds, attach_request, events_request, get_request, map_rpc_error)
 from kvtierd.device_pool import attach_device_pool
 from kvtierd.errors import FailedPrecondition
@@ -234,17 +234,9 @@ class KeepAlive:
             self._thread.join(KEEPALIVE_CLOSE_GRACE_S)
 
 
-class EventStream:
+class EventStream(EventStreamBase):
     """Events as an iterator. `cancel()` or closing the client ends it (StopIteration); before the
     first event an UNAVAILABLE is retried like a unary call, after it the stream is not retried."""
-
-    def __init__(self, client: KvtierClient, request: pb.EventsRequest, timeout_s: float | None) -> None:
-        self._client = client
-        self._open = lambda: client._stub.Events(request, timeout=timeout_s, metadata=client._metadata)
-        self._retry = Retry(client.max_attempts, EVENTS_RETRY_WINDOW_S)
-        self._received = False
-        self._cancelled = False
-        self._call = self._open()
 
     def __iter__(self) -> EventStream:
         return self

@@ -351,3 +351,16 @@ class SessionBase:
     def __repr__(self) -> str:
         state = "closed" if self.closed else f"lease_s={self.lease_s}"
         return f"{type(self).__name__}({self.session_id!r}, tenant={self.tenant!r}, {self.layout.model_id!r}, {state})"
+
+
+class EventStreamBase:
+    """What the blocking and asyncio event streams share: the call, and its retry before the
+    first event (UNAVAILABLE is retried like a unary call until an event has arrived)."""
+
+    def __init__(self, client: ClientBase, request: pb.EventsRequest, timeout_s: float | None) -> None:
+        self._client = client
+        self._open = lambda: client._stub.Events(request, timeout=timeout_s, metadata=client._metadata)
+        self._retry = Retry(client.max_attempts, EVENTS_RETRY_WINDOW_S)
+        self._received = False
+        self._cancelled = False
+        self._call = self._open()
