@@ -120,7 +120,12 @@ class Daemon:
         for name in ("", SERVICE_NAME):
             await self.health.set(name, health_pb2.HealthCheckResponse.SERVING)
         if server_config.metrics_port >= 0:
-            _, self.metrics_port = self.metrics.serve_http(server_config.metrics_host, server_config.metrics_port)
+            address = f"{server_config.metrics_host}:{server_config.metrics_port}"
+            try:
+                _, self.metrics_port = self.metrics.serve_http(server_config.metrics_host, server_config.metrics_port)
+            except OSError as e:
+                raise FailedPrecondition(f"cannot serve metrics on {address}: {e.strerror}; choose another "
+                                         "--metrics-port (0: any free port, -1: no metrics endpoint)") from None
         self._tasks = [asyncio.create_task(self.sessions.run_reaper(min(1.0, server_config.lease_s / 4))),
                        asyncio.create_task(self.feed.run())]
 

@@ -185,3 +185,16 @@ def test_live_metrics_scrape_passes_promtool(daemon, promtool):
     text = scrape.decode()
     assert f'kvtierd_t0_free_blocks{{model="{LAYOUT.model_id}"}} {float(free)}' in text
     assert 'kvtierd_rpc_total{code="OK",method="Acquire"} 1.0' in text
+
+
+def test_a_busy_metrics_port_is_a_clear_error_and_leaves_no_socket(daemon, tmp_path):
+    port = daemon.metrics_url.rsplit(":", 1)[1].split("/")[0]
+    other = tmp_path / "other"
+    other.mkdir()
+    args = small_daemon_args(str(other), extra=["--metrics-port", port])
+    done = subprocess.run([sys.executable, "-m", "kvtierd.cli", "serve", *args], capture_output=True, text=True,
+                          timeout=120)
+    assert done.returncode == 2, done.stdout + done.stderr
+    assert f"kvtierd: error: cannot serve metrics on 127.0.0.1:{port}" in done.stderr
+    assert "Traceback" not in done.stderr
+    assert not (other / "kvtierd.sock").exists()
