@@ -124,7 +124,7 @@ class KvTierServicer(kvtier_pb2_grpc.KvTierServicer):
         timeout_s = request.timeout_s or self.default_wait_s
         try:
             ready = await asyncio.wait_for(asyncio.shield(asyncio.wrap_future(held.ticket.future)), timeout_s)
-        except TimeoutError:
+        except asyncio.TimeoutError:
             raise DeadlineExceeded(f"promotion of request {request.request_id!r} not finished after {timeout_s} s") \
                 from None
         return pb.WaitResponse(num_ready_blocks=ready)
