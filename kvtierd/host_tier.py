@@ -43,8 +43,5 @@ class HostTier:
         """Per-owner byte limits (None = none), enforced in slots; see SlotIndex.set_owner_quota."""
         self.index.set_owner_quota(owner_of, lambda owner: slots_within(limit_bytes(owner), self.slab.stride))
 
-    def num_bytes_of(self, owner: bytes) -> int:
-        return self.index.num_slots_of(owner) * self.slab.stride
-
     def close(self) -> None:
         self.slab.close()

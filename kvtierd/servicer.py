@@ -260,7 +260,8 @@ class _PutStream:
 
     def __init__(self, pool: Pool, tenant: Tenant, key, sessions: SessionTable, parent_hash: bytes) -> None:
         self.pool, self.tenant, self.key, self.quotas = pool, tenant, key, sessions.quotas
-        self.parent = _parent_key(tenant, pool, 0 if not parent_hash else 1, parent_hash or pool.client_root)
+        # the key before the first block: the tenant's root, or the given parent's key
+        self.parent = _parent_key(tenant, pool, 1, parent_hash) if parent_hash else tenant.key(pool.client_root)
         self.batch: list[PutFrame] = []
         self.commits: list[tuple[int, list[bytes], bytes, bytes]] = []  # (position, keys, tokens, parent)
         self.num_blocks = self.num_already_cached = self.num_held_blocks = 0

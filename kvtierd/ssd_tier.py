@@ -154,9 +154,6 @@ class SsdTier:
         """Per-owner byte limits (None = none), enforced in slots; see SlotIndex.set_owner_quota."""
         self._index.set_owner_quota(owner_of, lambda owner: slots_within(limit_bytes(owner), self.stride))
 
-    def num_bytes_of(self, owner: bytes) -> int:
-        return self._index.num_slots_of(owner) * self.stride
-
     def stats(self) -> dict:
         with self._stats_lock:
             return dict(

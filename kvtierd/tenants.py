@@ -50,9 +50,6 @@ class Tenant:
     def keys(self, client_hashes) -> list[bytes]:
         return list(map(self.tag.__add__, client_hashes))
 
-    def owns(self, key: bytes) -> bool:
-        return key[:TAG_BYTES] == self.tag
-
 
 class TokenBook:
     """Bearer token → tenant, from a file of `tenant token` lines ('#' starts a comment)."""

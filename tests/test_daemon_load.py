@@ -10,7 +10,6 @@ import sys
 
 from kvtierd.client import KvtierClient
 from kvtierd.daemon_process import DaemonProcess, small_daemon_args, wait_until
-from tests.e2e_runner import LAYOUT
 
 RUNNER = os.path.join(os.path.dirname(__file__), "e2e_runner.py")
 NUM_WORKERS = 4

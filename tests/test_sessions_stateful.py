@@ -105,7 +105,7 @@ class SessionMachine(RuleBasedStateMachine):
     def append(self, data):
         session, request_id = data.draw(st.sampled_from(self.held()))
         try:
-            block_ids = self.pool.manager.index.append_blocks(session.key(request_id), 1)
+            self.pool.manager.index.append_blocks(session.key(request_id), 1)
         except ResourceExhausted:
             return
         self.sessions.grow(session, request_id, 1)
