@@ -1,0 +1,104 @@
+"""A lazily attached, self-healing kvtierd session for one side of the vLLM connector.
+
+An inference engine must not crash because the cache daemon is down, slow to start, or
+restarted. `DaemonLink.session()` returns an attached `kvtierd.client.Session`, or None while
+the daemon cannot be reached; the caller then degrades to "no hit" / "no store". Attach is
+retried at most every `retry_after_s`. A call that fails with Unavailable or NotFound (the
+daemon restarted and forgot the session) marks the session stale through `failed()`, and the
+next `session()` attaches afresh.
+
+A stale session's mapped pool is not unmapped until `close()`: another thread may still be
+copying through it, and unmapping under a copy would fault the engine. A daemon restart thus
+leaves one old mapping behind until the engine shuts down.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from typing import Callable
+
+from kvtierd.client import KvtierClient, Session
+from kvtierd.errors import KvtierError, NotFound, Unavailable
+from kvtierd.layout import Layout
+
+log = logging.getLogger(__name__)
+
+DEFAULT_RETRY_AFTER_S = 5.0
+DEFAULT_TIMEOUT_S = 5.0
+
+
+class DaemonLink:
+    """One client and at most one live session; thread-safe.
+
+    Invariants: `_session` is None or open; sessions that went stale are kept in
+    `_stale_sessions` (pools still mapped) until `close()`; no attach is tried before
+    `_next_attach_at` (monotonic seconds).
+    """
+
+    def __init__(self, layout: Layout, *, target: str | None = None, token: str | None = None,
+                 hash_algo: str = "sha256", map_pool: bool, timeout_s: float = DEFAULT_TIMEOUT_S,
+                 retry_after_s: float = DEFAULT_RETRY_AFTER_S,
+                 client_factory: Callable[..., KvtierClient] = KvtierClient) -> None:
+        if retry_after_s < 0 or timeout_s <= 0:
+            raise ValueError(f"need retry_after_s >= 0 and timeout_s > 0, got {retry_after_s}, {timeout_s}")
+        self.layout = layout
+        self.target = target
+        self.token = token
+        self.hash_algo = hash_algo
+        self.map_pool = map_pool
+        self.timeout_s = timeout_s
+        self.retry_after_s = retry_after_s
+        self._client_factory = client_factory
+        self._lock = threading.Lock()
+        self._client: KvtierClient | None = None
+        self._session: Session | None = None
+        self._stale_sessions: list[Session] = []
+        self._next_attach_at = 0.0
+        self.num_attach_failures = 0
+        self.closed = False
+
+    def session(self) -> Session | None:
+        """The live session, attaching if due; None while the daemon cannot be reached."""
+        with self._lock:
+            if self._session is not None and not self._session.closed:
+                return self._session
+            if self.closed or time.monotonic() < self._next_attach_at:
+                return None
+            try:
+                if self._client is None:
+                    self._client = self._client_factory(self.target, token=self.token, timeout_s=self.timeout_s)
+                self._session = self._client.attach(self.layout, map_pool=self.map_pool, hash_algo=self.hash_algo)
+            except (KvtierError, OSError, RuntimeError) as error:
+                self.num_attach_failures += 1
+                self._next_attach_at = time.monotonic() + self.retry_after_s
+                log.warning("kvtierd connector: cannot attach to kvtierd (%s: %s); serving without the "
+                            "cache, next try in %.0f s", type(error).__name__, error, self.retry_after_s)
+                return None
+            log.info("kvtierd connector: attached session %s (%s, pool mapped: %s)", self._session.session_id,
+                     self.layout.model_id, self.map_pool)
+            return self._session
+
+    def failed(self, session: Session, error: BaseException) -> None:
+        """Report a failed call on `session`: an unreachable daemon or a forgotten session makes
+        it stale (re-attach after `retry_after_s`); other errors leave it in use."""
+        if not isinstance(error, (Unavailable, NotFound)):
+            return
+        with self._lock:
+            if self._session is session:
+                self._stale_sessions.append(session)
+                self._session = None
+                self._next_attach_at = time.monotonic() + self.retry_after_s
+
+    def close(self) -> None:
+        """Close every session (unmapping pools) and the client. Idempotent."""
+        with self._lock:
+            self.closed = True
+            sessions = self._stale_sessions + ([self._session] if self._session is not None else [])
+            self._session, self._stale_sessions = None, []
+            client, self._client = self._client, None
+        for session in sessions:
+            session.close()
+        if client is not None:
+            client.close()
