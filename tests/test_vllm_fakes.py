@@ -1,0 +1,287 @@
+"""Stand-ins for the vLLM objects the kvtierd connector reads, and a CPU engine that drives the
+connector's two roles in the order vLLM documents for one engine step. No tests here: the
+test_vllm_* modules share it.
+
+Attributes are those of the real objects: `Request` (vllm/v1/request.py: request_id,
+prompt_token_ids, all_token_ids, num_tokens, num_computed_tokens, block_hashes), `KVCacheBlocks`
+(vllm/v1/core/kv_cache_manager.py: get_block_ids() → one list per KV cache group),
+`SchedulerOutput` / `NewRequestData` / `CachedRequestData` (vllm/v1/core/sched/output.py),
+`VllmConfig` pieces (vllm/config/: model_config.get_num_layers / get_num_kv_heads /
+get_head_size, cache_config.block_size / cache_dtype / prefix_caching_hash_algo,
+parallel_config, kv_transfer_config.kv_role / kv_connector_extra_config) and an attention
+backend's get_kv_cache_shape / get_kv_cache_stride_order (vllm/v1/attention/backend.py).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import math
+import time
+
+import torch
+
+from kvtierd.connectors.vllm_connector import KvtierdConnector
+
+NUM_LAYERS, NUM_KV_HEADS, HEAD_DIM, BLOCK_SIZE = 2, 2, 8, 4
+MODEL = "vllm-connector-test"
+BLOCK_SHAPE = (NUM_LAYERS, 2, BLOCK_SIZE, NUM_KV_HEADS, HEAD_DIM)
+
+
+@dataclasses.dataclass
+class ModelConfig:
+    model: str = MODEL
+    dtype: torch.dtype = torch.float16
+
+    def get_num_layers(self, parallel_config) -> int:
+        return NUM_LAYERS
+
+    def get_num_kv_heads(self, parallel_config) -> int:
+        return NUM_KV_HEADS
+
+    def get_head_size(self) -> int:
+        return HEAD_DIM
+
+
+@dataclasses.dataclass
+class CacheConfig:
+    block_size: int = BLOCK_SIZE
+    cache_dtype: str = "auto"
+    prefix_caching_hash_algo: str = "sha256"
+
+
+@dataclasses.dataclass
+class ParallelConfig:
+    tensor_parallel_size: int = 1
+    pipeline_parallel_size: int = 1
+
+
+@dataclasses.dataclass
+class KVTransferConfig:
+    kv_role: str = "kv_both"
+    kv_connector: str = "KvtierdConnector"
+    kv_connector_module_path: str = "kvtierd.connectors.vllm_connector"
+    kv_connector_extra_config: dict = dataclasses.field(default_factory=dict)
+
+
+@dataclasses.dataclass
+class VllmConfig:
+    model_config: ModelConfig
+    cache_config: CacheConfig
+    parallel_config: ParallelConfig
+    kv_transfer_config: KVTransferConfig
+
+
+def vllm_config(address: str, kv_role: str = "kv_both", **extra) -> VllmConfig:
+    return VllmConfig(ModelConfig(), CacheConfig(), ParallelConfig(),
+                      KVTransferConfig(kv_role=kv_role, kv_connector_extra_config={"address": address, **extra}))
+
+
+def chain_hashes(token_ids: list[int], block_size: int = BLOCK_SIZE) -> list[bytes]:
+    """Full blocks only, each chained from its parent, as vLLM's request block hasher does."""
+    parent, hashes = b"fake-none-hash", []
+    for start in range(0, len(token_ids) - block_size + 1, block_size):
+        parent = hashlib.sha256(parent + repr(token_ids[start:start + block_size]).encode()).digest()
+        hashes.append(parent)
+    return hashes
+
+
+class Request:
+    def __init__(self, request_id: str, prompt_token_ids: list[int]) -> None:
+        self.request_id = request_id
+        self.prompt_token_ids = list(prompt_token_ids)
+        self.all_token_ids = list(prompt_token_ids)
+        self.num_computed_tokens = 0
+        self.block_hashes = chain_hashes(self.all_token_ids)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.all_token_ids)
+
+
+@dataclasses.dataclass
+class KVCacheBlocks:
+    block_ids: list[int]
+
+    def get_block_ids(self) -> tuple[list[int], ...]:
+        return (list(self.block_ids),)
+
+
+@dataclasses.dataclass
+class NewRequestData:
+    req_id: str
+    prompt_token_ids: list[int]
+    block_ids: tuple[list[int], ...]
+    num_computed_tokens: int
+
+
+@dataclasses.dataclass
+class CachedRequestData:
+    req_ids: list[str] = dataclasses.field(default_factory=list)
+    resumed_req_ids: set[str] = dataclasses.field(default_factory=set)
+    new_token_ids: list[list[int]] = dataclasses.field(default_factory=list)
+    new_block_ids: list = dataclasses.field(default_factory=list)
+    num_computed_tokens: list[int] = dataclasses.field(default_factory=list)
+
+
+@dataclasses.dataclass
+class SchedulerOutput:
+    scheduled_new_reqs: list[NewRequestData]
+    scheduled_cached_reqs: CachedRequestData
+    num_scheduled_tokens: dict[str, int]
+    finished_req_ids: set[str]
+    preempted_req_ids: set[str] = dataclasses.field(default_factory=set)
+
+
+class FlashAttentionBackend:
+    """get_kv_cache_shape of FlashAttention; NHD (2, 0, 1, 3, 4, 5) or HND (2, 4, 0, 1, 3, 5)."""
+
+    def __init__(self, stride_order: tuple[int, ...]) -> None:
+        self.stride_order = stride_order
+
+    def get_kv_cache_shape(self, num_blocks, block_size, num_kv_heads, head_size, cache_dtype_str="auto"):
+        return (2, num_blocks, block_size, num_kv_heads, head_size)
+
+    def get_kv_cache_stride_order(self, include_num_layers_dimension: bool = False):
+        assert include_num_layers_dimension
+        return self.stride_order
+
+
+STRIDE_ORDERS = {"cross_nhd": (2, 0, 1, 3, 4, 5), "cross_hnd": (2, 4, 0, 1, 3, 5)}
+KV_LAYOUTS = ["per_layer", *STRIDE_ORDERS]
+
+
+def block_value(block_hash: bytes) -> torch.Tensor:
+    """The KV a forward writes for a block: a fixed function of its hash."""
+    generator = torch.Generator().manual_seed(int.from_bytes(block_hash[:8], "little") >> 1)
+    return torch.randn(BLOCK_SHAPE, generator=generator).to(torch.float16)
+
+
+@dataclasses.dataclass
+class StepResult:
+    num_external_tokens: int
+    engine_block_ids: list[int]
+    load_error_block_ids: set[int]
+    metadata: object
+
+
+class Engine:
+    """vLLM's engine core and one worker on CPU: allocates engine blocks, calls the scheduler
+    role, then the worker role, in the order of one engine step (see vllm_scheduler.py and
+    vllm_worker.py), and writes `block_value` into the blocks a forward computes."""
+
+    def __init__(self, address: str, kv_layout: str = "per_layer", num_engine_blocks: int = 64,
+                 device: str = "cpu", kv_role: str = "kv_both", **extra) -> None:
+        config = vllm_config(address, kv_role, **extra)
+        self.scheduler = KvtierdConnector(config, "scheduler")
+        self.worker = KvtierdConnector(config, "worker")
+        self.kv_layout = kv_layout
+        shape = (NUM_LAYERS, 2, num_engine_blocks, BLOCK_SIZE, NUM_KV_HEADS, HEAD_DIM)
+        if kv_layout == "per_layer":
+            self.layer_caches = [torch.zeros(shape[1:], dtype=torch.float16, device=device) for _ in range(NUM_LAYERS)]
+            names = [f"model.layers.{layer}.self_attn.attn" for layer in range(NUM_LAYERS)]
+            self.worker.register_kv_caches(dict(reversed(list(zip(names, self.layer_caches)))))
+        else:
+            order = STRIDE_ORDERS[kv_layout]
+            self.physical = torch.zeros(tuple(shape[i] for i in order), dtype=torch.float16, device=device)
+            self.worker.register_cross_layers_kv_cache(self.physical, FlashAttentionBackend(order))
+        self.free_block_ids = list(range(num_engine_blocks))
+        self.finished_waiting: dict[str, list[int]] = {}  # delayed frees: request id -> block ids
+        self.finished_req_ids: set[str] = set()  # to tell the worker next step
+        self.finished_sending: set[str] = set()
+
+    # ---- engine block access, independent of the connector's own views
+    def block(self, engine_block_id: int) -> torch.Tensor:
+        if self.kv_layout == "per_layer":
+            return torch.stack([cache[:, engine_block_id] for cache in self.layer_caches]).cpu()
+        view = self.physical[engine_block_id]
+        return (view if self.kv_layout == "cross_nhd" else view.permute(1, 2, 3, 0, 4)).cpu().clone()
+
+    def write_block(self, engine_block_id: int, value: torch.Tensor) -> None:
+        if self.kv_layout == "per_layer":
+            for layer, cache in enumerate(self.layer_caches):
+                cache[:, engine_block_id] = value[layer].to(cache.device)
+        else:
+            view = self.physical[engine_block_id]
+            (view if self.kv_layout == "cross_nhd" else view.permute(1, 2, 3, 0, 4)).copy_(value)
+
+    def zero_all_blocks(self) -> None:
+        for tensor in (self.layer_caches if self.kv_layout == "per_layer" else [self.physical]):
+            tensor.zero_()
+
+    # ---- the scheduler's side of a step
+    def matched_tokens(self, request: Request, num_local_computed_tokens: int = 0, timeout_s: float = 15.0) -> int:
+        """get_num_new_matched_tokens until it stops answering None."""
+        deadline = time.monotonic() + timeout_s
+        while True:
+            num_tokens, load_async = self.scheduler.get_num_new_matched_tokens(request, num_local_computed_tokens)
+            assert load_async is False
+            if num_tokens is not None:
+                return num_tokens
+            assert time.monotonic() < deadline, "the lookup never finished"
+            time.sleep(0.005)
+
+    def prefill(self, request: Request) -> StepResult:
+        """One engine step that schedules `request` whole: lookup, allocate, build metadata,
+        load, forward (writes the blocks it computes), save, report."""
+        num_external = self.matched_tokens(request)
+        num_blocks = math.ceil(request.num_tokens / BLOCK_SIZE)
+        block_ids, self.free_block_ids = self.free_block_ids[:num_blocks], self.free_block_ids[num_blocks:]
+        self.scheduler.update_state_after_alloc(request, KVCacheBlocks(block_ids), num_external)
+        request.num_computed_tokens = num_external
+        new = NewRequestData(request.request_id, request.prompt_token_ids, (block_ids,), num_external)
+        output = SchedulerOutput([new], CachedRequestData(), {request.request_id: request.num_tokens - num_external},
+                                 self._take_finished())
+        metadata = self.scheduler.build_connector_meta(output)
+        request.num_computed_tokens = request.num_tokens  # the scheduler advances after building
+        errors = self._worker_step(metadata, output, lambda: [
+            self.write_block(block_ids[i], block_value(request.block_hashes[i]))
+            for i in range(num_external // BLOCK_SIZE, len(request.block_hashes))])
+        return StepResult(num_external, block_ids, errors, metadata)
+
+    def idle_step(self) -> None:
+        output = SchedulerOutput([], CachedRequestData(), {}, self._take_finished())
+        self._worker_step(self.scheduler.build_connector_meta(output), output, lambda: None)
+
+    def _take_finished(self) -> set[str]:
+        finished, self.finished_req_ids = self.finished_req_ids, set()
+        return finished
+
+    def _worker_step(self, metadata, output: SchedulerOutput, forward) -> set[int]:
+        worker = self.worker
+        worker.bind_connector_metadata(metadata)
+        worker.start_load_kv(None)
+        forward()
+        worker.wait_for_save()
+        finished_sending, finished_recving = worker.get_finished(output.finished_req_ids)
+        errors = worker.get_block_ids_with_load_errors()
+        worker.clear_connector_metadata()
+        assert finished_recving is None
+        for request_id in finished_sending or ():
+            assert request_id in self.finished_waiting, f"{request_id} reported but never delayed"
+            self.free_block_ids += self.finished_waiting.pop(request_id)
+            self.finished_sending.add(request_id)
+        return errors
+
+    def finish(self, request: Request, block_ids: list[int]) -> bool:
+        """request_finished; frees now unless the connector delays. Returns the delay flag."""
+        delay, params = self.scheduler.request_finished(request, block_ids)
+        assert params is None
+        if delay:
+            self.finished_waiting[request.request_id] = block_ids
+        else:
+            self.free_block_ids += block_ids
+        self.finished_req_ids.add(request.request_id)
+        return delay
+
+    def drain(self, timeout_s: float = 15.0) -> None:
+        """Idle steps until every delayed request is reported by get_finished."""
+        deadline = time.monotonic() + timeout_s
+        while self.finished_waiting or self.finished_req_ids:
+            assert time.monotonic() < deadline, f"never reported: {sorted(self.finished_waiting)}"
+            self.idle_step()
+            time.sleep(0.005)
+
+    def close(self) -> None:
+        self.worker.shutdown()
+        self.scheduler.shutdown()
