@@ -12,11 +12,13 @@ from pathlib import Path
 import pytest
 
 from kvtierd import cuda_kernels, fp8_codec, layout_kernels
+from kvtierd.connectors import paged_attention_cuda
 
 KERNEL_DIR = Path(__file__).resolve().parent.parent / "kernels"
 ARCHS = ("sm_80", "sm_90")
 SOURCES = sorted(KERNEL_DIR.glob("*.cu"))
-WRAPPER_KERNEL_NAMES = {**layout_kernels.KERNEL_NAMES, **fp8_codec.KERNEL_NAMES}
+WRAPPER_KERNEL_NAMES = {**layout_kernels.KERNEL_NAMES, **fp8_codec.KERNEL_NAMES,
+                        **paged_attention_cuda.KERNEL_NAMES}
 
 
 def _find_nvcc() -> str | None:
