@@ -86,6 +86,7 @@ class BlockIndex:
         self._clock = clock
         self._events = EventQueue(max_pending_events) if max_pending_events else None
         self._lock = threading.Lock()
+        self.num_evictions = 0  # cached blocks whose hash was dropped to reuse the block (under _lock)
 
     # ----------------------------------------------------------------------------- queries
 
@@ -374,6 +375,7 @@ class BlockIndex:
 
     def _evict(self, victims: list[KVBlock], now: float) -> None:
         """Drop cached blocks' content keys: tell the tiers (they may copy them down), then forget."""
+        self.num_evictions += len(victims)
         if self.on_evict is not None:
             try:
                 self.on_evict(victims)

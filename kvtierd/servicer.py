@@ -356,7 +356,8 @@ def _pool_stats(pool: Pool) -> pb.PoolStats:
     hits = stats["hit_blocks"]
     tiers = [pb.TierStats(tier="t0", capacity_bytes=t0["capacity_bytes"],
                           used_bytes=(t0["num_blocks"] - t0["num_free_blocks"]) * bytes_per_block,
-                          num_cached_blocks=t0["num_cached_blocks"], num_hit_blocks=hits["t0"])]
+                          num_cached_blocks=t0["num_cached_blocks"], num_hit_blocks=hits["t0"],
+                          num_evictions=t0["evictions"])]
     if "t1" in stats:
         t1 = stats["t1"]
         tiers.append(pb.TierStats(tier="t1", capacity_bytes=t1["capacity_bytes"], used_bytes=t1["used_bytes"],

@@ -126,6 +126,7 @@ def test_popping_a_cached_block_evicts_it():
     assert chain[2] not in index.hash_to_block and index.blocks[2].block_hash is None
     assert index.take_events() == [BlockRemoved(chain[2])]
     assert index.lookup(chain) == 2
+    assert index.num_evictions == 1
 
 
 def test_a_failing_eviction_hook_does_not_corrupt_the_index():
