@@ -107,8 +107,8 @@ def paged_attention_reference(query, key_cache, value_cache, block_tables, conte
         if num_queries == 1:  # the last position sees everything
             mask = None
         else:  # query i (position context_len - num_queries + i) sees key j <= that position
-            query_positions = torch.arange(context_len - num_queries, context_len).unsqueeze(1)
-            mask = torch.arange(context_len).unsqueeze(0) <= query_positions
+            query_positions = torch.arange(context_len - num_queries, context_len, device=query.device).unsqueeze(1)
+            mask = torch.arange(context_len, device=query.device).unsqueeze(0) <= query_positions
         attended = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale)
         out[start:end] = attended.transpose(0, 1).to(query.dtype)
     return out
