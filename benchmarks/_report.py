@@ -89,11 +89,11 @@ def parse_args(description: str, argv: Sequence[str] | None = None) -> argparse.
     return parser.parse_args(argv)
 
 
-def print_header(title: str, quick: bool) -> None:
+def print_header(title: str, quick: bool, timing_note: str = TIMING_NOTE) -> None:
     print(title)
     print(f"python {platform.python_version()} ({platform.python_implementation()}), {platform.machine()}, "
           f"{'QUICK run: rough numbers' if quick else 'full run'}")
-    print(TIMING_NOTE)
+    print(timing_note)
 
 
 def print_table(headers: Sequence[str], rows: Sequence[Sequence[object]]) -> None:

@@ -81,5 +81,6 @@ class DemoTraffic:
     def max_prompt_tokens(self) -> int:
         w = self.workload
         chat = w.first_turn_tokens + (w.num_turns - 1) * (w.user_tokens + w.reply_tokens)
-        return max(chat, w.system_prompt_tokens + w.question_tokens)
+        shared = w.system_prompt_tokens + w.question_tokens if w.num_shared_requests else 0
+        return max(chat if w.num_conversations else 0, shared)
 
