@@ -119,15 +119,17 @@ class Promoter:
             self._pending[request_id] = ticket
         targets = allocation.block_ids[n0:]
         segments = [_Segment([e.meta for e in t1_entries]), _Segment(t2_metas)]
+        # An empty segment is settled before any load starts: a load can finish (and call `done`,
+        # on the finalizer thread) before this thread reaches its next line, and `_finish` resolves
+        # the ticket only once every segment is settled.
+        for segment in segments:
+            if not segment.metas:
+                segment.num_loaded = 0
         done = lambda: self._finish(request_id, n0, targets, segments, ticket)  # noqa: E731
         if t1_entries:
             self._load_t1(t1_entries, targets[:len(t1_entries)], segments[0], done)
-        else:
-            segments[0].num_loaded = 0
         if t2_metas:
             self._load_t2(t2_metas, targets[len(t1_entries):], segments[1], done)
-        else:
-            segments[1].num_loaded = 0
         return Acquisition(allocation.block_ids, n0, len(t1_entries), len(t2_metas), ticket)
 
     def prefetch(self, block_hashes: list[bytes], token_ids=None) -> int:

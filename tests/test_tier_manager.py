@@ -47,6 +47,24 @@ def test_evicted_blocks_are_offloaded_and_promoted_back_with_their_bytes(manager
     manager.release("b")
 
 
+def test_a_t1_load_that_lands_before_acquire_returns_still_resolves_the_ticket(manager, monkeypatch):
+    """The load may finish on the finalizer thread before the acquiring thread moves on; the
+    ticket must resolve anyway (it once waited forever, and SIGTERM then hung on the release)."""
+    chain = only_in_t1(manager)
+    promoter = manager.promoter
+    load_t1 = promoter._load_t1
+
+    def load_and_land(*args):
+        load_t1(*args)
+        manager.tiers.wait_quiet()  # the copy and its finalizer have run
+
+    monkeypatch.setattr(promoter, "_load_t1", load_and_land)
+    acquisition = manager.acquire("b", chain, 0, PROMPT)
+    assert acquisition.num_t1_blocks == 4
+    assert acquisition.ticket.wait(10) == 4
+    manager.release("b")
+
+
 def test_write_through_copies_committed_blocks_at_once():
     manager = make_manager(t0_to_t1=EdgePolicy.WRITE_THROUGH)
     try:

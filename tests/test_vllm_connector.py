@@ -162,13 +162,7 @@ def empty_output() -> SchedulerOutput:
     return SchedulerOutput([], CachedRequestData(), {}, set())
 
 
-PROMOTION_HANG = pytest.mark.xfail(
-    reason="kvtierd daemon: about 1 run in 3 on a loaded machine a T1->T0 promotion never finishes (Wait "
-           "times out, then SIGTERM does not stop the daemon); the connector then reports load errors",
-    raises=AssertionError, strict=False)
-
-
-@pytest.mark.parametrize("policy", ["off", pytest.param("on_evict", marks=PROMOTION_HANG)])
+@pytest.mark.parametrize("policy", ["off", "on_evict"])
 def test_blocks_evicted_after_the_lookup_are_load_errors_or_come_back_from_t1(tmp_path, engines, policy):
     """Between B's lookup and its load another client evicts every T0 block. With T0→T1 off,
     B's engine blocks are reported as load errors; with on_evict they are promoted from T1
