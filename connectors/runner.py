@@ -110,9 +110,8 @@ class ReferenceRunner:
                     started.num_t0_hit_tokens, started.num_t1_hit_tokens, started.num_t2_hit_tokens))
             logits = self.model.forward(ForwardBatch.build(chunks, self.block_size, self.model.device), self.backend.pool)
             for request, chunk, row, result in zip(requests, chunks, logits, results):
-                family = self._after_prefill(request, chunk, row)
+                family = self._after_prefill(request, chunk, row, result, started_s)
                 admitted.extend(s.request_id for s in family[1:])
-                result.ttft_s = time.perf_counter() - started_s
                 sequences.append(family)
             self._decode([s for family in sequences for s in family if not s.done])
         finally:
@@ -124,21 +123,26 @@ class ReferenceRunner:
                 result.step_logits = [s.logits for s in family]
         return results
 
-    def _after_prefill(self, request: GenerationRequest, chunk: SequenceChunk, logits: torch.Tensor) -> list[_Sequence]:
-        """Commit the prompt's full blocks, fork the n - 1 siblings, sample every first token."""
+    def _after_prefill(self, request: GenerationRequest, chunk: SequenceChunk, logits: torch.Tensor,
+                       result: GenerationResult, started_s: float) -> list[_Sequence]:
+        """Sample the first token (the TTFT ends here), commit the prompt's full blocks, then fork
+        the n - 1 siblings, each sampling its own first token from the same logits."""
         prompt = request.prompt_token_ids
+        first = _Sequence(request.request_id, request, list(prompt), list(chunk.block_table), len(prompt),
+                          self._generator(request, 0))
+        self._append_token(first, logits)
+        result.ttft_s = time.perf_counter() - started_s
         self.backend.blocks_filled(request.request_id, prompt, len(prompt))
-        family = [_Sequence(request.request_id, request, list(prompt), list(chunk.block_table), len(prompt),
-                            self._generator(request, 0))]
+        family = [first]
         for i in range(1, request.n):
             child_id = f"{request.request_id}#{i}"
             block_ids = self.backend.fork(request.request_id, child_id)
-            family.append(_Sequence(child_id, request, list(prompt), block_ids, len(prompt), self._generator(request, i)))
+            child = _Sequence(child_id, request, list(prompt), block_ids, len(prompt), self._generator(request, i))
+            self._append_token(child, logits)
+            family.append(child)
         if request.n > 1:  # every sibling shares the block the next token is written into
             for sequence in family:
                 sequence.shared_block_index = len(prompt) // self.block_size
-        for sequence in family:
-            self._append_token(sequence, logits)
         return family
 
     def _decode(self, active: list[_Sequence]) -> None:

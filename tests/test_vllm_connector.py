@@ -12,7 +12,7 @@ from kvtierd.client import KvtierClient
 from kvtierd.connectors.vllm_connector import KvtierdConnector
 from kvtierd.connectors.vllm_scheduler import SchedulerSide
 from kvtierd.daemon_process import DaemonProcess, small_daemon_args, wait_until
-from tests.test_vllm_fakes import (
+from tests.vllm_fakes import (
     BLOCK_SIZE, KV_LAYOUTS, CachedRequestData, Engine, KVCacheBlocks, Request, SchedulerOutput, block_value,
     vllm_config)
 
