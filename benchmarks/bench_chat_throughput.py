@@ -11,7 +11,6 @@ tokens. Figure: prompt + generated tokens per second of wall time, and requests 
 from __future__ import annotations
 
 import dataclasses
-import os
 import sys
 import tempfile
 import time

@@ -160,36 +160,17 @@ __device__ void paged_attention(T* __restrict__ out, const T* __restrict__ query
 }
 
 // One entry point per dtype; query, caches and out share it.
-extern "C" __global__ void __launch_bounds__(PA_WARP_SIZE * PA_MAX_WARPS)
-paged_attention_f32(float* out, const float* query, const float* key_cache,
-                    const float* value_cache, const int* block_tables, const int* context_lens,
-                    const int* query_start_loc, float scale, int num_seqs, int num_heads,
-                    int num_kv_heads, int head_dim, int block_size, int max_blocks_per_seq,
-                    long long block_stride, long long row_stride, long long head_stride) {
-  paged_attention(out, query, key_cache, value_cache, block_tables, context_lens, query_start_loc,
-                  scale, num_seqs, num_heads, num_kv_heads, head_dim, block_size,
-                  max_blocks_per_seq, block_stride, row_stride, head_stride);
-}
+#define PAGED_ATTENTION_ENTRY(NAME, T)                                                            \
+  extern "C" __global__ void __launch_bounds__(PA_WARP_SIZE * PA_MAX_WARPS)                        \
+  NAME(T* out, const T* query, const T* key_cache, const T* value_cache, const int* block_tables,  \
+       const int* context_lens, const int* query_start_loc, float scale, int num_seqs,             \
+       int num_heads, int num_kv_heads, int head_dim, int block_size, int max_blocks_per_seq,      \
+       long long block_stride, long long row_stride, long long head_stride) {                      \
+    paged_attention(out, query, key_cache, value_cache, block_tables, context_lens,                \
+                    query_start_loc, scale, num_seqs, num_heads, num_kv_heads, head_dim,           \
+                    block_size, max_blocks_per_seq, block_stride, row_stride, head_stride);        \
+  }
 
-extern "C" __global__ void __launch_bounds__(PA_WARP_SIZE * PA_MAX_WARPS)
-paged_attention_f16(__half* out, const __half* query, const __half* key_cache,
-                    const __half* value_cache, const int* block_tables, const int* context_lens,
-                    const int* query_start_loc, float scale, int num_seqs, int num_heads,
-                    int num_kv_heads, int head_dim, int block_size, int max_blocks_per_seq,
-                    long long block_stride, long long row_stride, long long head_stride) {
-  paged_attention(out, query, key_cache, value_cache, block_tables, context_lens, query_start_loc,
-                  scale, num_seqs, num_heads, num_kv_heads, head_dim, block_size,
-                  max_blocks_per_seq, block_stride, row_stride, head_stride);
-}
-
-extern "C" __global__ void __launch_bounds__(PA_WARP_SIZE * PA_MAX_WARPS)
-paged_attention_bf16(__nv_bfloat16* out, const __nv_bfloat16* query,
-                     const __nv_bfloat16* key_cache, const __nv_bfloat16* value_cache,
-                     const int* block_tables, const int* context_lens, const int* query_start_loc,
-                     float scale, int num_seqs, int num_heads, int num_kv_heads, int head_dim,
-                     int block_size, int max_blocks_per_seq, long long block_stride,
-                     long long row_stride, long long head_stride) {
-  paged_attention(out, query, key_cache, value_cache, block_tables, context_lens, query_start_loc,
-                  scale, num_seqs, num_heads, num_kv_heads, head_dim, block_size,
-                  max_blocks_per_seq, block_stride, row_stride, head_stride);
-}
+PAGED_ATTENTION_ENTRY(paged_attention_f32, float)
+PAGED_ATTENTION_ENTRY(paged_attention_f16, __half)
+PAGED_ATTENTION_ENTRY(paged_attention_bf16, __nv_bfloat16)
