@@ -58,11 +58,13 @@ class Bench:
         self.runner: ReferenceRunner | None = None
         self._next_id = 0
 
-    def request(self) -> GenerationRequest:
-        """The shared prefix and 64 fresh tokens."""
+    def request(self, fresh_prefix: bool = False) -> GenerationRequest:
+        """The shared prefix (or a fresh one, never seen before) and 64 fresh tokens."""
         self._next_id += 1
+        prefix = self._rng.integers(1, self.config.vocab_size, len(self.prefix)).tolist() if fresh_prefix \
+            else self.prefix
         suffix = self._rng.integers(1, self.config.vocab_size, NUM_NEW_TOKENS).tolist()
-        return GenerationRequest(f"r{self._next_id}", self.prefix + suffix, max_new_tokens=1)
+        return GenerationRequest(f"r{self._next_id}", prefix + suffix, max_new_tokens=1)
 
     def start_daemon(self) -> None:
         """T0 holds 2 requests, T1 6 (written through, so T1 and T2 hold every committed block)."""
@@ -116,9 +118,9 @@ def run(bench: Bench, config: LlamaConfig, prefix_tokens: int, rounds: int, quic
     bench.start_daemon()
     ttft_s: dict[str, list[float]] = {"cold": [], "cold (kvtierd miss)": [], "T0 hit": [], "T1 hit": [], "T2 hit": []}
 
-    def measure(case: str, expected_hits: tuple[int, int, int]) -> None:
-        """`expected_hits` (T0, T1, T2 tokens); the first request through the daemon misses and commits."""
-        request = bench.request()
+    def measure(case: str, expected_hits: tuple[int, int, int], fresh_prefix: bool = False) -> None:
+        """`expected_hits` (T0, T1, T2 tokens); a request with the shared prefix commits it."""
+        request = bench.request(fresh_prefix)
         baseline = bench.private.generate([request])[0]
         ttft_s["cold"].append(baseline.ttft_s)
         result = bench.runner.generate([request])[0]
@@ -127,7 +129,8 @@ def run(bench: Bench, config: LlamaConfig, prefix_tokens: int, rounds: int, quic
         assert result.output_token_ids == baseline.output_token_ids, f"{case}: first token differs from recompute"
         ttft_s[case].append(result.ttft_s)
 
-    measure("cold (kvtierd miss)", (0, 0, 0))
+    for round_ in range(rounds):  # misses; the last one commits the shared prefix
+        measure("cold (kvtierd miss)", (0, 0, 0), fresh_prefix=round_ < rounds - 1)
     for _ in range(rounds):
         measure("T0 hit", (num_prefix_hit, 0, 0))
     for _ in range(rounds):

@@ -83,9 +83,8 @@ def gather_context(cache: torch.Tensor, block_table: torch.Tensor, context_len: 
 
 def paged_attention_reference(query, key_cache, value_cache, block_tables, context_lens, query_start_loc,
                               scale: float) -> torch.Tensor:
-    """The torch implementation: per sequence, gather its context, then scaled_dot_product_attention."""
-    num_heads = query.shape[1]
-    num_groups = num_heads // key_cache.shape[2]
+    """The torch implementation: per sequence, gather its context, then scaled_dot_product_attention
+    (whose enable_gqa maps query head h to KV head h // group without copying the KV)."""
     out = torch.empty_like(query)
     starts = query_start_loc.tolist()
     lens = context_lens.tolist()
@@ -99,9 +98,6 @@ def paged_attention_reference(query, key_cache, value_cache, block_tables, conte
         table = block_tables[s]
         keys = gather_context(key_cache, table, context_len).float()
         values = gather_context(value_cache, table, context_len).float()
-        if num_groups > 1:
-            keys = keys.repeat_interleave(num_groups, dim=1)
-            values = values.repeat_interleave(num_groups, dim=1)
         q = query[start:end].float().transpose(0, 1)  # [heads, queries, dim]
         k, v = keys.transpose(0, 1), values.transpose(0, 1)  # [heads, context, dim]
         if num_queries == 1:  # the last position sees everything
@@ -109,6 +105,6 @@ def paged_attention_reference(query, key_cache, value_cache, block_tables, conte
         else:  # query i (position context_len - num_queries + i) sees key j <= that position
             query_positions = torch.arange(context_len - num_queries, context_len, device=query.device).unsqueeze(1)
             mask = torch.arange(context_len, device=query.device).unsqueeze(0) <= query_positions
-        attended = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale)
+        attended = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, enable_gqa=True)
         out[start:end] = attended.transpose(0, 1).to(query.dtype)
     return out
