@@ -43,6 +43,8 @@ class LlamaModel:
         check_weights(config, weights)
         self.config = config
         self.device = torch.device(device)
+        if self.device.type == "cuda" and self.device.index is None:  # compare equal to the pool's cuda:N
+            self.device = torch.device("cuda", torch.cuda.current_device())
         self.dtype = dtype
         self.w = {name: tensor.to(self.device, dtype) for name, tensor in weights.items()}
         if config.tie_word_embeddings:

@@ -172,7 +172,7 @@ class ReferenceRunner:
         if sequence.generator is None:
             token = int(logits.argmax())
         else:
-            probs = torch.softmax(logits.float() / sequence.request.temperature, dim=-1)
+            probs = torch.softmax(logits.float().cpu() / sequence.request.temperature, dim=-1)  # CPU generator
             token = int(torch.multinomial(probs, 1, generator=sequence.generator))
         sequence.token_ids.append(token)
         sequence.output_token_ids.append(token)

@@ -165,3 +165,28 @@ def test_a_batch_of_requests_with_their_own_tables_matches_recompute(tmp_path, r
         for result, request in zip(results, requests):
             assert_same_generation(result, recompute(request))
         assert held_blocks(client) == 0
+
+
+@pytest.mark.gpu
+def test_on_cuda_a_prefix_restored_from_t1_matches_the_cpu_recompute(tmp_path):
+    """The daemon's pool in GPU memory (CUDA IPC), the model on the GPU: a T1 restore gives the
+    tokens of the CPU recompute (fp32, so greedy choices agree), and the CUDA kernel served it."""
+    from kvtierd.connectors.llama_model import LlamaModel
+    from kvtierd.connectors.llama_weights import random_weights
+
+    cuda_model = LlamaModel(TOY, random_weights(TOY, seed=1), device="cuda")
+    request = GenerationRequest("r", PROMPT, max_new_tokens=12)
+    expected = recompute(request)
+    args = daemon_args(tmp_path, "--device", "cuda", t0_bytes="48KiB", host_bytes="1MiB")
+    with DaemonProcess(args) as daemon, KvtierClient(daemon.address) as client:
+        runner = ReferenceRunner(cuda_model, KvtierdConnector(client.attach(LAYOUT)), record_logits=True)
+        assert runner.backend.pool.is_cuda
+        runner.generate([request])
+        for seed in (1, 2, 3):
+            runner.generate([GenerationRequest(f"other-{seed}", prompt(seed, 60), max_new_tokens=4)])
+        restored = runner.generate([request])[0]
+        assert restored.num_t1_hit_tokens >= 32 and restored.num_computed_prompt_tokens == 2
+        assert restored.output_token_ids == expected.output_token_ids
+        for ours, theirs in zip(restored.step_logits, expected.step_logits):
+            torch.testing.assert_close(torch.stack(ours).cpu(), torch.stack(theirs), atol=1e-3, rtol=0)
+        assert held_blocks(client) == 0
