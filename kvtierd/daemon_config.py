@@ -70,6 +70,8 @@ class ServerConfig:
     lease_s: float = 30.0  # seconds: a session is reclaimed this long after its last call unless a KeepAlive is open
     grace_s: float = 10.0  # seconds: on SIGTERM, in-flight calls get this long
     max_message_bytes: int = 16 * MiB  # bytes: largest gRPC message either way
+    health_tcp: str = ""  # "host:port": plaintext, grpc.health.v1 only (Kubernetes gRPC probes); "" = none
+    admin_tenants: str = ""  # comma-separated tenants allowed fleet-wide Evict/Flush/Drain; "" = the daemon's own uid
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -247,13 +249,13 @@ def _build(settings: Mapping[str, object]) -> DaemonConfig:
 def _validate(config: DaemonConfig) -> None:
     server, pool = config.server, config.pool
     tls = bool(server.tls_cert)
-    host, _, port = server.tcp.rpartition(":")
     rules = (
         (bool(server.tls_cert) == bool(server.tls_key),
          "server.tls_cert and server.tls_key go together: set both or neither"),
         (server.socket or server.tcp, "nothing to listen on: set server.socket or server.tcp"),
-        (not server.tcp or (host and port.isdigit() and int(port) <= 65535),
-         f"server.tcp must be HOST:PORT (port 0 to 65535), got {server.tcp!r}"),
+        (not server.tcp or _is_host_port(server.tcp), f"server.tcp must be HOST:PORT (port 0 to 65535), got {server.tcp!r}"),
+        (not server.health_tcp or _is_host_port(server.health_tcp),
+         f"server.health_tcp must be HOST:PORT (port 0 to 65535), got {server.health_tcp!r}"),
         (not server.tcp or tls or server.insecure_tcp, "server.tcp needs TLS (server.tls_cert and server.tls_key), "
          "or server.insecure_tcp = true for loopback tests (unsafe: traffic in the clear, anyone may connect)"),
         (not server.tls_client_ca or tls, "server.tls_client_ca requires TLS: set server.tls_cert and server.tls_key"),
@@ -277,6 +279,18 @@ def _validate(config: DaemonConfig) -> None:
             raise InvalidArgument(f"{key} must be one of {', '.join(allowed)}; got {value!r}")
 
 
+def _is_host_port(address: str) -> bool:
+    host, _, port = address.rpartition(":")
+    return bool(host) and port.isdigit() and int(port) <= 65535
+
+
+def admin_tenant_names(server: ServerConfig) -> frozenset[str]:
+    """Tenants allowed fleet-wide Evict / Flush / Drain: server.admin_tenants, else the uid the
+    daemon runs as (who owns the 0600 socket)."""
+    names = {name.strip() for name in server.admin_tenants.split(",") if name.strip()}
+    return frozenset(names or {f"uid:{os.getuid()}"})
+
+
 # flag, config key, metavar, help; each help names its environment variable.
 _FLAGS = (
     ("--socket", "server.socket", "PATH", "unix socket path ('' for none)"),
@@ -287,6 +301,7 @@ _FLAGS = (
     ("--tokens-file", "server.tokens_file", "PATH", "bearer tokens, lines 'tenant token' (default: unix peer)"),
     ("--metrics-host", "server.metrics_host", "HOST", "address of the Prometheus endpoint"),
     ("--metrics-port", "server.metrics_port", "PORT", "Prometheus port (0: a free port, -1: none)"),
+    ("--health-tcp", "server.health_tcp", "HOST:PORT", "plaintext grpc.health.v1 only, for Kubernetes probes"),
     ("--lease-s", "server.lease_s", "SECONDS", "a session is reclaimed this long after its last call"),
     ("--device", "pool.device", "DEVICE", "auto, cpu, cuda or cuda:N"),
     ("--t0-bytes", "pool.t0_bytes", "SIZE", "device pool (T0) per layout, e.g. 256MiB"),

@@ -18,6 +18,7 @@ import time
 READY_LINE = "kvtierd: ready"
 _LISTEN = re.compile(r"^kvtierd: listening on (\S+)$")
 _METRICS = re.compile(r"^kvtierd: metrics on (\S+)$")
+_HEALTH = re.compile(r"^kvtierd: health checks on (\S+)$")
 
 
 class DaemonProcess:
@@ -29,6 +30,7 @@ class DaemonProcess:
         self.unix_address: str | None = None
         self.tcp_address: str | None = None
         self.metrics_url: str | None = None
+        self.health_address: str | None = None  # host:port of server.health_tcp
         child_env = {k: v for k, v in os.environ.items() if not k.startswith("KVTIERD_")}
         child_env.update(env or {})
         self.process = subprocess.Popen([sys.executable, "-m", "kvtierd.cli", "serve", *args], env=child_env,
@@ -52,6 +54,8 @@ class DaemonProcess:
                     self.tcp_address = address
             elif match := _METRICS.match(line):
                 self.metrics_url = match.group(1)
+            elif match := _HEALTH.match(line):
+                self.health_address = match.group(1)
             elif line == READY_LINE:
                 self._ready.set()
         self._ready.set()  # exited: wake a waiter

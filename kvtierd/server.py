@@ -88,6 +88,8 @@ class Daemon:
         self.feed = EventFeed(self.registry)
         self.health = health.aio.HealthServicer()
         self.server: grpc.aio.Server | None = None
+        self.health_server: grpc.aio.Server | None = None  # plaintext, health only (server.health_tcp)
+        self.health_address: str | None = None
         self.servicer: KvTierServicer | None = None
         self.addresses: list[str] = []
         self.metrics_port: int | None = None
@@ -115,6 +117,8 @@ class Daemon:
             host = server_config.tcp.rsplit(":", 1)[0]
             self.addresses.append(f"{host}:{port}")
         await self.server.start()
+        if server_config.health_tcp:
+            await self._start_health_listener(server_config.health_tcp)
         if server_config.socket:
             os.chmod(server_config.socket, 0o600)
         for name in ("", SERVICE_NAME):
@@ -128,6 +132,17 @@ class Daemon:
                                          "--metrics-port (0: any free port, -1: no metrics endpoint)") from None
         self._tasks = [asyncio.create_task(self.sessions.run_reaper(min(1.0, server_config.lease_s / 4))),
                        asyncio.create_task(self.feed.run())]
+
+    async def _start_health_listener(self, address: str) -> None:
+        """grpc.health.v1 alone, in the clear: Kubernetes' gRPC probes cannot speak TLS, and the
+        health status is all this listener reveals."""
+        self.health_server = grpc.aio.server(options=[("grpc.so_reuseport", 0)])
+        health_pb2_grpc.add_HealthServicer_to_server(self.health, self.health_server)
+        port = self.health_server.add_insecure_port(address)
+        if not port:
+            raise FailedPrecondition(f"cannot listen for health checks on {address}")
+        await self.health_server.start()
+        self.health_address = f"{address.rsplit(':', 1)[0]}:{port}"
 
     def _add_tcp_port(self, server_config) -> int:
         if server_config.tls_cert:
@@ -150,6 +165,8 @@ class Daemon:
 
     def startup_lines(self) -> list[str]:
         lines = [f"kvtierd: listening on {address}" for address in self.addresses]
+        if self.health_address is not None:
+            lines.append(f"kvtierd: health checks on {self.health_address}")
         if self.metrics_port is not None:
             lines.append(f"kvtierd: metrics on http://{self.config.server.metrics_host}:{self.metrics_port}/metrics")
         lines.append(f"kvtierd: tenants from {self.authenticator.describe()}")
@@ -168,6 +185,8 @@ class Daemon:
             self.servicer.begin_shutdown()
         if self.server is not None:
             await self.server.stop(self.config.server.grace_s)
+        if self.health_server is not None:
+            await self.health_server.stop(0)
         for task in self._tasks:
             task.cancel()
         num_refs = await self.sessions.close_all()

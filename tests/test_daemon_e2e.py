@@ -9,6 +9,7 @@ import subprocess
 import sys
 import urllib.request
 
+import grpc
 import pytest
 
 from kvtierd.block_hash import pack_token_ids
@@ -198,3 +199,20 @@ def test_a_busy_metrics_port_is_a_clear_error_and_leaves_no_socket(daemon, tmp_p
     assert f"kvtierd: error: cannot serve metrics on 127.0.0.1:{port}" in done.stderr
     assert "Traceback" not in done.stderr
     assert not (other / "kvtierd.sock").exists()
+
+
+def test_health_listener_serves_health_only_in_the_clear(tmp_path):
+    """server.health_tcp: Kubernetes' gRPC probes get SERVING there; the KvTier API is not
+    reachable through it (UNIMPLEMENTED), so plaintext reveals nothing but health."""
+    from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+    with DaemonProcess(small_daemon_args(str(tmp_path), extra=["--health-tcp", "127.0.0.1:0"])) as daemon:
+        assert daemon.health_address and daemon.health_address.startswith("127.0.0.1:")
+        with grpc.insecure_channel(daemon.health_address) as channel:
+            check = health_pb2_grpc.HealthStub(channel).Check
+            for service in ("", "kvtierd.v1.KvTier"):
+                status = check(health_pb2.HealthCheckRequest(service=service), timeout=5).status
+                assert status == health_pb2.HealthCheckResponse.SERVING
+            with pytest.raises(grpc.RpcError) as refused:
+                channel.unary_unary("/kvtierd.v1.KvTier/Stats")(b"", timeout=5)
+            assert refused.value.code() == grpc.StatusCode.UNIMPLEMENTED
