@@ -292,6 +292,11 @@ class BlockIndex:
             block.ref_cnt -= 1
             return WriteTarget(copy.block_id, block.block_id)
 
+    def cached_hashes(self) -> list[BlockHash]:
+        """A snapshot of every hash cached in this tier (held or not)."""
+        with self._lock:
+            return list(self.hash_to_block)
+
     def evict(self, block_hashes: Sequence[bytes]) -> int:
         """Drop the named blocks that nobody holds (ref_cnt 0) from this tier; they move to the
         head of the free queue, empty. Blocks in use are skipped. Returns how many were dropped."""

@@ -24,7 +24,8 @@ import grpc
 
 from kvtierd.client_calls import (
     Acquired, BlockData, Call, ClientBase, EventStreamBase, PutResult, PutStream, Retry, SessionBase,
-    TlsOptions, TokenIds, attach_request, events_request, get_request, map_rpc_error)
+    TlsOptions, TokenIds, attach_request, drain_call, events_request, evict_call, get_request, map_rpc_error,
+    tenant_stats_call)
 from kvtierd.device_pool import attach_device_pool
 from kvtierd.errors import FailedPrecondition
 from kvtierd.layout import Layout
@@ -114,6 +115,18 @@ class KvtierClient(ClientBase):
 
     def stats(self) -> pb.StatsResponse:
         return self._run(Call("Stats", pb.StatsRequest()))
+
+    def tenant_stats(self, tenant: str = "") -> list[pb.TenantUsage]:
+        """Usage per pool of the caller ("") or a tenant; "*" = every tenant (admin)."""
+        return self._run(tenant_stats_call(tenant))
+
+    def evict(self, tenant: str = "", *, all_tenants: bool = False, tiers: Sequence[str] = (),
+              layout: Layout | None = None) -> pb.EvictResponse:
+        """Drop unheld cached blocks from `tiers` (none: all three, a flush); see the Evict rpc."""
+        return self._run(evict_call(tenant, all_tenants, tiers, layout))
+
+    def drain(self, resume: bool = False) -> pb.DrainResponse:
+        return self._run(drain_call(resume))
 
     def events(self, layout: Layout | None = None, *, timeout_s: float | None = None) -> EventStream:
         """The tenant's device-tier events until `.cancel()`, `close()` or `timeout_s` (None: no end)."""

@@ -115,11 +115,16 @@ def channel_options(target: str, max_message_bytes: int) -> list[tuple[str, Any]
     return options
 
 
+DRAINING_DETAILS = "this daemon is draining"  # how a draining daemon's UNAVAILABLE starts
+
+
 def unavailable_message(target: str, details: str) -> str:
     path = unix_socket_path(target)
     if path is not None and not os.path.exists(path):
         return (f"kvtierd is not running at {target}: the socket {path} does not exist ({details}). "
                 "Start the daemon with `kvtierd serve`, or set KVTIERD_ADDRESS to where it listens.")
+    if details.startswith(DRAINING_DETAILS):  # the daemon answered: no connection problem to hint at
+        return f"kvtierd at {target}: {details}"
     return (f"kvtierd at {target} is unavailable ({details}). "
             "Is the daemon running? Start it with `kvtierd serve`.")
 
@@ -244,6 +249,24 @@ def get_request(layout: Layout, block_hashes: Sequence[bytes], token_ids: TokenI
 
 def events_request(layout: Layout | None) -> pb.EventsRequest:
     return pb.EventsRequest() if layout is None else pb.EventsRequest(layout=layout_to_proto(layout))
+
+
+OPERATION_TIMEOUT_S = 120.0  # Evict may copy a pool's worth of blocks down before it answers
+
+
+def tenant_stats_call(tenant: str) -> Call:
+    return Call("TenantStats", pb.TenantStatsRequest(tenant=tenant), lambda r: list(r.usage))
+
+
+def evict_call(tenant: str, all_tenants: bool, tiers: Sequence[str], layout: Layout | None) -> Call:
+    request = pb.EvictRequest(tenant=tenant, all_tenants=all_tenants, tiers=list(tiers))
+    if layout is not None:
+        request.layout.CopyFrom(layout_to_proto(layout))
+    return Call("Evict", request, timeout_s=OPERATION_TIMEOUT_S)
+
+
+def drain_call(resume: bool) -> Call:
+    return Call("Drain", pb.DrainRequest(resume=resume))
 
 
 class ClientBase:

@@ -25,11 +25,12 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
 from kvtierd.capacity import PoolCapacity
-from kvtierd.daemon_config import DaemonConfig, config_lines
+from kvtierd.daemon_config import DaemonConfig, admin_tenant_names, config_lines
 from kvtierd.errors import FailedPrecondition, InvalidArgument
 from kvtierd.event_feed import EventFeed
 from kvtierd.layout import llama3_8b
 from kvtierd.metrics import DaemonMetrics
+from kvtierd.operations import Operations
 from kvtierd.pools import PoolRegistry, PoolSettings
 from kvtierd.quotas import QuotaBook
 from kvtierd.servicer import KvTierServicer
@@ -103,7 +104,12 @@ class Daemon:
             interceptors=[StatusInterceptor(self.authenticator, self.metrics.observe_rpc)],
             options=[("grpc.max_receive_message_length", limit), ("grpc.max_send_message_length", limit),
                      ("grpc.so_reuseport", 0), *READ_CHUNK_OPTIONS])
-        self.servicer = KvTierServicer(self.registry, self.sessions, self.feed)
+        known = [self.authenticator.socket_tenant.name, *self.config.quotas]
+        if self.authenticator.tokens is not None:
+            known += self.authenticator.tokens.tenant_names()
+        operations = Operations(self.registry, self.sessions, admin_tenant_names(server_config), known)
+        self.servicer = KvTierServicer(self.registry, self.sessions, self.feed, operations=operations,
+                                       on_drain=self._set_serving)
         self.server.add_generic_rpc_handlers((kvtier_handlers(self.servicer),))
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
         reflection.enable_server_reflection([SERVICE_NAME, health.SERVICE_NAME, reflection.SERVICE_NAME], self.server)
@@ -121,8 +127,7 @@ class Daemon:
             await self._start_health_listener(server_config.health_tcp)
         if server_config.socket:
             os.chmod(server_config.socket, 0o600)
-        for name in ("", SERVICE_NAME):
-            await self.health.set(name, health_pb2.HealthCheckResponse.SERVING)
+        await self._set_serving(False)
         if server_config.metrics_port >= 0:
             address = f"{server_config.metrics_host}:{server_config.metrics_port}"
             try:
@@ -143,6 +148,12 @@ class Daemon:
             raise FailedPrecondition(f"cannot listen for health checks on {address}")
         await self.health_server.start()
         self.health_address = f"{address.rsplit(':', 1)[0]}:{port}"
+
+    async def _set_serving(self, draining: bool) -> None:
+        """Health SERVING, or NOT_SERVING while draining (load balancers and probes stop sending)."""
+        status = health_pb2.HealthCheckResponse.NOT_SERVING if draining else health_pb2.HealthCheckResponse.SERVING
+        for name in ("", SERVICE_NAME):
+            await self.health.set(name, status)
 
     def _add_tcp_port(self, server_config) -> int:
         if server_config.tls_cert:
@@ -179,8 +190,7 @@ class Daemon:
         await self._stopped.wait()
 
     async def stop(self) -> None:
-        for name in ("", SERVICE_NAME):
-            await self.health.set(name, health_pb2.HealthCheckResponse.NOT_SERVING)
+        await self._set_serving(True)
         if self.servicer is not None:
             self.servicer.begin_shutdown()
         if self.server is not None:

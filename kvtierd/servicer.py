@@ -10,13 +10,16 @@ from __future__ import annotations
 
 import asyncio
 import itertools
+from collections.abc import Awaitable, Callable
 
 from kvtierd import __version__
 from kvtierd.block_frames import PutFrame, encode_get_response
 from kvtierd.block_hash import pack_token_ids
-from kvtierd.errors import DeadlineExceeded, FailedPrecondition, InvalidArgument
+from kvtierd.client_calls import DRAINING_DETAILS
+from kvtierd.errors import DeadlineExceeded, FailedPrecondition, InvalidArgument, Unavailable
 from kvtierd.event_feed import EventFeed
 from kvtierd.layout import Layout
+from kvtierd.operations import Operations
 from kvtierd.pools import Pool, PoolRegistry
 from kvtierd.prefix_match import check_hashes
 from kvtierd.sessions import Session, SessionTable
@@ -31,10 +34,13 @@ PUT_BATCH_BLOCKS = 16  # blocks written and committed together by Put
 
 class KvTierServicer(kvtier_pb2_grpc.KvTierServicer):
     def __init__(self, registry: PoolRegistry, sessions: SessionTable, feed: EventFeed,
-                 default_wait_s: float = 60.0) -> None:
+                 default_wait_s: float = 60.0, operations: Operations | None = None,
+                 on_drain: Callable[[bool], Awaitable[None]] | None = None) -> None:
         self.registry = registry
         self.sessions = sessions
         self.feed = feed
+        self.operations = operations or Operations(registry, sessions, admin_tenants=())
+        self._on_drain = on_drain  # the daemon's health status follows a drain
         self.default_wait_s = default_wait_s
         self._put_ids = itertools.count()
         self._shutdown = asyncio.Event()  # set at SIGTERM: long-lived streams end at once
@@ -64,6 +70,10 @@ class KvTierServicer(kvtier_pb2_grpc.KvTierServicer):
 
     async def Attach(self, request: pb.AttachRequest, context) -> pb.AttachResponse:
         tenant = current_tenant()
+        if self.operations.draining:
+            raise Unavailable(f"{DRAINING_DETAILS} for maintenance and admits no new sessions "
+                              "(`kvtierctl drain --resume` undoes it)")
+        self.operations.remember(tenant)
         layout = layout_from_proto(request.layout)
         algo = request.hash_algo or "sha256"
         if algo != self.registry.settings.hash_algo:
@@ -176,6 +186,7 @@ class KvTierServicer(kvtier_pb2_grpc.KvTierServicer):
 
     async def Put(self, request_iterator, context) -> pb.PutResponse:
         tenant = current_tenant()
+        self.operations.remember(tenant)
         put = None
         try:
             async for raw in request_iterator:  # serialized PutRequests: the block bytes are not copied
@@ -233,6 +244,28 @@ class KvTierServicer(kvtier_pb2_grpc.KvTierServicer):
         return pb.StatsResponse(pools=[_pool_stats(pool) for pool in self.registry.pools()],
                                 num_sessions=len(self.sessions), num_reclaimed_refs=self.sessions.num_reclaimed_refs,
                                 version=__version__)
+
+    # ----------------------------------------------------------------------------- operations
+
+    async def TenantStats(self, request: pb.TenantStatsRequest, context) -> pb.TenantStatsResponse:
+        rows = await asyncio.to_thread(self.operations.tenant_usage, current_tenant(), request.tenant)
+        return pb.TenantStatsResponse(usage=[pb.TenantUsage(**row) for row in rows])
+
+    async def Evict(self, request: pb.EvictRequest, context) -> pb.EvictResponse:
+        pools = None
+        if request.HasField("layout"):
+            pool = self.registry.get(layout_from_proto(request.layout))
+            pools = [] if pool is None else [pool]
+        counts = await asyncio.to_thread(self.operations.evict, current_tenant(), request.tenant, request.all_tenants,
+                                         list(request.tiers), pools)
+        return pb.EvictResponse(num_t0_blocks=counts.t0, num_t1_blocks=counts.t1, num_t2_blocks=counts.t2,
+                                num_t0_held_blocks=counts.t0_held)
+
+    async def Drain(self, request: pb.DrainRequest, context) -> pb.DrainResponse:
+        draining = self.operations.drain(current_tenant(), request.resume)
+        if self._on_drain is not None:
+            await self._on_drain(draining)
+        return pb.DrainResponse(draining=draining, num_sessions=len(self.sessions))
 
     async def Events(self, request: pb.EventsRequest, context):
         layout = layout_from_proto(request.layout) if request.HasField("layout") else None

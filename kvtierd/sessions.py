@@ -82,6 +82,9 @@ class SessionTable:
         self._closing: set[asyncio.Task] = set()
         self.num_reclaimed_refs = 0
 
+    def open_sessions(self) -> list[Session]:
+        return list(self._sessions.values())
+
     def __len__(self) -> int:
         return len(self._sessions)
 

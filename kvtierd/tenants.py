@@ -89,6 +89,9 @@ class TokenBook:
     def num_tokens(self) -> int:
         return len(self._tenant_by_digest)
 
+    def tenant_names(self) -> list[str]:
+        return sorted({tenant.name for tenant in self._tenant_by_digest.values()})
+
     def tenant_of(self, token: str) -> Tenant:
         tenant = self._tenant_by_digest.get(hashlib.sha256(token.encode()).digest())
         if tenant is None:
