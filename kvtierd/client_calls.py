@@ -27,7 +27,8 @@ import torch
 from kvtierd.block_frames import decode_get_response, encode_put_request
 from kvtierd.block_hash import Namespace, pack_token_ids
 from kvtierd.device_pool import DevicePool
-from kvtierd.errors import ERRORS_BY_CODE, FailedPrecondition, InvalidArgument, KvtierError, Unavailable
+from kvtierd.errors import (
+    DRAINING_DETAILS, ERRORS_BY_CODE, FailedPrecondition, InvalidArgument, KvtierError, Unavailable)
 from kvtierd.layout import Layout
 from kvtierd.v1 import kvtier_pb2 as pb
 from kvtierd.v1 import kvtier_pb2_grpc
@@ -113,9 +114,6 @@ def channel_options(target: str, max_message_bytes: int) -> list[tuple[str, Any]
     if unix_socket_path(target) is not None:
         options.append(("grpc.default_authority", "localhost"))
     return options
-
-
-DRAINING_DETAILS = "this daemon is draining"  # how a draining daemon's UNAVAILABLE starts
 
 
 def unavailable_message(target: str, details: str) -> str:

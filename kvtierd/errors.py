@@ -66,3 +66,6 @@ ERRORS_BY_CODE: dict[str, type[KvtierError]] = {
     cls.code: cls for cls in (InvalidArgument, NotFound, FailedPrecondition, ResourceExhausted,
                               Unauthenticated, PermissionDenied, Unavailable, DeadlineExceeded)
 }
+
+# How a draining daemon's UNAVAILABLE details begin (the client then gives no "is it running?" hint).
+DRAINING_DETAILS = "this daemon is draining"

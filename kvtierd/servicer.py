@@ -15,8 +15,7 @@ from collections.abc import Awaitable, Callable
 from kvtierd import __version__
 from kvtierd.block_frames import PutFrame, encode_get_response
 from kvtierd.block_hash import pack_token_ids
-from kvtierd.client_calls import DRAINING_DETAILS
-from kvtierd.errors import DeadlineExceeded, FailedPrecondition, InvalidArgument, Unavailable
+from kvtierd.errors import DRAINING_DETAILS, DeadlineExceeded, FailedPrecondition, InvalidArgument, Unavailable
 from kvtierd.event_feed import EventFeed
 from kvtierd.layout import Layout
 from kvtierd.operations import Operations
