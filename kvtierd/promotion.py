@@ -112,6 +112,7 @@ class Promoter:
         t1_entries = self._t1_hits(block_hashes, token_bytes, n0, cost)
         t2_metas = self._t2_hits(block_hashes, token_bytes, n0 + len(t1_entries), cost)
         tiers.counters.add("num_hit_blocks", n0, "t0")
+        tiers.counters.add("num_query_blocks", len(block_hashes))
         if not t1_entries and not t2_metas:
             return Acquisition(allocation.block_ids, n0, 0, 0, Ticket(n0))
         ticket = Ticket()

@@ -400,5 +400,14 @@ def _pool_stats(pool: Pool) -> pb.PoolStats:
         tiers.append(pb.TierStats(tier="t2", capacity_bytes=t2["capacity_bytes"], used_bytes=t2["used_bytes"],
                                   num_cached_blocks=t2["num_entries"], num_hit_blocks=hits["t2"],
                                   num_evictions=t2["num_evictions"]))
+    t2 = stats.get("t2", {})
+    transfers = [pb.TransferStats(direction=direction, bytes_moved=stats["bytes_moved"][direction],
+                                  bytes_per_s=stats["bandwidth_bytes_per_s"][direction])
+                 for direction in sorted(stats["bytes_moved"])]
     return pb.PoolStats(layout=layout_to_proto(pool.layout), num_blocks=t0["num_blocks"],
-                        num_free_blocks=t0["num_free_blocks"], tiers=tiers)
+                        num_free_blocks=t0["num_free_blocks"], tiers=tiers, num_query_blocks=stats["query_blocks"],
+                        transfers=transfers, num_corrupted_blocks=t2.get("num_corrupted", 0),
+                        num_t2_io_errors=t2.get("num_io_errors", 0),
+                        num_failed_load_blocks=stats["failed_load_blocks"],
+                        num_failed_offload_blocks=stats["failed_offload_blocks"],
+                        t2_admitting=t2.get("admitting", False), t2_reason=t2.get("reason") or "")

@@ -101,6 +101,7 @@ class TierManager:
             "t0": {"capacity_bytes": tiers.pool.nbytes, "num_blocks": tiers.index.num_blocks,
                    "num_free_blocks": tiers.index.num_free_blocks, "num_cached_blocks": tiers.index.num_cached_blocks,
                    "evictions": tiers.index.num_evictions},
+            "query_blocks": counters.num_query_blocks,
             "hit_blocks": dict(counters.num_hit_blocks),
             "skipped_slow_blocks": counters.num_skipped_slow_blocks,
             "failed_load_blocks": counters.num_failed_load_blocks,
