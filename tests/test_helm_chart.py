@@ -384,6 +384,12 @@ def test_gpu_limits_only_with_gpu_values(helm: str, chart: Path, ci: Path) -> No
     assert (tomllib.loads(toml_text(docs))["pool"]["device"] == "cuda") is gpu
 
 
+def test_gpu_without_a_resource_limit(helm: str, chart: Path) -> None:
+    docs = render(helm, chart, "--set", "gpu.enabled=true", "--set", "gpu.count=0", "--set", "gpu.device=cuda:1")
+    assert "nvidia.com/gpu" not in json.dumps(pod_spec(docs))
+    assert tomllib.loads(toml_text(docs))["pool"]["device"] == "cuda:1"
+
+
 def test_socket_directory_is_a_node_directory(helm: str, chart: Path) -> None:
     spec = pod_spec(render(helm, chart))
     volumes = {v["name"]: v for v in spec["volumes"]}
@@ -523,7 +529,7 @@ def test_sidecar_example_shares_socket_shm_and_config(helm: str, chart: Path, tm
     (["--set", "probes.healthPort=70000"], "probes.healthPort"),
     (["--set", "ssd.type=nfs"], "ssd.type"),
     (["--set", "hostIPC=yes please"], "hostIPC"),
-    (["--set", "gpu.count=0"], "gpu.count"),
+    (["--set", "gpu.count=-1"], "gpu.count"),
     (["--set", "replicas=3"], "replicas"),
 ])
 def test_schema_refuses_bad_values(helm: str, chart: Path, args: list[str], key: str) -> None:

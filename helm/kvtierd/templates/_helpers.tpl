@@ -273,7 +273,7 @@ until the daemon serves). Call with (dict "root" $ "sidecar" bool).
     timeoutSeconds: {{ $v.probes.readiness.timeoutSeconds }}
     failureThreshold: {{ $v.probes.readiness.failureThreshold }}
   {{- $resources := deepCopy $v.resources }}
-  {{- if $v.gpu.enabled }}
+  {{- if and $v.gpu.enabled (gt (int $v.gpu.count) 0) }}
   {{- $limits := get $resources "limits" | default dict }}
   {{- $_ := set $limits $v.gpu.resourceName (int $v.gpu.count) }}
   {{- $_ = set $resources "limits" $limits }}
