@@ -1,0 +1,182 @@
+"""kvtierctl against a real daemon (stats, inspect, evict, flush, drain, health) and offline (plan)."""
+
+from __future__ import annotations
+
+import json
+import signal
+import subprocess
+import sys
+
+import pytest
+
+from kvtierd.client import KvtierClient
+from kvtierd.daemon_process import DaemonProcess, small_daemon_args
+from kvtierd.errors import Unavailable
+from tests.e2e_runner import LAYOUT, prompt
+
+TOKENS = {"acme": "a-token", "globex": "g-token", "ops": "o-token"}
+
+
+def kvtierctl(*args: str, token: str | None = None, address: str | None = None, timeout_s: float = 60):
+    head = [sys.executable, "-m", "kvtierd.ctl"]
+    if address:
+        head += ["--address", address]
+    if token:
+        head += ["--token", token]
+    return subprocess.run([*head, *args], capture_output=True, text=True, timeout=timeout_s)
+
+
+@pytest.fixture(scope="module")
+def daemon(tmp_path_factory):
+    directory = tmp_path_factory.mktemp("ctl")
+    tokens_file = directory / "tokens"
+    tokens_file.write_text("".join(f"{tenant} {token}\n" for tenant, token in TOKENS.items()))
+    args = small_daemon_args(str(directory), extra=["--tokens-file", str(tokens_file),
+                                                    "--set", "server.admin_tenants=ops"])
+    with DaemonProcess(args) as process:
+        yield process
+
+
+def commit_prompt(address: str, token: str, seed: int, num_tokens: int = 32) -> list[int]:
+    with KvtierClient(address, token=token) as client:
+        session = client.attach(LAYOUT)
+        tokens = prompt(seed, num_tokens)
+        hashes = session.namespace.hash_blocks(tokens)
+        acquired = session.acquire("r", hashes, 0, tokens)
+        session.commit("r", acquired.block_ids, hashes, tokens, None)
+        session.release("r")
+    return tokens
+
+
+# ----------------------------------------------------------------------------- plan (offline)
+
+
+def test_plan_reproduces_the_worked_example_of_the_seed():
+    """34-token requests, 819,200 B/token, 40 GB at 0.9: block 16 → 48 slots, ≈915; block 8 → 40, ≈1,098."""
+    done = kvtierctl("plan", "--bytes-per-token", "819200", "--t0", "40GB", "--utilization", "0.9", "--length", "34",
+                     "--block-sizes", "16,8", "--json")
+    assert done.returncode == 0, done.stderr
+    rows = {row["block_size"]: row for row in json.loads(done.stdout)["block_sizes"]}
+    assert (rows[16]["slots_per_request"], int(rows[16]["max_concurrency"])) == (48, 915)
+    assert (rows[8]["slots_per_request"], int(rows[8]["max_concurrency"])) == (40, 1098)
+    assert rows[16]["fragmentation"]["num_allocated_slots"] == 48
+    table = kvtierctl("plan", "--bytes-per-token", "819200", "--t0", "40GB", "--utilization", "0.9", "--length", "34")
+    assert "41.2%" in table.stdout and "29.2%" in table.stdout  # both denominators, block 16
+
+
+def test_plan_from_a_config_json_and_a_histogram_warns_about_long_contexts(tmp_path):
+    config = tmp_path / "config.json"
+    config.write_text(json.dumps({"num_hidden_layers": 32, "num_attention_heads": 32, "num_key_value_heads": 8,
+                                  "hidden_size": 4096}))
+    histogram = tmp_path / "lengths.txt"
+    histogram.write_text("# length count\n500 90\n60000 10\n")
+    done = kvtierctl("plan", "--model-config", str(config), "--t0", "20GB", "--t1", "4GiB", "--histogram",
+                     str(histogram), "--json")
+    assert done.returncode == 0, done.stderr
+    result = json.loads(done.stdout)
+    assert result["bytes_per_token"] == 32 * 2 * 8 * 128 * 2  # Llama-3-8B fp16: 128 KiB
+    assert result["mean_request"] == (500 * 90 + 60000 * 10) / 100
+    warnings = " ".join(result["warnings"])
+    assert "crowd short ones out" in warnings and "thrash T1" in warnings and "long-context pool" in warnings
+
+
+def test_plan_refuses_bad_input_with_exit_2():
+    done = kvtierctl("plan", "--bytes-per-token", "819200", "--t0", "forty", "--length", "34")
+    assert done.returncode == 2 and "not a size" in done.stderr
+    done = kvtierctl("plan", "--bytes-per-token", "819200", "--t0", "40GB")
+    assert done.returncode == 2 and "request lengths" in done.stderr
+
+
+# ----------------------------------------------------------------------------- against the daemon
+
+
+def test_stats_table_json_and_tenant_usage(daemon):
+    commit_prompt(daemon.address, TOKENS["acme"], seed=1)
+    done = kvtierctl("stats", address=daemon.address, token=TOKENS["acme"])
+    assert done.returncode == 0, done.stderr
+    assert f"pool {LAYOUT.model_id}" in done.stdout and "hit rate" in done.stdout and "T2 I/O errors" in done.stdout
+    stats = json.loads(kvtierctl("stats", "--json", address=daemon.address, token=TOKENS["acme"]).stdout)
+    pool, = stats["pools"]
+    assert int(pool["num_query_blocks"]) >= 8
+    own = json.loads(kvtierctl("stats", "--tenant", "", "--json", address=daemon.address, token=TOKENS["acme"]).stdout)
+    assert [row["tenant"] for row in own] == ["acme"] and int(own[0]["num_t0_cached_blocks"]) >= 8
+    refused = kvtierctl("stats", "--tenant", "*", address=daemon.address, token=TOKENS["acme"])
+    assert refused.returncode == 4 and "admin" in refused.stderr
+    every = json.loads(kvtierctl("stats", "--tenant", "*", "--json", address=daemon.address, token=TOKENS["ops"]).stdout)
+    assert "acme" in {row["tenant"] for row in every}
+
+
+def test_watch_redraws_with_rates_until_interrupted(daemon):
+    process = subprocess.Popen([sys.executable, "-m", "kvtierd.ctl", "--address", daemon.address, "--token",
+                                TOKENS["acme"], "stats", "--watch", "0.3"], stdout=subprocess.PIPE, text=True)
+    try:
+        frames: list[list[str]] = []
+        for line in process.stdout:
+            if line.startswith("kvtierd "):
+                frames.append([])
+            frames[-1].append(line)
+            if len(frames) == 4:
+                break
+    finally:
+        process.send_signal(signal.SIGINT)
+        process.communicate(timeout=10)
+    assert process.returncode == 0
+    first, second = "".join(frames[0]), "".join(frames[1])
+    assert "evictions/s" not in first and "evictions/s" in second  # rates need a previous frame
+    assert "B/s" in second
+
+
+def test_inspect_shows_which_tier_holds_a_prefix_and_evict_moves_it_down(daemon):
+    tokens = commit_prompt(daemon.address, TOKENS["globex"], seed=2)
+    text = " ".join(map(str, tokens))
+    found = json.loads(kvtierctl("inspect", "--model-id", LAYOUT.model_id, "--tokens", text, "--json",
+                                 address=daemon.address, token=TOKENS["globex"]).stdout)
+    assert (found["num_blocks"], found["t0"]) == (8, 8)
+    other = json.loads(kvtierctl("inspect", "--model-id", LAYOUT.model_id, "--tokens", text, "--json",
+                                 address=daemon.address, token=TOKENS["acme"]).stdout)
+    assert other["num_hit_blocks"] == 0  # another tenant sees nothing
+    evicted = json.loads(kvtierctl("evict", "--tier", "t0", "--json", address=daemon.address,
+                                   token=TOKENS["globex"]).stdout)
+    assert int(evicted.get("num_t0_blocks", 0)) >= 8
+    after = json.loads(kvtierctl("inspect", "--model-id", LAYOUT.model_id, "--tokens", text, "--json",
+                                 address=daemon.address, token=TOKENS["globex"]).stdout)
+    assert after["t0"] == 0 and after["t1"] + after["t2"] == 8  # on_evict copied them down
+    flushed = kvtierctl("flush", address=daemon.address, token=TOKENS["globex"])
+    assert flushed.returncode == 0, flushed.stderr
+    gone = json.loads(kvtierctl("inspect", "--model-id", LAYOUT.model_id, "--tokens", text, "--json",
+                                address=daemon.address, token=TOKENS["globex"]).stdout)
+    assert gone["num_hit_blocks"] == 0
+
+
+def test_evicting_every_tenant_or_draining_needs_an_admin(daemon):
+    commit_prompt(daemon.address, TOKENS["acme"], seed=3)
+    for args in (("evict", "--all"), ("flush", "--tenant", "acme"), ("drain",)):
+        done = kvtierctl(*args, address=daemon.address, token=TOKENS["globex"])
+        assert done.returncode == 4 and "admin" in done.stderr, args
+    acme = json.loads(kvtierctl("stats", "--tenant", "", "--json", address=daemon.address, token=TOKENS["acme"]).stdout)
+    assert int(acme[0]["num_t0_cached_blocks"]) >= 8  # nothing changed
+    done = kvtierctl("flush", "--all", address=daemon.address, token=TOKENS["ops"])
+    assert done.returncode == 0 and "dropped" in done.stdout
+
+
+def test_drain_refuses_new_sessions_and_resume_admits_them(daemon):
+    done = kvtierctl("drain", "--wait", "5", address=daemon.address, token=TOKENS["ops"])
+    assert done.returncode == 0 and "draining" in done.stdout and "safe to stop" in done.stdout
+    try:
+        with KvtierClient(daemon.address, token=TOKENS["acme"], max_attempts=1) as client:
+            with pytest.raises(Unavailable, match="draining"):
+                client.attach(LAYOUT)
+    finally:
+        resumed = kvtierctl("drain", "--resume", address=daemon.address, token=TOKENS["ops"])
+    assert resumed.returncode == 0 and "admitting" in resumed.stdout
+    with KvtierClient(daemon.address, token=TOKENS["acme"]) as client:
+        client.attach(LAYOUT).close()
+
+
+def test_health_is_clean_and_an_unreachable_daemon_exits_3(daemon, tmp_path):
+    done = kvtierctl("health", address=daemon.address, token=TOKENS["acme"])
+    assert done.returncode == 0 and done.stdout.startswith("healthy"), done.stdout + done.stderr
+    down = kvtierctl("health", address=f"unix://{tmp_path}/none.sock")
+    assert down.returncode == 3 and "not running" in down.stderr and "Traceback" not in down.stderr
+    bad = kvtierctl("stats", address=daemon.address, token="wrong")
+    assert bad.returncode == 4 and "refused" in bad.stderr
