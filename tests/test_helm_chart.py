@@ -269,6 +269,31 @@ def test_rendered_toml_loads_in_the_daemon(helm: str, chart: Path, ci: Path, tmp
             assert getattr(config, section) == table
 
 
+def test_rendered_config_starts_a_daemon_whose_probes_pass(helm: str, chart: Path, tmp_path: Path) -> None:
+    """`kvtierd serve --config` on the chart's TOML (the pod's paths and ports moved into tmp_path by
+    flags, which override the file): the health listener answers SERVING for both services the probes
+    ask for, and SIGTERM exits 0 within the pod's grace period."""
+    import grpc
+    from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+    from kvtierd.daemon_process import DaemonProcess
+
+    docs = render(helm, chart)
+    path = tmp_path / "kvtierd.toml"
+    path.write_text(toml_text(docs))
+    container = daemon_container(pod_spec(docs))
+    args = ["--config", str(path), "--socket", str(tmp_path / "kvtierd.sock"), "--ssd-dir", str(tmp_path / "ssd"),
+            "--metrics-port", "0", "--health-tcp", "127.0.0.1:0"]
+    with DaemonProcess(args) as daemon:
+        assert daemon.health_address
+        with grpc.insecure_channel(daemon.health_address) as channel:
+            check = health_pb2_grpc.HealthStub(channel).Check
+            for probe in ("livenessProbe", "readinessProbe", "startupProbe"):
+                request = health_pb2.HealthCheckRequest(service=container[probe]["grpc"]["service"])
+                assert check(request, timeout=5).status == health_pb2.HealthCheckResponse.SERVING, probe
+        assert daemon.stop(timeout_s=pod_spec(docs)["terminationGracePeriodSeconds"]) == 0
+
+
 def test_config_values_reach_the_daemon(helm: str, chart: Path, tmp_path: Path) -> None:
     config = load_rendered(render_ci(helm, chart, CHART / "ci" / "config-values.yaml"), tmp_path)
     assert config.server.lease_s == 12.5 and config.server.grace_s == 45
