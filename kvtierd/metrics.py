@@ -119,6 +119,12 @@ class DaemonMetrics:
         assert block_size_tokens > 0 and bytes_per_block > 0, (block_size_tokens, bytes_per_block)  # from a Layout
         self._tiers.add_pool(model_id, PoolSource(block_size_tokens, bytes_per_block, stats))
 
+    def add_tenant_source(self, usage_rows: Callable[[], list[dict]], quota_of) -> None:
+        """Report per-tenant usage and quotas at every scrape (tenant_metrics.py)."""
+        from kvtierd.tenant_metrics import TenantCollector
+
+        self.registry.register(TenantCollector(usage_rows, quota_of))
+
     def remove_pool_source(self, model_id: str) -> None:
         """Stop reading the pool (call before closing it); unknown models are ignored."""
         self._tiers.remove_pool(model_id)

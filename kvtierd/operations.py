@@ -76,7 +76,11 @@ class Operations:
 
     def tenant_usage(self, caller: Tenant, tenant: str) -> list[dict]:
         """Per (tenant, pool): held and cached T0 blocks, T1 and T2 blocks, sessions."""
-        tags = self._target_tags(caller, tenant, False, "usage")
+        return self.usage_rows(self._target_tags(caller, tenant, False, "usage"))
+
+    def usage_rows(self, tags: set[bytes] | None = None) -> list[dict]:
+        """The rows of `tenant_usage` for these tenant tags (None: every tenant), unchecked:
+        for the caller-checked RPC above and for the metrics scrape."""
         rows = []
         for pool in self.registry.pools():
             counts = _pool_counts(pool)

@@ -87,6 +87,11 @@ class Daemon:
         self.sessions = SessionTable(server_config.lease_s, quotas, self.metrics.session_opened,
                                      self.metrics.session_closed)
         self.feed = EventFeed(self.registry)
+        known = [self.authenticator.socket_tenant.name, *config.quotas]
+        if tokens is not None:
+            known += tokens.tenant_names()
+        self.operations = Operations(self.registry, self.sessions, admin_tenant_names(server_config), known)
+        self.metrics.add_tenant_source(self.operations.usage_rows, quotas.limits)
         self.health = health.aio.HealthServicer()
         self.server: grpc.aio.Server | None = None
         self.health_server: grpc.aio.Server | None = None  # plaintext, health only (server.health_tcp)
@@ -104,11 +109,7 @@ class Daemon:
             interceptors=[StatusInterceptor(self.authenticator, self.metrics.observe_rpc)],
             options=[("grpc.max_receive_message_length", limit), ("grpc.max_send_message_length", limit),
                      ("grpc.so_reuseport", 0), *READ_CHUNK_OPTIONS])
-        known = [self.authenticator.socket_tenant.name, *self.config.quotas]
-        if self.authenticator.tokens is not None:
-            known += self.authenticator.tokens.tenant_names()
-        operations = Operations(self.registry, self.sessions, admin_tenant_names(server_config), known)
-        self.servicer = KvTierServicer(self.registry, self.sessions, self.feed, operations=operations,
+        self.servicer = KvTierServicer(self.registry, self.sessions, self.feed, operations=self.operations,
                                        on_drain=self._set_serving)
         self.server.add_generic_rpc_handlers((kvtier_handlers(self.servicer),))
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)

@@ -238,3 +238,30 @@ def test_bucket_histogram_counts_the_same_in_small_and_large_batches():
     expected = [("0.1", 8), ("1.0", 16), ("10.0", 24), ("+Inf", 32)]
     assert small.cumulative() == large.cumulative() == expected
     assert small.sum == pytest.approx(large.sum) and small.count == 32
+
+
+def test_tenant_usage_and_quota_gauges_from_a_live_daemon(tmp_path):
+    """kvtierd_tenant_used_bytes counts what the T0 quota limits (held references) and
+    kvtierd_tenant_quota_bytes reports the configured limit, per tenant and tier."""
+    import os
+
+    from kvtierd.client import KvtierClient
+    from kvtierd.daemon_process import DaemonProcess, small_daemon_args
+    from tests.e2e_runner import LAYOUT, prompt
+
+    config = tmp_path / "kvtierd.toml"
+    config.write_text(f'[quotas."uid:{os.getuid()}"]\nt0_bytes = "64KiB"\nt1_bytes = "1MiB"\n')
+    with DaemonProcess(small_daemon_args(str(tmp_path), extra=["--config", str(config)])) as daemon, \
+            KvtierClient(daemon.address) as client:
+        session = client.attach(LAYOUT)
+        tokens = prompt(5, 32)
+        hashes = session.namespace.hash_blocks(tokens)
+        session.acquire("r", hashes, 0, tokens)  # 8 blocks of 1 KiB held
+        families = {f.name: f for f in text_string_to_metric_families(
+            urllib.request.urlopen(daemon.metrics_url, timeout=10).read().decode())}
+        used = {(s.labels["tenant"], s.labels["tier"]): s.value for s in families["kvtierd_tenant_used_bytes"].samples}
+        quota = {(s.labels["tenant"], s.labels["tier"]): s.value for s in families["kvtierd_tenant_quota_bytes"].samples}
+        tenant = f"uid:{os.getuid()}"
+        assert used[(tenant, "t0")] == 8 * LAYOUT.bytes_per_block
+        assert (quota[(tenant, "t0")], quota[(tenant, "t1")], quota[(tenant, "t2")]) == (65536, 1 << 20, 0)
+        session.release("r")
