@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import signal
 import sys
 import time
 
@@ -134,6 +135,8 @@ def watch(client, interval_s: float, view) -> int:
     """Refresh until Ctrl-C; on a terminal the screen is redrawn in place."""
     if interval_s <= 0:
         raise InvalidArgument(f"--watch needs a positive interval, got {interval_s}")
+    # Ctrl-C ends the watch even when started with SIGINT ignored (a background job of a script).
+    signal.signal(signal.SIGINT, signal.default_int_handler)
     previous, before_s = None, time.monotonic()
     while True:
         stats, now_s = client.stats(), time.monotonic()

@@ -107,6 +107,7 @@ def test_stats_table_json_and_tenant_usage(daemon):
 
 
 def test_watch_redraws_with_rates_until_interrupted(daemon):
+    commit_prompt(daemon.address, TOKENS["acme"], seed=4)  # a pool to report
     process = subprocess.Popen([sys.executable, "-m", "kvtierd.ctl", "--address", daemon.address, "--token",
                                 TOKENS["acme"], "stats", "--watch", "0.3"], stdout=subprocess.PIPE, text=True)
     try:
