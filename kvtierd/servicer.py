@@ -19,6 +19,7 @@ from kvtierd.errors import DRAINING_DETAILS, DeadlineExceeded, FailedPreconditio
 from kvtierd.event_feed import EventFeed
 from kvtierd.layout import Layout
 from kvtierd.operations import Operations
+from kvtierd.pool_stats import pool_stats
 from kvtierd.pools import Pool, PoolRegistry
 from kvtierd.prefix_match import check_hashes
 from kvtierd.sessions import Session, SessionTable
@@ -26,7 +27,7 @@ from kvtierd.status_interceptor import current_tenant
 from kvtierd.tenants import Tenant
 from kvtierd.v1 import kvtier_pb2 as pb
 from kvtierd.v1 import kvtier_pb2_grpc
-from kvtierd.wire import handle_to_proto, layout_from_proto, layout_to_proto
+from kvtierd.wire import handle_to_proto, layout_from_proto
 
 PUT_BATCH_BLOCKS = 16  # blocks written and committed together by Put
 
@@ -240,7 +241,7 @@ class KvTierServicer(kvtier_pb2_grpc.KvTierServicer):
     # ----------------------------------------------------------------------------- observing
 
     async def Stats(self, request: pb.StatsRequest, context) -> pb.StatsResponse:
-        return pb.StatsResponse(pools=[_pool_stats(pool) for pool in self.registry.pools()],
+        return pb.StatsResponse(pools=[pool_stats(pool) for pool in self.registry.pools()],
                                 num_sessions=len(self.sessions), num_reclaimed_refs=self.sessions.num_reclaimed_refs,
                                 version=__version__)
 
@@ -379,35 +380,3 @@ def _position_of(pool: Pool, table: list[int], block_ids: list[int], request_id:
 def _num_leading_committed(pool: Pool, table: list[int]) -> int:
     blocks = pool.manager.index.blocks
     return next((i for i, block_id in enumerate(table) if blocks[block_id].block_hash is None), len(table))
-
-
-def _pool_stats(pool: Pool) -> pb.PoolStats:
-    stats = pool.manager.stats()
-    t0 = stats["t0"]
-    bytes_per_block = pool.layout.bytes_per_block
-    hits = stats["hit_blocks"]
-    tiers = [pb.TierStats(tier="t0", capacity_bytes=t0["capacity_bytes"],
-                          used_bytes=(t0["num_blocks"] - t0["num_free_blocks"]) * bytes_per_block,
-                          num_cached_blocks=t0["num_cached_blocks"], num_hit_blocks=hits["t0"],
-                          num_evictions=t0["evictions"])]
-    if "t1" in stats:
-        t1 = stats["t1"]
-        tiers.append(pb.TierStats(tier="t1", capacity_bytes=t1["capacity_bytes"], used_bytes=t1["used_bytes"],
-                                  num_cached_blocks=pool.manager.tiers.host.index.num_ready,
-                                  num_hit_blocks=hits["t1"], num_evictions=t1["evictions"]))
-    if "t2" in stats:
-        t2 = stats["t2"]
-        tiers.append(pb.TierStats(tier="t2", capacity_bytes=t2["capacity_bytes"], used_bytes=t2["used_bytes"],
-                                  num_cached_blocks=t2["num_entries"], num_hit_blocks=hits["t2"],
-                                  num_evictions=t2["num_evictions"]))
-    t2 = stats.get("t2", {})
-    transfers = [pb.TransferStats(direction=direction, bytes_moved=stats["bytes_moved"][direction],
-                                  bytes_per_s=stats["bandwidth_bytes_per_s"][direction])
-                 for direction in sorted(stats["bytes_moved"])]
-    return pb.PoolStats(layout=layout_to_proto(pool.layout), num_blocks=t0["num_blocks"],
-                        num_free_blocks=t0["num_free_blocks"], tiers=tiers, num_query_blocks=stats["query_blocks"],
-                        transfers=transfers, num_corrupted_blocks=t2.get("num_corrupted", 0),
-                        num_t2_io_errors=t2.get("num_io_errors", 0),
-                        num_failed_load_blocks=stats["failed_load_blocks"],
-                        num_failed_offload_blocks=stats["failed_offload_blocks"],
-                        t2_admitting=t2.get("admitting", False), t2_reason=t2.get("reason") or "")
