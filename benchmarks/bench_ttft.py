@@ -30,7 +30,7 @@ from kvtierd.connectors.llama_model import LlamaModel  # noqa: E402
 from kvtierd.connectors.llama_weights import random_weights  # noqa: E402
 from kvtierd.connectors.runner import GenerationRequest, ReferenceRunner  # noqa: E402
 from kvtierd.connectors.runner_connector import KvtierdConnector  # noqa: E402
-from kvtierd.daemon_process import DaemonProcess  # noqa: E402
+from kvtierd.daemon_process import DaemonProcess, small_daemon_args  # noqa: E402
 
 FULL = LlamaConfig(vocab_size=32000, hidden_size=1024, intermediate_size=2816, num_hidden_layers=8,
                    num_attention_heads=16, num_key_value_heads=8)
@@ -68,14 +68,11 @@ class Bench:
 
     def start_daemon(self) -> None:
         """T0 holds 2 requests, T1 6 (written through, so T1 and T2 hold every committed block)."""
-        bytes_per_block = self.layout.bytes_per_block
-        args = ["--socket", os.path.join(self.directory, "kvtierd.sock"),
-                "--ssd-dir", os.path.join(self.directory, "ssd"), "--metrics-port", "0",
-                "--t0-bytes", str(2 * self.num_request_blocks * bytes_per_block),
-                "--host-bytes", str(6 * self.num_request_blocks * bytes_per_block),
-                "--ssd-bytes", str(16 * self.num_request_blocks * bytes_per_block),
-                "--set", "policy.t0_to_t1=write_through", "--set", "policy.recompute_s_per_token=0"]
-        self.daemon = DaemonProcess(args)
+        request_bytes = self.num_request_blocks * self.layout.bytes_per_block
+        self.daemon = DaemonProcess(small_daemon_args(
+            self.directory, t0_bytes=str(2 * request_bytes), host_bytes=str(6 * request_bytes),
+            ssd_bytes=str(16 * request_bytes),
+            extra=["--set", "policy.t0_to_t1=write_through", "--set", "policy.recompute_s_per_token=0"]))
         self.client = KvtierClient(self.daemon.address, timeout_s=120.0)
         self.runner = ReferenceRunner(self.model, KvtierdConnector(self.client.attach(self.layout)))
 

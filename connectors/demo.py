@@ -11,7 +11,6 @@ and T1 overflow (or uses a running one with `--address`).
 from __future__ import annotations
 
 import dataclasses
-import os
 import tempfile
 
 from kvtierd.client import KvtierClient
@@ -22,7 +21,7 @@ from kvtierd.connectors.llama_model import LlamaModel
 from kvtierd.connectors.llama_weights import load_weights, random_weights
 from kvtierd.connectors.runner import GenerationRequest, ReferenceRunner
 from kvtierd.connectors.runner_connector import KvtierdConnector
-from kvtierd.daemon_process import DaemonProcess
+from kvtierd.daemon_process import DaemonProcess, small_daemon_args
 
 DEMO_MODEL = LlamaConfig(vocab_size=32000, hidden_size=512, intermediate_size=1408, num_hidden_layers=4,
                          num_attention_heads=8, num_key_value_heads=4)
@@ -87,10 +86,9 @@ def build_model(options: DemoOptions) -> LlamaModel:
 def daemon_args(options: DemoOptions, directory: str) -> list[str]:
     """A daemon whose T0 and T1 are smaller than the demo's traffic, so hits come from every tier."""
     bytes_per_block = options.model.layout(options.model_id, options.block_size).bytes_per_block
-    return ["--socket", os.path.join(directory, "kvtierd.sock"), "--ssd-dir", os.path.join(directory, "ssd"),
-            "--metrics-port", "0", "--t0-bytes", str(options.t0_blocks * bytes_per_block),
-            "--host-bytes", str(options.t1_blocks * bytes_per_block), "--ssd-bytes", options.t2_bytes,
-            "--set", "policy.recompute_s_per_token=0"]
+    return small_daemon_args(directory, t0_bytes=str(options.t0_blocks * bytes_per_block),
+                             host_bytes=str(options.t1_blocks * bytes_per_block), ssd_bytes=options.t2_bytes,
+                             extra=["--set", "policy.recompute_s_per_token=0"])
 
 
 def run_demo(options: DemoOptions, progress=None) -> DemoReport:

@@ -11,7 +11,7 @@ from pathlib import Path
 from kvtierd.capacity_plan import (
     DEFAULT_BLOCK_SIZES, histogram_from_percentiles, parse_budget, parse_histogram, plan, plan_lines)
 from kvtierd.errors import InvalidArgument
-from kvtierd.layout import DTYPES
+from kvtierd.layout import DTYPES, Layout
 
 # ----------------------------------------------------------------------------- plan
 
@@ -40,9 +40,10 @@ def add_plan_flags(parser: argparse.ArgumentParser) -> None:
 
 
 def kv_bytes_per_token(args: argparse.Namespace) -> int:
+    """From --bytes-per-token, or the shape (flags or a config.json) through Layout.bytes_per_token.
+    Any decoder's config works here, not only the Llama configs the reference runner loads."""
     if args.bytes_per_token is not None:
         return args.bytes_per_token
-    dtype_bytes = DTYPES[args.dtype][0]
     if args.model_config:
         try:
             config = json.loads(Path(args.model_config).read_text())
@@ -55,10 +56,11 @@ def kv_bytes_per_token(args: argparse.Namespace) -> int:
             head_dim = config.get("head_dim") or config["hidden_size"] // config["num_attention_heads"]
         except KeyError as e:
             raise InvalidArgument(f"{args.model_config} has no {e.args[0]}") from None
-        return layers * 2 * heads * head_dim * dtype_bytes
-    if None in (args.layers, args.kv_heads, args.head_dim):
+    elif None in (args.layers, args.kv_heads, args.head_dim):
         raise InvalidArgument("give --bytes-per-token, --model-config, or all of --layers --kv-heads --head-dim")
-    return args.layers * 2 * args.kv_heads * args.head_dim * dtype_bytes
+    else:
+        layers, heads, head_dim = args.layers, args.kv_heads, args.head_dim
+    return Layout("plan", layers, heads, head_dim, 1, args.dtype).bytes_per_token
 
 
 def request_lengths(args: argparse.Namespace) -> dict[int, int]:
