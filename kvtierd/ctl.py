@@ -10,37 +10,64 @@
     kvtierctl health
 
 Exit codes: 0 done (health: healthy); 1 health found problems, or drain --wait timed out;
-2 a bad argument; 3 the daemon is unreachable; 4 the daemon refused (credentials, permission).
+2 a bad argument; 3 the daemon is unreachable, or did not answer within --timeout seconds;
+4 the daemon refused (credentials, permission); 130 interrupted (Ctrl-C, except ending --watch).
+Every error is one line on stderr.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
+import math
 import signal
 import sys
 import time
+from typing import NoReturn
 
 from google.protobuf.json_format import MessageToDict
 
-from kvtierd.errors import InvalidArgument, KvtierError, PermissionDenied, Unauthenticated, Unavailable
+from kvtierd.errors import (
+    DeadlineExceeded, InvalidArgument, KvtierError, PermissionDenied, Unauthenticated, Unavailable)
 
-EXIT_PROBLEMS, EXIT_USAGE, EXIT_UNREACHABLE, EXIT_REFUSED = 1, 2, 3, 4
+EXIT_PROBLEMS, EXIT_USAGE, EXIT_UNREACHABLE, EXIT_REFUSED, EXIT_INTERRUPTED = 1, 2, 3, 4, 130
+
+
+class OneLineParser(argparse.ArgumentParser):
+    """A usage error is one line on stderr and exit 2, not argparse's usage block (`--help` still
+    prints everything). The parser of every subcommand is one too (add_subparsers' parser_class)."""
+
+    def error(self, message: str) -> NoReturn:
+        self.exit(EXIT_USAGE, f"kvtierctl: error: {message} (see `{self.prog} --help`)\n")
+
+
+def seconds(text: str) -> float:
+    """An argparse type: a finite number of seconds > 0."""
+    try:
+        value = float(text)
+    except ValueError:
+        value = math.nan
+    if not 0 < value < math.inf:
+        raise argparse.ArgumentTypeError(f"needs a finite number of seconds > 0, got {text!r}")
+    return value
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="kvtierctl", description="Operate a kvtierd daemon: stats, capacity "
-                                     "planning, inspect, evict, flush, drain, health.",
-                                     epilog="exit codes: 0 ok, 1 problems found, 2 bad argument, 3 daemon "
-                                     "unreachable, 4 refused")
+    parser = OneLineParser(prog="kvtierctl", description="Operate a kvtierd daemon: stats, capacity "
+                           "planning, inspect, evict, flush, drain, health.",
+                           epilog="exit codes: 0 ok, 1 problems found, 2 bad argument, 3 daemon unreachable "
+                           "(or no answer within --timeout), 4 refused, 130 interrupted")
     parser.add_argument("--address", help="the daemon (default: KVTIERD_ADDRESS, else the default socket)")
     parser.add_argument("--token", help="bearer token (default: KVTIERD_TOKEN)")
-    parser.add_argument("--timeout", type=float, default=10.0, help="seconds per call (default 10)")
-    commands = parser.add_subparsers(dest="command", required=True)
+    parser.add_argument("--timeout", type=seconds, default=10.0,
+                        help="seconds to wait for each answer of the daemon, else it is unreachable (exit 3; "
+                        "default 10). evict and flush, once the daemon answers, wait up to 120 s")
+    commands = parser.add_subparsers(dest="command", required=True, parser_class=OneLineParser)
 
     stats = commands.add_parser("stats", help="usage, hit rate, evictions, bytes moved, errors per tier")
     stats.add_argument("--tenant", help="per-tenant usage: a tenant's name, or '*' for every tenant (admin)")
-    stats.add_argument("--watch", nargs="?", const=2.0, type=float, metavar="SECONDS",
+    stats.add_argument("--watch", nargs="?", const=2.0, type=seconds, metavar="SECONDS",
                        help="refresh every SECONDS (default 2) with rates, until Ctrl-C")
     stats.add_argument("--json", action="store_true", help="print the raw figures as JSON")
 
@@ -66,13 +93,16 @@ def main(argv: list[str] | None = None) -> int:
     commands.add_parser("health", help="serving status, leaked blocks, T2 errors; exit 1 on a problem")
 
     args = parser.parse_args(argv)
+    # Ctrl-C stops kvtierctl even when started with SIGINT ignored (a background job of a script).
+    signal.signal(signal.SIGINT, signal.default_int_handler)
     try:
         if args.command == "plan":
             from kvtierd.ctl_plan import run_plan
             return run_plan(args)
         return run_against_daemon(args)
-    except KeyboardInterrupt:
-        return 0
+    except KeyboardInterrupt:  # --watch ends on Ctrl-C by itself, with 0
+        print("kvtierctl: interrupted", file=sys.stderr)
+        return EXIT_INTERRUPTED
     except (Unauthenticated, PermissionDenied) as e:
         print(f"kvtierctl: refused: {e}", file=sys.stderr)
         return EXIT_REFUSED
@@ -86,9 +116,11 @@ def main(argv: list[str] | None = None) -> int:
 
 def run_against_daemon(args: argparse.Namespace) -> int:
     from kvtierd.client import KvtierClient
+    from kvtierd.client_calls import OPERATION_TIMEOUT_S
     from kvtierd.ctl_report import StatsView, health_problems, tenant_lines
 
-    with KvtierClient(args.address, token=args.token, timeout_s=args.timeout, max_attempts=1) as client:
+    with (KvtierClient(args.address, token=args.token, timeout_s=args.timeout, max_attempts=1) as client,
+          answered_within(client.target, args.timeout)):
         if args.command == "stats":
             if args.tenant is not None:
                 usage = client.tenant_stats(args.tenant)
@@ -105,9 +137,12 @@ def run_against_daemon(args: argparse.Namespace) -> int:
             from kvtierd.ctl_plan import run_inspect
             return run_inspect(client, args)
         if args.command in ("evict", "flush"):
-            layout = _pool_layout(client, args.model_id) if args.model_id else None
+            # Stats first: a daemon that does not answer is found within --timeout, not Evict's deadline.
+            pools = client.stats().pools
+            layout = _pool_layout(pools, args.model_id) if args.model_id else None
             tiers = getattr(args, "tier", None) or (["t0"] if args.command == "evict" else [])
-            result = client.evict(args.tenant, all_tenants=args.all, tiers=tiers, layout=layout)
+            with answered_within(client.target, OPERATION_TIMEOUT_S):
+                result = client.evict(args.tenant, all_tenants=args.all, tiers=tiers, layout=layout)
             if args.json:
                 print(json.dumps(MessageToDict(result, preserving_proto_field_name=True, always_print_fields_with_no_presence=True)))
             else:
@@ -117,7 +152,7 @@ def run_against_daemon(args: argparse.Namespace) -> int:
         if args.command == "drain":
             result = client.drain(resume=args.resume)
             state = "draining: new sessions are refused" if result.draining else "admitting sessions"
-            print(f"{state}; {result.num_sessions} sessions attached")
+            print(f"{state}; {result.num_sessions} sessions attached", flush=True)
             if args.wait is not None and result.draining:
                 return wait_for_sessions(client, args.wait)
             return 0
@@ -131,23 +166,34 @@ def run_against_daemon(args: argparse.Namespace) -> int:
         return EXIT_PROBLEMS if problems else 0
 
 
+@contextlib.contextmanager
+def answered_within(target: str, timeout_s: float):
+    """A call that runs out of time is a daemon that does not answer (it accepts connections but
+    never replies, or hangs): Unavailable, exit 3, naming the address."""
+    try:
+        yield
+    except DeadlineExceeded:
+        raise Unavailable(f"kvtierd at {target} did not answer within {timeout_s:g} s: is the daemon running, "
+                          "and serving at this address?") from None
+
+
 def watch(client, interval_s: float, view) -> int:
-    """Refresh until Ctrl-C; on a terminal the screen is redrawn in place."""
-    if interval_s <= 0:
-        raise InvalidArgument(f"--watch needs a positive interval, got {interval_s}")
-    # Ctrl-C ends the watch even when started with SIGINT ignored (a background job of a script).
-    signal.signal(signal.SIGINT, signal.default_int_handler)
+    """Refresh until Ctrl-C (exit 0); on a terminal the screen is redrawn in place."""
     previous, before_s = None, time.monotonic()
-    while True:
-        stats, now_s = client.stats(), time.monotonic()
-        text = "\n".join(view(stats, previous, now_s - before_s).lines(client.target))
-        sys.stdout.write(("\x1b[H\x1b[2J" if sys.stdout.isatty() else "") + text + "\n\n")
-        sys.stdout.flush()
-        previous, before_s = stats, now_s
-        time.sleep(interval_s)
+    try:
+        while True:
+            stats, now_s = client.stats(), time.monotonic()
+            text = "\n".join(view(stats, previous, now_s - before_s).lines(client.target))
+            sys.stdout.write(("\x1b[H\x1b[2J" if sys.stdout.isatty() else "") + text + "\n\n")
+            sys.stdout.flush()
+            previous, before_s = stats, now_s
+            time.sleep(interval_s)
+    except KeyboardInterrupt:
+        return 0
 
 
 def wait_for_sessions(client, timeout_s: float) -> int:
+    """0 once no session is attached; 1 after `timeout_s`; Ctrl-C is an interruption (130), not success."""
     deadline = time.monotonic() + timeout_s
     while (num_sessions := client.stats().num_sessions) and time.monotonic() < deadline:
         time.sleep(0.5)
@@ -158,11 +204,10 @@ def wait_for_sessions(client, timeout_s: float) -> int:
     return 0
 
 
-def _pool_layout(client, model_id: str):
-    """The layout of the daemon's pool for `model_id`; InvalidArgument naming the pools if none."""
+def _pool_layout(pools, model_id: str):
+    """The layout of the pool (of Stats' `pools`) for `model_id`; InvalidArgument naming the pools if none."""
     from kvtierd.wire import layout_from_proto
 
-    pools = client.stats().pools
     matches = [p.layout for p in pools if p.layout.model_id == model_id]
     if len(matches) != 1:
         known = ", ".join(sorted({p.layout.model_id for p in pools})) or "none"

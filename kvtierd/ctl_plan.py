@@ -49,13 +49,18 @@ def kv_bytes_per_token(args: argparse.Namespace) -> int:
             config = json.loads(Path(args.model_config).read_text())
         except (OSError, ValueError) as e:
             raise InvalidArgument(f"cannot read {args.model_config}: {e}") from None
-        config = config.get("text_config", config)  # multimodal configs nest the language model's
+        if isinstance(config, dict):
+            config = config.get("text_config", config)  # multimodal configs nest the language model's
+        if not isinstance(config, dict):
+            raise InvalidArgument(f"{args.model_config} is not a JSON object (a transformers config.json)")
         try:
             layers = config["num_hidden_layers"]
             heads = config.get("num_key_value_heads") or config["num_attention_heads"]
             head_dim = config.get("head_dim") or config["hidden_size"] // config["num_attention_heads"]
         except KeyError as e:
             raise InvalidArgument(f"{args.model_config} has no {e.args[0]}") from None
+        except (TypeError, ZeroDivisionError) as e:
+            raise InvalidArgument(f"{args.model_config}: hidden_size / num_attention_heads: {e}") from None
     elif None in (args.layers, args.kv_heads, args.head_dim):
         raise InvalidArgument("give --bytes-per-token, --model-config, or all of --layers --kv-heads --head-dim")
     else:
@@ -126,7 +131,8 @@ def run_inspect(client, args: argparse.Namespace) -> int:
     from kvtierd.block_hash import PromptExtras
     from kvtierd.ctl import _pool_layout
 
-    session = client.attach(_pool_layout(client, args.model_id), map_pool=False)  # closing ends the session
+    layout = _pool_layout(client.stats().pools, args.model_id)
+    session = client.attach(layout, map_pool=False)  # closing ends the session
     try:
         token_ids = None
         if args.hashes:

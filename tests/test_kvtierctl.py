@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import json
 import signal
+import socket
 import subprocess
 import sys
+import threading
 
 import pytest
 
@@ -15,10 +17,11 @@ from kvtierd.errors import Unavailable
 from tests.e2e_runner import LAYOUT, prompt
 
 TOKENS = {"acme": "a-token", "globex": "g-token", "ops": "o-token"}
+KVTIERCTL = [sys.executable, "-P", "-m", "kvtierd.ctl"]  # -P: the working directory cannot shadow the package
 
 
 def kvtierctl(*args: str, token: str | None = None, address: str | None = None, timeout_s: float = 60):
-    head = [sys.executable, "-m", "kvtierd.ctl"]
+    head = list(KVTIERCTL)
     if address:
         head += ["--address", address]
     if token:
@@ -46,6 +49,105 @@ def commit_prompt(address: str, token: str, seed: int, num_tokens: int = 32) -> 
         session.commit("r", acquired.block_ids, hashes, tokens, None)
         session.release("r")
     return tokens
+
+
+def assert_one_line(done: subprocess.CompletedProcess, returncode: int, line: str) -> None:
+    """The exit status, and stderr exactly `line`: one line, no usage block, no traceback."""
+    assert (done.returncode, done.stderr) == (returncode, line + "\n")
+
+
+# ----------------------------------------------------------------------------- usage errors (exit 2)
+
+
+PLAN = ("plan", "--bytes-per-token", "819200")
+
+
+@pytest.mark.parametrize("args, line", [
+    ((*PLAN, "--t0", "40GB", "--length", "abc"),
+     "kvtierctl: error: argument --length: invalid int value: 'abc' (see `kvtierctl plan --help`)"),
+    ((*PLAN, "--length", "34"),
+     "kvtierctl: error: the following arguments are required: --t0 (see `kvtierctl plan --help`)"),
+    (("--bogus", "health"), "kvtierctl: error: unrecognized arguments: --bogus (see `kvtierctl --help`)"),
+    (("health", "--bogus"), "kvtierctl: error: unrecognized arguments: --bogus (see `kvtierctl --help`)"),
+    (("bogus",), "kvtierctl: error: argument command: invalid choice: 'bogus' (choose from 'stats', 'plan', "
+                 "'inspect', 'evict', 'flush', 'drain', 'health') (see `kvtierctl --help`)"),
+    ((), "kvtierctl: error: the following arguments are required: command (see `kvtierctl --help`)"),
+    (("--timeout", "0", "health"),
+     "kvtierctl: error: argument --timeout: needs a finite number of seconds > 0, got '0' (see `kvtierctl --help`)"),
+    (("stats", "--watch", "0"), "kvtierctl: error: argument --watch: needs a finite number of seconds > 0, "
+                                "got '0' (see `kvtierctl stats --help`)"),
+], ids=["plan-length-abc", "plan-without-t0", "unknown-flag", "unknown-subcommand-flag", "unknown-subcommand",
+        "no-subcommand", "timeout-0", "watch-0"])
+def test_a_usage_error_is_one_line_and_exit_2(args, line):
+    """argparse's multi-line usage block is replaced by one line naming the argument; nothing runs."""
+    done = kvtierctl(*args, address="unix:///nonexistent/kvtierd.sock")
+    assert_one_line(done, 2, line)
+    assert done.stdout == ""
+
+
+def test_help_still_prints_the_whole_usage():
+    """--help is not an error: the full help on stdout, exit 0; the same parser's error is one line."""
+    done = kvtierctl("plan", "--help")
+    assert (done.returncode, done.stderr) == (0, "")
+    assert done.stdout.startswith("usage: kvtierctl plan") and "--percentiles" in done.stdout
+    assert len(done.stdout.splitlines()) > 20
+    assert_one_line(kvtierctl("plan"), 2, "kvtierctl: error: the following arguments are required: --t0 "
+                                          "(see `kvtierctl plan --help`)")
+
+
+def test_a_model_config_that_is_not_an_object_is_a_bad_argument(tmp_path):
+    """A config.json holding a list is exit 2 with one line, not an AttributeError traceback."""
+    config = tmp_path / "config.json"
+    config.write_text("[1, 2]")
+    done = kvtierctl("plan", "--model-config", str(config), "--t0", "1GB", "--length", "3")
+    assert_one_line(done, 2, f"kvtierctl: error: {config} is not a JSON object (a transformers config.json)")
+
+
+# ----------------------------------------------------------------------------- a daemon that never answers (exit 3)
+
+
+@pytest.fixture(params=["tcp", "unix"])
+def silent_server(request, tmp_path):
+    """(address, accepted): a socket server that accepts connections and never writes a byte."""
+    if request.param == "tcp":
+        listener = socket.create_server(("127.0.0.1", 0))
+        address = "127.0.0.1:%d" % listener.getsockname()[1]
+    else:
+        listener = socket.socket(socket.AF_UNIX)
+        listener.bind(str(tmp_path / "silent.sock"))
+        listener.listen()
+        address = f"unix://{tmp_path}/silent.sock"
+    accepted, connections = threading.Event(), []
+
+    def accept_forever() -> None:
+        while True:
+            try:
+                connections.append(listener.accept()[0])
+            except OSError:  # the listener was shut down
+                return
+            accepted.set()
+
+    thread = threading.Thread(target=accept_forever, daemon=True)
+    thread.start()
+    try:
+        yield address, accepted
+    finally:
+        listener.shutdown(socket.SHUT_RDWR)  # wakes accept()
+        thread.join(timeout=10)
+        listener.close()
+        for connection in connections:
+            connection.close()
+
+
+@pytest.mark.parametrize("command", [("health",), ("stats",), ("evict", "--all")], ids=["health", "stats", "evict"])
+def test_a_daemon_that_accepts_and_never_answers_is_unreachable(silent_server, command):
+    """Exit 3 within --timeout, one line naming the address (evict too, whose own deadline is 120 s)."""
+    address, accepted = silent_server
+    done = kvtierctl("--timeout", "1", *command, address=address, timeout_s=30)
+    assert accepted.is_set()  # it connected: the daemon is there and silent, not absent
+    assert_one_line(done, 3, f"kvtierctl: kvtierd at {address} did not answer within 1 s: is the daemon running, "
+                             "and serving at this address?")
+    assert done.stdout == ""
 
 
 # ----------------------------------------------------------------------------- plan (offline)
@@ -108,8 +210,8 @@ def test_stats_table_json_and_tenant_usage(daemon):
 
 def test_watch_redraws_with_rates_until_interrupted(daemon):
     commit_prompt(daemon.address, TOKENS["acme"], seed=4)  # a pool to report
-    process = subprocess.Popen([sys.executable, "-m", "kvtierd.ctl", "--address", daemon.address, "--token",
-                                TOKENS["acme"], "stats", "--watch", "0.3"], stdout=subprocess.PIPE, text=True)
+    process = subprocess.Popen([*KVTIERCTL, "--address", daemon.address, "--token", TOKENS["acme"], "stats",
+                                "--watch", "0.3"], stdout=subprocess.PIPE, text=True)
     try:
         frames: list[list[str]] = []
         for line in process.stdout:
@@ -172,6 +274,25 @@ def test_drain_refuses_new_sessions_and_resume_admits_them(daemon):
     assert resumed.returncode == 0 and "admitting" in resumed.stdout
     with KvtierClient(daemon.address, token=TOKENS["acme"]) as client:
         client.attach(LAYOUT).close()
+
+
+def test_interrupting_drain_wait_exits_130_not_0(daemon):
+    """Ctrl-C while sessions are still attached is not "safe to stop the daemon": 130, one line."""
+    with KvtierClient(daemon.address, token=TOKENS["acme"]) as client:
+        client.attach(LAYOUT)  # attached until the client closes: drain --wait keeps waiting
+        process = subprocess.Popen([*KVTIERCTL, "--address", daemon.address, "--token", TOKENS["ops"], "drain",
+                                    "--wait", "20"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        try:
+            assert process.stdout.readline().startswith("draining: new sessions are refused; ")
+            process.send_signal(signal.SIGINT)
+            stdout, stderr = process.communicate(timeout=30)
+        finally:
+            if process.poll() is None:
+                process.kill()
+                process.communicate()
+            resumed = kvtierctl("drain", "--resume", address=daemon.address, token=TOKENS["ops"])
+    assert (process.returncode, stderr, stdout) == (130, "kvtierctl: interrupted\n", "")
+    assert resumed.returncode == 0, resumed.stderr
 
 
 def test_health_is_clean_and_an_unreachable_daemon_exits_3(daemon, tmp_path):
