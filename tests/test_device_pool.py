@@ -148,7 +148,7 @@ CHILD = textwrap.dedent("""
 
 def run_child(handle: PoolHandle, code: str = CHILD) -> str:
     env = dict(os.environ, PYTHONPATH=str(REPO_ROOT))
-    done = subprocess.run([sys.executable, "-c", code], input=pickle.dumps(handle), env=env,
+    done = subprocess.run([sys.executable, "-P", "-c", code], input=pickle.dumps(handle), env=env,
                           cwd=REPO_ROOT, capture_output=True, timeout=120)
     assert done.returncode == 0, done.stderr.decode()
     return done.stdout.decode()

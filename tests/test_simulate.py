@@ -4,12 +4,12 @@ from __future__ import annotations
 
 import json
 import subprocess
-import sys
 
 import pytest
 
 from kvtierd.chat_workload import ChatWorkload, Conversations
 from kvtierd.cli import main
+from kvtierd.daemon_process import python_module_command
 from kvtierd.errors import InvalidArgument
 from kvtierd.simulate import ChatSimulator, report_lines
 
@@ -96,7 +96,7 @@ def test_cli_errors_are_readable(capsys):
 
 
 def test_module_runs_as_a_command():
-    out = subprocess.run([sys.executable, "-m", "kvtierd.cli", "simulate", "--conversations", "2", "--turns", "2",
+    out = subprocess.run([*python_module_command("kvtierd.cli", "simulate"), "--conversations", "2", "--turns", "2",
                           "--system-prompt-tokens", "32", "--pool-blocks", "64"],
                          capture_output=True, text=True, check=True).stdout
     assert "prefix hit rate:" in out and "free blocks after all requests finished: 64 of 64" in out

@@ -1,0 +1,41 @@
+"""A model for the reference runner from files: a GGUF file, or a Hugging Face directory.
+
+A GGUF file (llama.cpp's format) holds the config, the weights (dequantized here) and the
+tokenizer with its chat template. A Hugging Face directory holds config.json, *.safetensors
+and, for chat, the tokenizer files.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+
+import torch
+
+from kvtierd.connectors.chat_tokenizer import ChatTokenizer
+from kvtierd.connectors.gguf_weights import load_gguf
+from kvtierd.connectors.llama_config import LlamaConfig
+from kvtierd.connectors.llama_weights import load_weights
+from kvtierd.errors import InvalidArgument
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class ModelFiles:
+    name: str  # the file or directory name, for reports
+    config: LlamaConfig
+    weights: dict[str, torch.Tensor]
+    tokenizer: ChatTokenizer
+
+
+def load_model_files(path: str | Path, dtype: torch.dtype = torch.float32) -> ModelFiles:
+    path = Path(path).expanduser()
+    if path.is_file() and path.suffix == ".gguf":
+        config, weights = load_gguf(path, dtype)
+        return ModelFiles(path.name.removesuffix(".gguf"), config, weights, ChatTokenizer.from_gguf(path))
+    if path.is_dir():
+        config_path = path / "config.json"
+        if not config_path.is_file():
+            raise InvalidArgument(f"{path} has no config.json (a model is a GGUF file or a Hugging Face directory)")
+        config = LlamaConfig.from_file(config_path)
+        return ModelFiles(path.name, config, load_weights(path, config, dtype), ChatTokenizer.from_directory(path))
+    raise InvalidArgument(f"{path} is neither a .gguf file nor a model directory")
