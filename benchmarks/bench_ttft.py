@@ -1,12 +1,16 @@
-"""Time to first token of a 2k-token shared prefix + 64 new tokens: cold, and restored from T0, T1, T2.
+"""Time to first token of a long shared prefix: cold, and restored from T0, T1, T2, beside recompute.
 
-The reference runner (connectors/) on an 8-layer, hidden-1024 Llama with random weights, fp32
-on the CPU, so that recomputing the prefix is real work. Ours: the request through a real
-`kvtierd serve` whose T0/T1/T2 hold the prefix (T1: after Puts of other blocks pushed it out of
-T0; T2: after a restart, which empties T0 and T1). Baseline, same machine, same run: the same
-request on a private pool that recomputes everything (what a runner without kvtierd does).
-Every restored request must produce the baseline's first token. Goal: a T1 hit >= 5x faster
-than cold (vLLM reports 2-22x for CPU offloading on an H100).
+Two row sets from one run, both on the reference runner (connectors/), fp32 on the CPU:
+1. SmolLM2-135M-Instruct (real weights, fetched once like `kvtierd demo`): a real chat prompt of
+   about 2k tokens (the demo's help-desk system prompt, then a user message pasting documents),
+   each request ending in another question. Goal: a T1 hit >= 8x faster than recompute.
+2. a random-weight Llama of 8 layers, hidden 1024 (160 M parameters): 2,048 random tokens + 64
+   new ones. Goal: a T1 hit >= 5x faster than recompute.
+Ours: the request through a real `kvtierd serve` whose T0/T1/T2 hold the prefix (T1: after Puts
+of other blocks pushed it out of T0; T2: after a restart, which empties T0 and T1). Baseline,
+same machine, same run: the same request on a private pool that recomputes everything (what a
+runner without kvtierd does). Every restored request must produce the baseline's first token.
+(vLLM reports 2-22x for CPU offloading on an H100.)
 """
 
 from __future__ import annotations
@@ -24,10 +28,13 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks import _report  # noqa: E402
 from kvtierd.client import KvtierClient  # noqa: E402
+from kvtierd.connectors import demo_texts  # noqa: E402
 from kvtierd.connectors.kv_backend import PrivateKv, num_blocks_for  # noqa: E402
 from kvtierd.connectors.llama_config import LlamaConfig  # noqa: E402
 from kvtierd.connectors.llama_model import LlamaModel  # noqa: E402
 from kvtierd.connectors.llama_weights import random_weights  # noqa: E402
+from kvtierd.connectors.model_fetch import fetch_model  # noqa: E402
+from kvtierd.connectors.model_files import load_model_files  # noqa: E402
 from kvtierd.connectors.runner import GenerationRequest, ReferenceRunner  # noqa: E402
 from kvtierd.connectors.runner_connector import KvtierdConnector  # noqa: E402
 from kvtierd.daemon_process import DaemonProcess, small_daemon_args  # noqa: E402
@@ -39,18 +46,69 @@ QUICK = LlamaConfig(vocab_size=4096, hidden_size=256, intermediate_size=704, num
 BLOCK_SIZE = 16
 NUM_NEW_TOKENS = 64
 PUT_CHUNK_BLOCKS = 16
-GOAL_T1_SPEEDUP = 5.0
+
+
+class RandomPrompts:
+    """A shared prefix of random token ids, then NUM_NEW_TOKENS fresh ones per request."""
+
+    def __init__(self, vocab_size: int, prefix_tokens: int) -> None:
+        self._rng = np.random.default_rng(1)
+        self.vocab_size = vocab_size
+        self.prefix = self._tokens(prefix_tokens)
+        self.description = f"{prefix_tokens}-token shared prefix + {NUM_NEW_TOKENS} new tokens (random ids)"
+
+    def _tokens(self, num_tokens: int) -> list[int]:
+        return self._rng.integers(1, self.vocab_size, num_tokens).tolist()
+
+    def max_prompt_tokens(self) -> int:
+        return len(self.prefix) + NUM_NEW_TOKENS
+
+    def prompt(self, fresh_prefix: bool) -> list[int]:
+        prefix = self._tokens(len(self.prefix)) if fresh_prefix else self.prefix
+        return prefix + self._tokens(NUM_NEW_TOKENS)
+
+
+class ChatPrompts:
+    """A real chat prompt through the model's template: the demo's system prompt, a user message
+    pasting `num_documents` documents, then "<Name> asks: <question>". Every request has a name of
+    its own (first letters A..Z: the prompts part at the name's first token, so the shared prefix
+    is the same for all). A fresh prefix starts the system prompt with a line of its own."""
+
+    NAMES = ["Ana", "Bruno", "Chen", "Dara", "Emil", "Farah", "Goran", "Hana", "Ivan", "Jonas", "Kemal", "Lucia",
+             "Mateo", "Nadia", "Oskar", "Priya", "Quinn", "Rosa", "Sami", "Tariq", "Umar", "Vera", "Wanda", "Xenia",
+             "Yusuf", "Zora"]
+
+    def __init__(self, tokenizer, num_documents: int) -> None:
+        self.tokenizer = tokenizer
+        self.documents = "".join(c[0].rsplit("\n\n", 1)[0] + "\n\n" for c in demo_texts.CONVERSATIONS[:num_documents])
+        self._num_prompts = 0
+        self.prefix = os.path.commonprefix([self._prompt(0, False), self._prompt(1, False)])
+        self.description = (f"real chat prompt of ~{len(self._prompt(0, False))} tokens (system prompt, "
+                            f"{num_documents} pasted documents, a question; {len(self.prefix)} tokens shared)")
+
+    def _prompt(self, index: int, fresh_prefix: bool) -> list[int]:
+        system = (f"Conversation {index}.\n" if fresh_prefix else "") + demo_texts.SYSTEM_PROMPT
+        name, question = self.NAMES[index % len(self.NAMES)], demo_texts.QUESTIONS[index % len(demo_texts.QUESTIONS)]
+        return self.tokenizer.prompt([{"role": "system", "content": system},
+                                      {"role": "user", "content": f"{self.documents}{name} asks: {question}"}])
+
+    def max_prompt_tokens(self) -> int:
+        return max(len(self._prompt(i, True)) for i in range(len(demo_texts.QUESTIONS)))
+
+    def prompt(self, fresh_prefix: bool) -> list[int]:
+        assert self._num_prompts < len(self.NAMES), "names repeat: a prompt would hit another's blocks"
+        self._num_prompts += 1
+        return self._prompt(self._num_prompts, fresh_prefix)
 
 
 class Bench:
-    def __init__(self, config: LlamaConfig, prefix_tokens: int, directory: str) -> None:
-        self.config = config
-        self.model = LlamaModel(config, random_weights(config, seed=0))
-        self.layout = config.layout("bench-ttft-llama", BLOCK_SIZE)
-        rng = np.random.default_rng(1)
-        self.prefix = rng.integers(1, config.vocab_size, prefix_tokens).tolist()
-        self._rng = rng
-        self.num_request_blocks = num_blocks_for(prefix_tokens + NUM_NEW_TOKENS + 1, BLOCK_SIZE)
+    def __init__(self, model: LlamaModel, model_id: str, prompts, directory: str) -> None:
+        self.config = model.config
+        self.model = model
+        self.layout = self.config.layout(model_id, BLOCK_SIZE)
+        self.prompts = prompts
+        self._rng = np.random.default_rng(2)
+        self.num_request_blocks = num_blocks_for(prompts.max_prompt_tokens() + 1, BLOCK_SIZE)
         self.directory = directory
         self.private = ReferenceRunner(self.model, PrivateKv(self.layout, self.num_request_blocks))
         self.daemon: DaemonProcess | None = None
@@ -59,12 +117,9 @@ class Bench:
         self._next_id = 0
 
     def request(self, fresh_prefix: bool = False) -> GenerationRequest:
-        """The shared prefix (or a fresh one, never seen before) and 64 fresh tokens."""
+        """The shared prefix (or a fresh one, never seen before) and new tokens."""
         self._next_id += 1
-        prefix = self._rng.integers(1, self.config.vocab_size, len(self.prefix)).tolist() if fresh_prefix \
-            else self.prefix
-        suffix = self._rng.integers(1, self.config.vocab_size, NUM_NEW_TOKENS).tolist()
-        return GenerationRequest(f"r{self._next_id}", prefix + suffix, max_new_tokens=1)
+        return GenerationRequest(f"r{self._next_id}", self.prompts.prompt(fresh_prefix), max_new_tokens=1)
 
     def start_daemon(self) -> None:
         """T0 holds 2 requests, T1 6 (written through, so T1 and T2 hold every committed block)."""
@@ -101,17 +156,27 @@ class Bench:
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = _report.parse_args(__doc__.splitlines()[0], argv)
-    config, prefix_tokens, rounds = (QUICK, 512, 2) if args.quick else (FULL, 2048, 3)
-    with tempfile.TemporaryDirectory(dir=os.environ.get("KVTIERD_BENCH_DIR", "/var/tmp")) as directory:
-        bench = Bench(config, prefix_tokens, directory)
-        try:
-            return run(bench, config, prefix_tokens, rounds, args.quick)
-        finally:
-            bench.close()
+    rounds = 2 if args.quick else 3
+    gguf = fetch_model(progress=lambda line: print(line, file=sys.stderr, flush=True))
+    files = load_model_files(gguf)
+    smollm2 = (LlamaModel(files.config, files.weights), files.name, ChatPrompts(files.tokenizer, 0 if args.quick else 3))
+    config = QUICK if args.quick else FULL
+    llama = (LlamaModel(config, random_weights(config, seed=0)), "bench-ttft-llama",
+             RandomPrompts(config.vocab_size, 512 if args.quick else 2048))
+    for (model, model_id, prompts), goal in ((smollm2, 8.0), (llama, 5.0)):
+        with tempfile.TemporaryDirectory(dir=os.environ.get("KVTIERD_BENCH_DIR", "/var/tmp")) as directory:
+            bench = Bench(model, model_id, prompts, directory)
+            try:
+                run(bench, model_id, rounds, goal, args.quick)
+            finally:
+                bench.close()
+        print()
+    return 0
 
 
-def run(bench: Bench, config: LlamaConfig, prefix_tokens: int, rounds: int, quick: bool) -> int:
-    num_prefix_hit = prefix_tokens // BLOCK_SIZE * BLOCK_SIZE
+def run(bench: Bench, model_id: str, rounds: int, goal_t1_speedup: float, quick: bool) -> None:
+    num_prefix_hit = len(bench.prompts.prefix) // BLOCK_SIZE * BLOCK_SIZE
+    config = bench.config
     bench.start_daemon()
     ttft_s: dict[str, list[float]] = {"cold": [], "cold (kvtierd miss)": [], "T0 hit": [], "T1 hit": [], "T2 hit": []}
 
@@ -137,7 +202,7 @@ def run(bench: Bench, config: LlamaConfig, prefix_tokens: int, rounds: int, quic
         bench.restart_daemon()
         measure("T2 hit", (0, 0, num_prefix_hit))
 
-    _report.print_header(f"TTFT, {prefix_tokens}-token shared prefix + {NUM_NEW_TOKENS} new tokens: reference runner, "
+    _report.print_header(f"TTFT, {bench.prompts.description}: reference runner on {model_id}, "
                          f"{config.num_hidden_layers} layers, hidden {config.hidden_size}, "
                          f"{config.num_parameters() / 1e6:.0f} M parameters, fp32 on CPU, block {BLOCK_SIZE}", quick,
                          "timing: TTFT as the runner measures it (admission to first token: hashing, Acquire, "
@@ -149,12 +214,11 @@ def run(bench: Bench, config: LlamaConfig, prefix_tokens: int, rounds: int, quic
     for case in ("cold (kvtierd miss)", "T0 hit", "T1 hit", "T2 hit"):
         ours = statistics.median(ttft_s[case])
         speedup = cold / ours
-        goal = f">= {GOAL_T1_SPEEDUP:g}x" if case == "T1 hit" else "-"
-        verdict = _report.verdict(speedup >= GOAL_T1_SPEEDUP) if case == "T1 hit" else ""
+        goal = f">= {goal_t1_speedup:g}x" if case == "T1 hit" else "-"
+        verdict = _report.verdict(speedup >= goal_t1_speedup) if case == "T1 hit" else ""
         rows.append([case, _report.median_and_best(ours * 1e3, min(ttft_s[case]) * 1e3, 1),
                      _report.median_and_best(cold * 1e3, min(ttft_s["cold"]) * 1e3, 1), f"{speedup:.2f}x", goal, verdict])
     _report.print_table(["TTFT", "ours ms", "cold recompute ms", "speedup", "goal", ""], rows)
-    return 0
 
 
 if __name__ == "__main__":

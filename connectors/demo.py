@@ -35,7 +35,7 @@ RANDOM_MODEL = LlamaConfig(vocab_size=32000, hidden_size=512, intermediate_size=
 # The chat traffic on SmolLM2 (blocks of 737,280 bytes in fp32): the system prompt and a
 # question fill 70 blocks; T0 holds one such request and a little more, T1 less than the chat
 # phase, so histories come back from T1 and the system prompt, at the end, from T2.
-CHAT_WORKLOAD = DemoWorkload(num_conversations=4, num_turns=3, num_shared_requests=3, reply_tokens=32)
+CHAT_WORKLOAD = DemoWorkload(num_conversations=4, num_turns=3, num_shared_requests=3, reply_tokens=20)
 CHAT_T0_BLOCKS, CHAT_T1_BLOCKS = 80, 48
 RANDOM_T0_BLOCKS, RANDOM_T1_BLOCKS = 96, 128
 

@@ -26,7 +26,7 @@ def install_redis_server() -> None:
 
 @pytest.mark.parametrize("script, num_rows", [("bench_block_index.py", 7), ("bench_hashing.py", 8), ("bench_ssd_tier.py", 4),
                                               ("bench_tier_copy.py", 2), ("bench_daemon_rpc.py", 6),
-                                              ("bench_put_get.py", 4), ("bench_ttft.py", 1),
+                                              ("bench_put_get.py", 4), ("bench_ttft.py", 2),
                                               ("bench_chat_throughput.py", 1)])
 def test_benchmark_prints_ratios(script, num_rows):
     if script in NEEDS_REDIS_SERVER:
