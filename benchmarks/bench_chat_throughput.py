@@ -22,8 +22,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks import _report  # noqa: E402
 from kvtierd.client import KvtierClient  # noqa: E402
-from kvtierd.connectors.demo import DEMO_MODEL, DemoOptions, daemon_args  # noqa: E402
-from kvtierd.connectors.demo_workload import DemoTraffic, DemoWorkload  # noqa: E402
+from kvtierd.connectors.demo import RANDOM_MODEL, DemoOptions, daemon_args  # noqa: E402
+from kvtierd.connectors.demo_workload import DemoTraffic, DemoWorkload, RandomTokenChat  # noqa: E402
 from kvtierd.connectors.kv_backend import PrivateKv, num_blocks_for  # noqa: E402
 from kvtierd.connectors.llama_model import LlamaModel  # noqa: E402
 from kvtierd.connectors.llama_weights import random_weights  # noqa: E402
@@ -47,7 +47,7 @@ class Pass:
 def serve_traffic(runner: ReferenceRunner, workload: DemoWorkload) -> Pass:
     """Turn t of half the conversations as one batch (prefilled together, decoded together), then
     turn t of the other half: T0 holds one batch, so each half's history waits in T1 meanwhile."""
-    traffic = DemoTraffic(workload)
+    traffic = DemoTraffic(workload, RandomTokenChat(workload))  # the same tokens on every pass
     turns = traffic.turns()
     outputs, num_tokens, num_hits = [], 0, 0
     batch_size = max(1, workload.num_conversations // 2)
@@ -66,22 +66,22 @@ def serve_traffic(runner: ReferenceRunner, workload: DemoWorkload) -> Pass:
 def main(argv: Sequence[str] | None = None) -> int:
     args = _report.parse_args(__doc__.splitlines()[0], argv)
     num_conversations, num_turns = (2, 2) if args.quick else (8, 4)
-    model_config = dataclasses.replace(DEMO_MODEL, num_hidden_layers=2, hidden_size=256, intermediate_size=704,
+    model_config = dataclasses.replace(RANDOM_MODEL, num_hidden_layers=2, hidden_size=256, intermediate_size=704,
                                        num_attention_heads=4, num_key_value_heads=2, vocab_size=4096) \
-        if args.quick else DEMO_MODEL
+        if args.quick else RANDOM_MODEL
     workload = DemoWorkload(num_conversations=num_conversations, num_turns=num_turns, num_shared_requests=0,
                             first_turn_tokens=384, user_tokens=96, reply_tokens=16, vocab_size=model_config.vocab_size)
-    traffic = DemoTraffic(workload)
-    num_request_blocks = num_blocks_for(traffic.max_prompt_tokens() + workload.reply_tokens + 1, 16)
+    longest_prompt = workload.first_turn_tokens + (num_turns - 1) * (workload.user_tokens + workload.reply_tokens)
+    num_request_blocks = num_blocks_for(longest_prompt + workload.reply_tokens + 1, 16)
     num_batch_blocks = num_request_blocks * max(1, num_conversations // 2)  # what one batch holds
-    options = DemoOptions(workload=workload, model=model_config, t0_blocks=num_batch_blocks + 8,
+    options = DemoOptions(workload=workload, random_weights=True, random_model=model_config, t0_blocks=num_batch_blocks + 8,
                           t1_blocks=num_request_blocks * num_conversations * 2)
     model = LlamaModel(model_config, random_weights(model_config, seed=0))
-    layout = model_config.layout(options.model_id, options.block_size)
+    layout = model_config.layout("bench-chat-llama", options.block_size)
 
     baseline = serve_traffic(ReferenceRunner(model, PrivateKv(layout, num_batch_blocks)), workload)
     with tempfile.TemporaryDirectory(prefix="kvtierd-bench-") as directory:
-        with DaemonProcess(daemon_args(options, directory)) as daemon, KvtierClient(daemon.address) as client:
+        with DaemonProcess(daemon_args(options, layout, directory)) as daemon, KvtierClient(daemon.address) as client:
             ours = serve_traffic(ReferenceRunner(model, KvtierdConnector(client.attach(layout))), workload)
     assert ours.outputs == baseline.outputs, "kvtierd changed a generation"
     assert ours.num_tokens == baseline.num_tokens
