@@ -1,34 +1,48 @@
-"""`KvtierdConnector`: kvtierd as a vLLM KV connector (KVConnectorBase_V1), loaded out of tree.
+"""`KvtierdConnector`: kvtierd as a vLLM KV connector (KVConnectorBase_V1, vLLM 0.32), loaded out of tree.
 
     vllm serve MODEL --kv-transfer-config '{"kv_connector": "KvtierdConnector",
         "kv_connector_module_path": "kvtierd.connectors.vllm_connector", "kv_role": "kv_both",
+        "kv_load_failure_policy": "recompute",
         "kv_connector_extra_config": {"address": "unix:///run/kvtierd/kvtierd.sock"}}'
 
 vLLM's KVConnectorFactory imports `kv_connector_module_path` and takes the attribute named
-`kv_connector` when the name is not one of its own (vllm/distributed/kv_transfer/kv_connector/
-factory.py, `get_connector_class`), then builds it once per role: `cls(vllm_config, role,
-kv_cache_config)` (older releases: `cls(vllm_config, role)`). This class is a thin adapter: the
-scheduler role delegates to vllm_scheduler.SchedulerSide, the worker role to
-vllm_worker.WorkerSide; method names and signatures follow
+`kv_connector` (vllm/distributed/kv_transfer/kv_connector/factory.py, `get_connector_class`),
+then builds it once per role, each in its own process: `cls(vllm_config, role,
+kv_cache_config)` (a class without `kv_cache_config` is refused). This class is a thin
+adapter: the scheduler role delegates to vllm_scheduler.SchedulerSide, the worker role to
+vllm_worker.WorkerSide; method names and signatures are those of vLLM 0.32's
 vllm/distributed/kv_transfer/kv_connector/v1/base.py.
 
 vLLM is imported only here, and only if installed: without it `KVConnectorBase_V1` is `object`
-and the class still imports and runs (the tests drive it with small stand-ins of vLLM's
-objects), defining the metadata binding that the base class would otherwise provide.
+and the class still imports (the unit tests drive it in vLLM's call order), defining the
+metadata binding that the base class would otherwise provide.
 
 kv_connector_extra_config keys (all optional): `address` (else KVTIERD_ADDRESS, else the
 default socket), `token` (else KVTIERD_TOKEN), `model_id` (the key namespace; default the
-model name vLLM was given), `cross_layer` (prefer vLLM's cross-layer layout; default true),
-`lookup_wait_s` (0.005), `lookup_ttl_s` (2), `wait_timeout_s` (30: promotion wait per load),
-`timeout_s` (5: per RPC), `retry_after_s` (5: between attach attempts).
-kv_role: `kv_both` loads and stores, `kv_consumer` only loads, `kv_producer` only stores.
+model name vLLM was given), `lookup_wait_s` (0.005), `lookup_ttl_s` (2), `wait_timeout_s`
+(30: promotion wait per load), `timeout_s` (5: per RPC), `retry_after_s` (5: between attach
+attempts). kv_role: `kv_both` loads and stores, `kv_consumer` only loads, `kv_producer` only
+stores. `kv_load_failure_policy` must be "recompute" for a failed load (a block evicted or
+corrupted after the lookup, the daemon gone) to be recomputed; vLLM's default "fail" fails
+the request instead.
 
-Keys are vLLM's own `Request.block_hashes`. They chain from vLLM's NONE_HASH, which is random
-per process unless PYTHONHASHSEED is set (vllm/v1/core/kv_cache_utils.py, `init_none_hash`):
-set PYTHONHASHSEED to the same value for every engine that should share a cache, and across
-restarts. vLLM computes these hashes when a KV connector is configured even with its own prefix
-caching disabled (vllm/v1/engine/core.py). The hash algorithm (`--prefix-caching-hash-algo`):
-sha256* gives 32-byte keys (daemon hash_algo "sha256"), xxhash* 16-byte ones ("xxh3_128").
+The layout: vLLM picks one `KVCacheLayout` for the engine (`kv_cache_config.kv_cache_layout`,
+e.g. LBHNC on the CPU, LBNHC by default with FlashAttention); a block's bytes are stored in
+that layout's physical page order (vllm_engine_blocks.py), so the layout name joins the model
+id in the key namespace ("MODEL@vllm-LBHNC"): engines share blocks with engines of the same
+model, dtype, geometry and layout, never a misread one.
+
+Keys are vLLM's own `Request.block_hashes`, computed whenever a KV connector is configured,
+even with vLLM's prefix caching off (vllm/v1/engine/core.py). They chain from vLLM's
+NONE_HASH (vllm/v1/core/kv_cache_utils.py, `init_none_hash`): with sha256 (the default
+`--prefix-caching-hash-algo`) it is fixed unless PYTHONHASHSEED is set, so engines that share
+a cache must agree on PYTHONHASHSEED (all unset, or all the same value); the xxhash algorithms
+draw a random seed per process unless PYTHONHASHSEED is set. sha256* gives 32-byte keys
+(daemon hash_algo "sha256"), xxhash* 16-byte ones ("xxh3_128").
+
+This is a best-effort cache: `requires_kv_delivery` is False (a stored block is an offer, not
+a hand-off another engine waits for), and `get_external_cache_hit_sources` names the tier
+that served each hit (T0 device, T1 host, T2 disk).
 """
 
 from __future__ import annotations
@@ -40,8 +54,7 @@ from typing import Any
 import torch
 
 from kvtierd.connectors.vllm_daemon_link import DaemonLink
-from kvtierd.connectors.vllm_engine_blocks import (
-    CrossLayerBlocks, PerLayerBlocks, cross_layer_block_view, layers_in_order)
+from kvtierd.connectors.vllm_engine_blocks import PagedLayers, layers_in_order
 from kvtierd.connectors.vllm_metadata import StepMetadata
 from kvtierd.connectors.vllm_scheduler import SchedulerSide, daemon_lookup
 from kvtierd.connectors.vllm_worker import WorkerSide
@@ -49,11 +62,14 @@ from kvtierd.layout import DTYPES, Layout
 
 try:  # vLLM is optional: see the module docstring
     from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorBase_V1, KVConnectorMetadata
+    from vllm.v1.metrics.cache_hit_source import CacheHitSource
     VLLM_AVAILABLE = True
     KVConnectorMetadata.register(StepMetadata)
+    HIT_SOURCES = (CacheHitSource.DEVICE, CacheHitSource.HOST, CacheHitSource.DISK)  # of T0, T1, T2
 except ImportError:
     KVConnectorBase_V1 = object  # type: ignore[misc,assignment]
     VLLM_AVAILABLE = False
+    HIT_SOURCES = ("device", "host", "disk")
 
 log = logging.getLogger(__name__)
 
@@ -75,8 +91,10 @@ def hash_algo_for(vllm_hash_algo: str) -> str:
     return "xxh3_128" if vllm_hash_algo.startswith("xxhash") else "sha256"
 
 
-def layout_from_vllm_config(vllm_config: Any, tp_rank: int, model_id: str | None = None) -> Layout:
-    """The kvtierd Layout of this rank's KV blocks, from vLLM's model, cache and parallel config."""
+def layout_from_vllm_config(vllm_config: Any, tp_rank: int, model_id: str | None = None,
+                            kv_cache_layout: str | None = None) -> Layout:
+    """The kvtierd Layout of this rank's KV blocks, from vLLM's model, cache and parallel config;
+    the engine's KVCacheLayout name joins the model id (see the module docstring)."""
     model_config, cache_config = vllm_config.model_config, vllm_config.cache_config
     parallel_config = vllm_config.parallel_config
     if getattr(parallel_config, "pipeline_parallel_size", 1) != 1:
@@ -89,7 +107,10 @@ def layout_from_vllm_config(vllm_config: Any, tp_rank: int, model_id: str | None
     if dtype_name is None:
         raise ValueError(f"the kvtierd connector cannot store a KV cache of dtype {cache_dtype!r} "
                          f"(model dtype {model_config.dtype})")
-    return Layout(model_id or str(model_config.model), model_config.get_num_layers(parallel_config),
+    name = model_id or str(model_config.model)
+    if kv_cache_layout:
+        name = f"{name}@vllm-{kv_cache_layout}"
+    return Layout(name, model_config.get_num_layers(parallel_config),
                   model_config.get_num_kv_heads(parallel_config), model_config.get_head_size(),
                   cache_config.block_size, dtype_name, tp_rank, parallel_config.tensor_parallel_size)
 
@@ -102,26 +123,30 @@ def _tensor_parallel_rank() -> int:
         return 0
 
 
+def engine_kv_cache_layout(vllm_config: Any, kv_cache_config: Any) -> str | None:
+    """The KVCacheLayout vLLM resolved for this engine (`KVCacheConfig.kv_cache_layout`, also
+    copied to `cache_config.kv_cache_layout`), e.g. "LBHNC"."""
+    layout = getattr(kv_cache_config, "kv_cache_layout", None) or getattr(vllm_config.cache_config,
+                                                                           "kv_cache_layout", None)
+    return None if layout is None else str(getattr(layout, "name", layout))
+
+
 class KvtierdConnector(KVConnectorBase_V1):
     """kvtierd behind vLLM's connector API. Exactly one of `scheduler` / `worker` is set, by role."""
 
     def __init__(self, vllm_config: Any, role: Any, kv_cache_config: Any = None) -> None:
         if VLLM_AVAILABLE:
-            try:
-                super().__init__(vllm_config, role, kv_cache_config)
-            except TypeError:  # releases whose base takes (vllm_config, role)
-                super().__init__(vllm_config, role)
+            super().__init__(vllm_config, role, kv_cache_config)
         self._connector_metadata = None
         transfer_config = vllm_config.kv_transfer_config
         extra = dict(getattr(transfer_config, "kv_connector_extra_config", None) or {})
         kv_role = getattr(transfer_config, "kv_role", None) or "kv_both"
-        self.prefers_cross_layer = bool(extra.get("cross_layer", True))
         self.scheduler: SchedulerSide | None = None
         self.worker: WorkerSide | None = None
         self.role_name = role_name(role)
         is_worker = self.role_name == "worker"
         layout = layout_from_vllm_config(vllm_config, _tensor_parallel_rank() if is_worker else 0,
-                                         extra.get("model_id"))
+                                         extra.get("model_id"), engine_kv_cache_layout(vllm_config, kv_cache_config))
         self.layout = layout
         link = DaemonLink(layout, target=extra.get("address") or os.environ.get("KVTIERD_ADDRESS"),
                           token=extra.get("token"),
@@ -140,8 +165,9 @@ class KvtierdConnector(KVConnectorBase_V1):
         log.info("kvtierd connector (%s, %s): layout %s", self.role_name, kv_role, layout)
 
     @property
-    def prefer_cross_layer_blocks(self) -> bool:
-        return self.prefers_cross_layer
+    def requires_kv_delivery(self) -> bool:
+        """False: a best-effort cache; vLLM never waits for a store to be delivered."""
+        return False
 
     # ------------------------------------------------------------------ metadata binding
 
@@ -163,18 +189,7 @@ class KvtierdConnector(KVConnectorBase_V1):
         return self.worker
 
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
-        self._worker().register(PerLayerBlocks(layers_in_order(kv_caches), self.layout))
-
-    def register_cross_layers_kv_cache(self, kv_cache: torch.Tensor, attn_backend: Any) -> None:
-        try:
-            stride_order = attn_backend.get_kv_cache_stride_order(include_num_layers_dimension=True)
-        except (AttributeError, NotImplementedError, TypeError):
-            stride_order = None
-        layout = self.layout
-        per_layer_shape = attn_backend.get_kv_cache_shape(7, layout.block_size, layout.num_kv_heads, layout.head_dim)
-        blocks_first = tuple(per_layer_shape[:2]) == (7, 2)
-        view = cross_layer_block_view(kv_cache, stride_order, blocks_first_in_layer=blocks_first)
-        self._worker().register(CrossLayerBlocks(view, layout))
+        self._worker().register(PagedLayers(layers_in_order(kv_caches), self.layout))
 
     def start_load_kv(self, forward_context: Any, **kwargs: Any) -> None:
         self._worker().start_load(self._step())
@@ -194,8 +209,9 @@ class KvtierdConnector(KVConnectorBase_V1):
     def get_block_ids_with_load_errors(self) -> set[int]:
         return self._worker().take_load_error_block_ids()
 
-    def handle_preemptions(self, preempted_req_ids: set[str]) -> None:
-        self._worker().wait_for_requests(set(preempted_req_ids))
+    def handle_preemptions(self, kv_connector_metadata: StepMetadata) -> None:
+        """Before a preempted request's blocks are reused: its stores must have read them."""
+        self._worker().wait_for_requests(set(kv_connector_metadata.preempted_req_ids))
 
     def shutdown(self) -> None:
         if self.worker is not None:
@@ -216,6 +232,11 @@ class KvtierdConnector(KVConnectorBase_V1):
 
     def update_state_after_alloc(self, request: Any, blocks: Any, num_external_tokens: int) -> None:
         self._scheduler().update_state_after_alloc(request, blocks, num_external_tokens)
+
+    def get_external_cache_hit_sources(self, request: Any, num_external_tokens: int) -> dict[Any, int]:
+        """`num_external_tokens` split by the daemon tier that holds them: T0, then T1, then T2."""
+        tokens_per_tier = self._scheduler().hit_tokens_per_tier(request.request_id, num_external_tokens)
+        return {source: n for source, n in zip(HIT_SOURCES, tokens_per_tier) if n}
 
     def build_connector_meta(self, scheduler_output: Any) -> StepMetadata:
         return self._scheduler().build_connector_meta(scheduler_output)

@@ -1,23 +1,21 @@
-"""The engine's KV blocks as the vLLM connector sees them, and the copies to and from the pool.
+"""The engine's KV blocks as vLLM 0.32 hands them to a connector, and the copies to and from the pool.
 
-vLLM hands a KV connector its caches in one of two ways (vllm/distributed/kv_transfer/
-kv_connector/v1/base.py):
-- `register_kv_caches(dict layer name → tensor)`: one tensor per layer. With FlashAttention
-  (vllm/v1/attention/backends/flash_attn.py, `get_kv_cache_shape`) a layer is
-  `[2, num_blocks, block_size, num_kv_heads, head_size]`; `PerLayerBlocks` moves blocks with
-  kvtierd.layout_kernels `gather_blocks` / `scatter_blocks` (one CUDA kernel per batch).
-- `register_cross_layers_kv_cache(tensor, attn_backend)`, offered when the connector's
-  `prefer_cross_layer_blocks` is true and every layer has one spec: one allocation whose
-  physical order is the backend's `get_kv_cache_stride_order(include_num_layers_dimension=True)`
-  applied to `(num_layers, *get_kv_cache_shape(...))` (vllm/v1/worker/
-  kv_connector_model_runner_mixin.py, `allocate_uniform_kv_caches`; the order's meaning is
-  documented on `AttentionBackend.get_kv_cache_stride_order`, vllm/v1/attention/backend.py).
-  For FlashAttention with the NHD layout that is `[num_blocks, num_layers, 2, block_size,
-  heads, dim]`, byte for byte kvtierd's block-major slot (ARCHITECTURE §3), so `CrossLayerBlocks`
-  moves each block as one contiguous span. Other orders (HND) are still correct: the view is
-  strided and torch copies element by element.
+`register_kv_caches` gets one tensor per layer (vllm/v1/worker/utils.py, `allocate_kv_cache`,
+and vllm/v1/kv_cache_interface.py, `create_kv_cache_views`): a logical
+`[num_blocks, num_kv_heads, block_size, head_size + head_size_v]` view in the model's dtype,
+all layers strided views into one shared allocation. Where a block's bytes lie is set by the
+engine's `KVCacheLayout` (vllm/v1/kv_cache_layout.py: a permutation of [layer, block, head,
+token, content]; CPU_ATTN reads only LBHNC, FlashAttention defaults to LBNHC). What the
+content dimension means is the backend's (FlashAttention: K then V per token; CPU_ATTN: a
+(block, head)'s N K-rows then its N V-rows), so a page is moved as opaque values, in its
+physical order, and the layout name is part of the key namespace (vllm_connector.py): engines
+share blocks only with engines of the same layout.
 
-Every copy moves raw values of one dtype (no conversion), so it is bit exact.
+`PagedLayers` moves block b of every layer into one pool slot: layer l's page goes to
+`pool[slot, l]` (the same number of values, `2 × block_size × heads × dim`), in the page's
+physical order (the view's trailing dims permuted by descending stride). Any layout whose
+trailing dims are a permutation is served: strided pages are copied element by element by
+torch. Every copy moves raw values of one dtype (no conversion), so it is bit exact.
 """
 
 from __future__ import annotations
@@ -28,7 +26,6 @@ from collections.abc import Iterator, Mapping, Sequence
 import torch
 
 from kvtierd.layout import Layout
-from kvtierd.layout_kernels import gather_blocks, scatter_blocks
 
 _LAYER_INDEX = re.compile(r"\d+")
 
@@ -44,7 +41,8 @@ def contiguous_runs(pool_block_ids: Sequence[int]) -> Iterator[tuple[int, int, i
 
 def layers_in_order(kv_caches: Mapping[str, torch.Tensor]) -> list[torch.Tensor]:
     """The per-layer caches ordered by the layer index in their names ("model.layers.7.self_attn
-    .attn" is layer 7): the order of the layers in a block-major slot."""
+    .attn" is layer 7): the order of the layers in a pool slot. Layers that share one cache
+    (vLLM registers a shared cache under each name) count once."""
     def layer_index(name: str) -> int:
         numbers = _LAYER_INDEX.findall(name)
         if not numbers:
@@ -54,92 +52,62 @@ def layers_in_order(kv_caches: Mapping[str, torch.Tensor]) -> list[torch.Tensor]
     indices = [layer_index(name) for name in names]
     if len(set(indices)) != len(indices):
         raise ValueError(f"two KV caches share a layer index: {names}")
-    return [kv_caches[name] for name in names]
+    caches, seen = [], set()
+    for name in names:
+        cache = kv_caches[name]
+        key = (cache.data_ptr(), tuple(cache.shape), tuple(cache.stride()))
+        if key not in seen:
+            seen.add(key)
+            caches.append(cache)
+    return caches
 
 
-def _check_geometry(layout: Layout, block_shape: tuple[int, ...], dtype: torch.dtype, what: str) -> None:
-    if tuple(block_shape) != layout.block_shape or dtype != layout.torch_dtype:
-        raise ValueError(
-            f"{what}: a block is {tuple(block_shape)} {dtype}, but the kvtierd layout {layout.model_id!r} "
-            f"is {layout.block_shape} {layout.torch_dtype} (layers, 2, block_size, kv_heads, head_dim). "
-            "Models with MLA, hybrid or per-layer-different caches, or kernel blocks smaller than the "
-            "scheduler's block, are not supported.")
+def physical_pages(layer_cache: torch.Tensor) -> torch.Tensor:
+    """`[num_blocks, ...]` with the page dims in memory order (outermost first)."""
+    trailing = sorted(range(1, layer_cache.dim()), key=lambda axis: -layer_cache.stride(axis))
+    return layer_cache.permute(0, *trailing)
 
 
-class PerLayerBlocks:
-    """Engine caches, one `[2, num_engine_blocks, block_size, heads, dim]` tensor per layer, in
-    layer order. Blocks move through the gather/scatter kernels; a pool on another device
-    (a host shm pool beside CUDA caches) is staged through a temporary on the engine's device."""
+class PagedLayers:
+    """Engine caches, one `[num_engine_blocks, heads, block_size, 2 × head_dim]` view per layer
+    in layer order (vLLM 0.32's per-layer views), moved to and from pool slots page by page."""
 
     def __init__(self, layer_caches: Sequence[torch.Tensor], layout: Layout) -> None:
         caches = list(layer_caches)
-        if not caches or any(cache.dim() != 5 or cache.shape[0] != 2 for cache in caches):
-            raise ValueError("per-layer KV caches must be [2, num_blocks, block_size, heads, dim] (FlashAttention, "
-                             f"FlashInfer), got {[tuple(c.shape) for c in caches][:2]}")
-        if not all(cache.is_contiguous() for cache in caches):
-            raise ValueError("per-layer KV caches must be contiguous in [2, num_blocks, ...] order (the NHD "
-                             "layout); other orders are served by the cross-layer layout")
-        _check_geometry(layout, (len(caches), *caches[0].shape[:1], *caches[0].shape[2:]), caches[0].dtype,
-                        "per-layer KV caches")
-        self.layer_caches = caches
+        expected = (layout.num_kv_heads, layout.block_size, 2 * layout.head_dim)
+        shapes = [tuple(cache.shape) for cache in caches]
+        if len(caches) != layout.num_layers or any(cache.dim() != 4 or tuple(cache.shape[1:]) != expected
+                                                   for cache in caches):
+            raise ValueError(
+                f"the engine's KV caches are {len(caches)} layers of {shapes[:1]}, but the kvtierd layout "
+                f"{layout.model_id!r} needs {layout.num_layers} layers of [num_blocks, {', '.join(map(str, expected))}] "
+                "(kv heads, block size, K and V of head_dim): models with MLA, hybrid or per-layer-different "
+                "caches, or kernel blocks smaller than the scheduler's block, are not supported")
+        if any(cache.dtype != layout.torch_dtype for cache in caches):
+            raise ValueError(f"the engine's KV caches are {caches[0].dtype}, the kvtierd layout is "
+                             f"{layout.torch_dtype}")
+        if len({cache.shape[0] for cache in caches}) != 1 or len({cache.device for cache in caches}) != 1:
+            raise ValueError("the engine's per-layer KV caches differ in block count or device")
+        self.pages = [physical_pages(cache) for cache in caches]
+        self.page_shape = tuple(self.pages[0].shape[1:])
         self.device = caches[0].device
-        self.num_engine_blocks = caches[0].shape[1]
+        self.num_engine_blocks = caches[0].shape[0]
+
+    def _pool_pages(self, pool: torch.Tensor, first: int, length: int, layer: int) -> torch.Tensor:
+        return pool[first:first + length, layer].reshape(length, *self.page_shape)
 
     def to_pool(self, engine_block_ids: Sequence[int], pool: torch.Tensor, pool_block_ids: Sequence[int]) -> None:
         """pool[pool_block_ids[i]] = engine block engine_block_ids[i], all layers."""
+        engine_ids = torch.tensor(list(engine_block_ids), dtype=torch.int64, device=self.device)
         for offset, first, length in contiguous_runs(pool_block_ids):
-            ids = engine_block_ids[offset:offset + length]
-            target = pool[first:first + length]
-            if target.device == self.device:
-                gather_blocks(self.layer_caches, ids, out=target)
-            else:
-                target.copy_(gather_blocks(self.layer_caches, ids))
+            ids = engine_ids[offset:offset + length]
+            for layer, pages in enumerate(self.pages):
+                self._pool_pages(pool, first, length, layer).copy_(pages.index_select(0, ids))
 
     def from_pool(self, pool: torch.Tensor, pool_block_ids: Sequence[int], engine_block_ids: Sequence[int]) -> None:
         """engine block engine_block_ids[i] = pool[pool_block_ids[i]], all layers."""
-        for offset, first, length in contiguous_runs(pool_block_ids):
-            source = pool[first:first + length].to(self.device)
-            scatter_blocks(source, self.layer_caches, engine_block_ids[offset:offset + length])
-
-
-def cross_layer_block_view(kv_cache: torch.Tensor, stride_order: Sequence[int] | None,
-                           blocks_first_in_layer: bool = False) -> torch.Tensor:
-    """`[num_blocks, num_layers, 2, block_size, heads, dim]` view of vLLM's cross-layer cache.
-
-    `kv_cache` is in physical order: the logical shape `(num_layers, *per-layer shape)`
-    permuted by `stride_order` (None: identity). The per-layer shape is `[2, num_blocks, ...]`
-    (FlashAttention, FlashInfer) or, with `blocks_first_in_layer`, `[num_blocks, 2, ...]`.
-    """
-    if kv_cache.dim() != 6:
-        raise ValueError(f"a cross-layer KV cache must have 6 dims, got {tuple(kv_cache.shape)}")
-    order = list(range(6)) if stride_order is None else list(stride_order)
-    if sorted(order) != list(range(6)):
-        raise ValueError(f"stride order {stride_order} is not a permutation of 0..5")
-    logical = kv_cache.permute(*[order.index(axis) for axis in range(6)])  # (layers, *per-layer)
-    kv_axis, block_axis = (2, 1) if blocks_first_in_layer else (1, 2)
-    return logical.permute(block_axis, 0, kv_axis, 3, 4, 5)
-
-
-class CrossLayerBlocks:
-    """Engine caches as one `[num_engine_blocks, num_layers, 2, block_size, heads, dim]` view,
-    possibly strided. When contiguous, an engine block is one span of `bytes_per_block`."""
-
-    def __init__(self, block_view: torch.Tensor, layout: Layout) -> None:
-        if block_view.dim() != 6:
-            raise ValueError(f"a cross-layer block view must have 6 dims, got {tuple(block_view.shape)}")
-        _check_geometry(layout, tuple(block_view.shape[1:]), block_view.dtype, "cross-layer KV cache")
-        self.block_view = block_view
-        self.device = block_view.device
-        self.num_engine_blocks = block_view.shape[0]
-        self.is_contiguous = block_view.is_contiguous()
-
-    def to_pool(self, engine_block_ids: Sequence[int], pool: torch.Tensor, pool_block_ids: Sequence[int]) -> None:
         engine_ids = torch.tensor(list(engine_block_ids), dtype=torch.int64, device=self.device)
         for offset, first, length in contiguous_runs(pool_block_ids):
-            pool[first:first + length].copy_(self.block_view.index_select(0, engine_ids[offset:offset + length]))
-
-    def from_pool(self, pool: torch.Tensor, pool_block_ids: Sequence[int], engine_block_ids: Sequence[int]) -> None:
-        engine_ids = torch.tensor(list(engine_block_ids), dtype=torch.int64, device=self.device)
-        for offset, first, length in contiguous_runs(pool_block_ids):
-            self.block_view.index_copy_(0, engine_ids[offset:offset + length],
-                                        pool[first:first + length].to(self.device))
+            ids = engine_ids[offset:offset + length]
+            for layer, pages in enumerate(self.pages):
+                pages.index_copy_(0, ids, self._pool_pages(pool, first, length, layer).to(self.device))

@@ -69,10 +69,13 @@ class StoreSpec:
 @dataclasses.dataclass(slots=True)
 class StepMetadata:
     """One step's work: loads (run synchronously before the forward) and stores (started after
-    it, finished in the background). A request appears at most once in each list."""
+    it, finished in the background), and the requests vLLM preempted this step (their blocks are
+    about to be reused: `handle_preemptions` waits for their stores). A request appears at most
+    once in each list."""
 
     loads: list[LoadSpec] = dataclasses.field(default_factory=list)
     stores: list[StoreSpec] = dataclasses.field(default_factory=list)
+    preempted_req_ids: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
         assert len({spec.request_id for spec in self.loads}) == len(self.loads), "a request loads twice"

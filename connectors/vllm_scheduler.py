@@ -43,27 +43,42 @@ from kvtierd.errors import KvtierError
 
 log = logging.getLogger(__name__)
 
-# (block hashes, their token ids) -> number of leading blocks the daemon holds
-LookupFn = Callable[[Sequence[bytes], Sequence[int]], int]
+@dataclasses.dataclass(frozen=True, slots=True)
+class LookupHits:
+    """Leading blocks the daemon holds, by tier: T0's come first in the chain, then T1's, then T2's."""
+
+    num_t0_blocks: int = 0
+    num_t1_blocks: int = 0
+    num_t2_blocks: int = 0
+
+    @property
+    def num_blocks(self) -> int:
+        return self.num_t0_blocks + self.num_t1_blocks + self.num_t2_blocks
+
+
+NO_HITS = LookupHits()
+
+# (block hashes, their token ids) -> the leading blocks the daemon holds
+LookupFn = Callable[[Sequence[bytes], Sequence[int]], LookupHits]
 
 
 def daemon_lookup(link: DaemonLink, *, prefetch: bool = True) -> LookupFn:
     """A LookupFn asking the daemon behind `link`; 0 hits when it cannot be asked."""
-    def lookup(block_hashes: Sequence[bytes], token_ids: Sequence[int]) -> int:
+    def lookup(block_hashes: Sequence[bytes], token_ids: Sequence[int]) -> LookupHits:
         session = link.session()
         if session is None:
-            return 0
+            return NO_HITS
         if any(len(block_hash) != session.hash_size for block_hash in block_hashes):
             log.warning("kvtierd connector: vLLM block hashes are not %d bytes (hash_algo %s); no lookup",
                         session.hash_size, link.hash_algo)
-            return 0
+            return NO_HITS
         try:
             response = session.lookup(list(block_hashes), token_ids=list(token_ids), prefetch=prefetch)
         except KvtierError as error:
             link.failed(session, error)
             log.warning("kvtierd connector: lookup failed (%s: %s); counting no hit", type(error).__name__, error)
-            return 0
-        return response.num_hit_blocks
+            return NO_HITS
+        return LookupHits(response.num_t0_blocks, response.num_t1_blocks, response.num_t2_blocks)
     return lookup
 
 
@@ -83,6 +98,7 @@ class _Tracked:
 
     request: Any  # vllm.v1.request.Request
     lookup: _Lookup | None = None
+    hits: LookupHits = NO_HITS  # of the last answered lookup, for get_external_cache_hit_sources
     num_local_computed_tokens: int = 0  # from the last get_num_new_matched_tokens call
     engine_block_ids: list[int] = dataclasses.field(default_factory=list)  # kv cache group 0
     num_offered_blocks: int = 0  # leading blocks already stored, loaded, or offered to the daemon
@@ -135,14 +151,26 @@ class SchedulerSide:
             lookup = tracked.lookup = _Lookup(first, end, self._executor.submit(self.lookup_fn, hashes, tokens), now)
             self.num_lookups += 1
         try:
-            num_hit_blocks = lookup.future.result(timeout=self.lookup_wait_s)
+            hits = lookup.future.result(timeout=self.lookup_wait_s)
         except concurrent.futures.TimeoutError:
             return None, False
         except Exception as error:  # a bug in a lookup must not stop the engine
             log.warning("kvtierd connector: lookup of %s raised %r; counting no hit", request.request_id, error)
-            num_hit_blocks = 0
-        assert 0 <= num_hit_blocks <= end - first, (num_hit_blocks, first, end)
-        return num_hit_blocks * block_size, False
+            hits = NO_HITS
+        assert 0 <= hits.num_blocks <= end - first, (hits, first, end)
+        tracked.hits = hits
+        return hits.num_blocks * block_size, False
+
+    def hit_tokens_per_tier(self, request_id: str, num_external_tokens: int) -> tuple[int, int, int]:
+        """The leading `num_external_tokens` of the request's last lookup split over T0, T1, T2."""
+        tracked = self._tracked.get(request_id)
+        hits = tracked.hits if tracked is not None else NO_HITS
+        split, left = [], num_external_tokens
+        for num_blocks in (hits.num_t0_blocks, hits.num_t1_blocks, hits.num_t2_blocks):
+            split.append(min(left, num_blocks * self.block_size))
+            left -= split[-1]
+        split[-1] += left  # tokens the lookup did not attribute (it never happens: they are its hits)
+        return split[0], split[1], split[2]
 
     # ------------------------------------------------------------------ allocation
 
@@ -171,7 +199,8 @@ class SchedulerSide:
         """This step's loads (planned since the last call) and stores; resets the loads."""
         loads = list(self._loads_to_issue.values())
         self._loads_to_issue = {}
-        for request_id in getattr(scheduler_output, "preempted_req_ids", None) or ():
+        preempted = tuple(sorted(getattr(scheduler_output, "preempted_req_ids", None) or ()))
+        for request_id in preempted:
             if request_id in self._tracked:
                 self._tracked[request_id].engine_block_ids = []  # resumed requests get a full list
         stores = []
@@ -187,7 +216,7 @@ class SchedulerSide:
                 spec = self._store_spec(tracked, scheduler_output.num_scheduled_tokens.get(request_id, 0))
                 if spec is not None:
                     stores.append(spec)
-        return StepMetadata(loads=loads, stores=stores)
+        return StepMetadata(loads=loads, stores=stores, preempted_req_ids=preempted)
 
     def _store_spec(self, tracked: _Tracked, num_scheduled_tokens: int) -> StoreSpec | None:
         request = tracked.request

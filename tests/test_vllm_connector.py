@@ -10,11 +10,11 @@ import torch
 
 from kvtierd.client import KvtierClient
 from kvtierd.connectors.vllm_connector import KvtierdConnector
-from kvtierd.connectors.vllm_scheduler import SchedulerSide
+from kvtierd.connectors.vllm_scheduler import LookupHits, SchedulerSide
 from kvtierd.daemon_process import DaemonProcess, small_daemon_args, wait_until
 from tests.vllm_fakes import (
-    BLOCK_SIZE, KV_LAYOUTS, CachedRequestData, Engine, KVCacheBlocks, Request, SchedulerOutput, block_value,
-    vllm_config)
+    BLOCK_SIZE, KV_LAYOUTS, CachedRequestData, Engine, KVCacheBlocks, KVCacheConfig, Request, SchedulerOutput,
+    block_value, vllm_config)
 
 
 @pytest.fixture(scope="module")
@@ -89,7 +89,7 @@ def test_get_num_new_matched_tokens_is_none_while_the_lookup_is_pending_and_send
     def slow_lookup(block_hashes, token_ids):
         calls.append(len(block_hashes))
         gate.wait(10)
-        return 3
+        return LookupHits(num_t0_blocks=1, num_t2_blocks=2)
 
     side = SchedulerSide(slow_lookup, BLOCK_SIZE, lookup_wait_s=0.0)
     request = Request("pending", prompt(3, 30))  # 7 full blocks, 7 = (30 - 1) // 4 lookable
@@ -102,6 +102,7 @@ def test_get_num_new_matched_tokens_is_none_while_the_lookup_is_pending_and_send
     assert answer == (3 * BLOCK_SIZE, False)
     assert calls == [7] and side.num_lookups == 1
     assert side.get_num_new_matched_tokens(request, 0) == (3 * BLOCK_SIZE, False) and side.num_lookups == 1
+    assert side.hit_tokens_per_tier("pending", 3 * BLOCK_SIZE) == (BLOCK_SIZE, 0, 2 * BLOCK_SIZE)
     side.shutdown()
 
 
@@ -200,7 +201,7 @@ def test_blocks_evicted_after_the_lookup_are_load_errors_or_come_back_from_t1(tm
 
 def test_a_scheduler_side_connector_refuses_worker_calls():
     config = vllm_config("unix:///nonexistent")
-    connector = KvtierdConnector(config, "scheduler")
+    connector = KvtierdConnector(config, "scheduler", KVCacheConfig())
     with pytest.raises(RuntimeError, match="worker-side method"):
         connector.start_load_kv(None)
     connector.shutdown()
@@ -211,7 +212,7 @@ def test_cuda_engine_caches_share_a_prefix_through_the_daemon(daemon, engines):
     """Engine caches on CUDA (the gather/scatter kernels, a side stream and events): B's load is A's bytes."""
     if not torch.cuda.is_available():
         pytest.skip("needs CUDA")
-    for kv_layout in ("per_layer", "cross_nhd"):
+    for kv_layout in KV_LAYOUTS:
         engine = Engine(daemon.address, kv_layout, device="cuda")
         engines.append(engine)
         a = Request(f"cuda-a-{kv_layout}", prompt(31 + len(kv_layout), 22))

@@ -8,8 +8,10 @@ prompt_token_ids, all_token_ids, num_tokens, num_computed_tokens, block_hashes),
 `SchedulerOutput` / `NewRequestData` / `CachedRequestData` (vllm/v1/core/sched/output.py),
 `VllmConfig` pieces (vllm/config/: model_config.get_num_layers / get_num_kv_heads /
 get_head_size, cache_config.block_size / cache_dtype / prefix_caching_hash_algo,
-parallel_config, kv_transfer_config.kv_role / kv_connector_extra_config) and an attention
-backend's get_kv_cache_shape / get_kv_cache_stride_order (vllm/v1/attention/backend.py).
+parallel_config, kv_transfer_config.kv_role / kv_connector_extra_config), `KVCacheConfig`'s
+kv_cache_layout, and the per-layer KV cache views vLLM 0.32 registers (`vllm_kv_caches`, built
+as vllm/v1/kv_cache_interface.py `create_kv_cache_views` builds them). The real-vLLM tests are
+tests/test_vllm_engines.py.
 """
 
 from __future__ import annotations
@@ -25,7 +27,7 @@ from kvtierd.connectors.vllm_connector import KvtierdConnector
 
 NUM_LAYERS, NUM_KV_HEADS, HEAD_DIM, BLOCK_SIZE = 2, 2, 8, 4
 MODEL = "vllm-connector-test"
-BLOCK_SHAPE = (NUM_LAYERS, 2, BLOCK_SIZE, NUM_KV_HEADS, HEAD_DIM)
+BLOCK_SHAPE = (NUM_LAYERS, NUM_KV_HEADS, BLOCK_SIZE, 2 * HEAD_DIM)  # one engine block, every layer's page
 
 
 @dataclasses.dataclass
@@ -133,22 +135,30 @@ class SchedulerOutput:
     preempted_req_ids: set[str] = dataclasses.field(default_factory=set)
 
 
-class FlashAttentionBackend:
-    """get_kv_cache_shape of FlashAttention; NHD (2, 0, 1, 3, 4, 5) or HND (2, 4, 0, 1, 3, 5)."""
-
-    def __init__(self, stride_order: tuple[int, ...]) -> None:
-        self.stride_order = stride_order
-
-    def get_kv_cache_shape(self, num_blocks, block_size, num_kv_heads, head_size, cache_dtype_str="auto"):
-        return (2, num_blocks, block_size, num_kv_heads, head_size)
-
-    def get_kv_cache_stride_order(self, include_num_layers_dimension: bool = False):
-        assert include_num_layers_dimension
-        return self.stride_order
+# vLLM 0.32's KVCacheLayout (vllm/v1/kv_cache_layout.py): the physical order of the logical
+# [layer, block, head, token, content] axes, outermost first.
+KV_CACHE_LAYOUTS = {"LBHNC": (0, 1, 2, 3, 4), "LBNHC": (0, 1, 3, 2, 4), "LHBNC": (0, 2, 1, 3, 4),
+                    "BLHNC": (1, 0, 2, 3, 4), "BLNHC": (1, 0, 3, 2, 4), "BHLNC": (1, 2, 0, 3, 4)}
+KV_LAYOUTS = ["LBHNC", "LBNHC", "BLNHC"]  # CPU_ATTN's, FlashAttention's default, block-outermost
 
 
-STRIDE_ORDERS = {"cross_nhd": (2, 0, 1, 3, 4, 5), "cross_hnd": (2, 4, 0, 1, 3, 5)}
-KV_LAYOUTS = ["per_layer", *STRIDE_ORDERS]
+def vllm_kv_caches(layout_name: str, num_layers: int, num_blocks: int, num_kv_heads: int, block_size: int,
+                   head_dim: int, dtype: torch.dtype, device: str = "cpu") -> dict[str, torch.Tensor]:
+    """Layer name -> `[num_blocks, heads, block_size, 2 * head_dim]` views of one shared allocation,
+    strided as `layout_name` places them (create_kv_cache_views: as_strided over one int8 tensor)."""
+    logical = (num_layers, num_blocks, num_kv_heads, block_size, 2 * head_dim)
+    strides, stride = [0] * 5, 1
+    for axis in reversed(KV_CACHE_LAYOUTS[layout_name]):
+        strides[axis] = stride
+        stride *= logical[axis]
+    raw = torch.zeros(math.prod(logical), dtype=dtype, device=device)
+    full = raw.as_strided(logical, strides)
+    return {f"model.layers.{layer}.self_attn.attn": full[layer] for layer in range(num_layers)}
+
+
+@dataclasses.dataclass
+class KVCacheConfig:
+    kv_cache_layout: str = "LBHNC"
 
 
 def block_value(block_hash: bytes) -> torch.Tensor:
@@ -170,44 +180,31 @@ class Engine:
     role, then the worker role, in the order of one engine step (see vllm_scheduler.py and
     vllm_worker.py), and writes `block_value` into the blocks a forward computes."""
 
-    def __init__(self, address: str, kv_layout: str = "per_layer", num_engine_blocks: int = 64,
+    def __init__(self, address: str, kv_layout: str = "LBHNC", num_engine_blocks: int = 64,
                  device: str = "cpu", kv_role: str = "kv_both", **extra) -> None:
         config = vllm_config(address, kv_role, **extra)
-        self.scheduler = KvtierdConnector(config, "scheduler")
-        self.worker = KvtierdConnector(config, "worker")
-        self.kv_layout = kv_layout
-        shape = (NUM_LAYERS, 2, num_engine_blocks, BLOCK_SIZE, NUM_KV_HEADS, HEAD_DIM)
-        if kv_layout == "per_layer":
-            self.layer_caches = [torch.zeros(shape[1:], dtype=torch.float16, device=device) for _ in range(NUM_LAYERS)]
-            names = [f"model.layers.{layer}.self_attn.attn" for layer in range(NUM_LAYERS)]
-            self.worker.register_kv_caches(dict(reversed(list(zip(names, self.layer_caches)))))
-        else:
-            order = STRIDE_ORDERS[kv_layout]
-            self.physical = torch.zeros(tuple(shape[i] for i in order), dtype=torch.float16, device=device)
-            self.worker.register_cross_layers_kv_cache(self.physical, FlashAttentionBackend(order))
+        self.scheduler = KvtierdConnector(config, "scheduler", KVCacheConfig(kv_layout))
+        self.worker = KvtierdConnector(config, "worker", KVCacheConfig(kv_layout))
+        self.kv_caches = vllm_kv_caches(kv_layout, NUM_LAYERS, num_engine_blocks, NUM_KV_HEADS, BLOCK_SIZE, HEAD_DIM,
+                                        torch.float16, device)
+        self.layer_caches = list(self.kv_caches.values())
+        self.worker.register_kv_caches(dict(reversed(list(self.kv_caches.items()))))
         self.free_block_ids = list(range(num_engine_blocks))
         self.finished_waiting: dict[str, list[int]] = {}  # delayed frees: request id -> block ids
         self.finished_req_ids: set[str] = set()  # to tell the worker next step
         self.finished_sending: set[str] = set()
 
-    # ---- engine block access, independent of the connector's own views
+    # ---- engine block access, through vLLM's views (independent of the connector's own)
     def block(self, engine_block_id: int) -> torch.Tensor:
-        if self.kv_layout == "per_layer":
-            return torch.stack([cache[:, engine_block_id] for cache in self.layer_caches]).cpu()
-        view = self.physical[engine_block_id]
-        return (view if self.kv_layout == "cross_nhd" else view.permute(1, 2, 3, 0, 4)).cpu().clone()
+        return torch.stack([cache[engine_block_id] for cache in self.layer_caches]).cpu()
 
     def write_block(self, engine_block_id: int, value: torch.Tensor) -> None:
-        if self.kv_layout == "per_layer":
-            for layer, cache in enumerate(self.layer_caches):
-                cache[:, engine_block_id] = value[layer].to(cache.device)
-        else:
-            view = self.physical[engine_block_id]
-            (view if self.kv_layout == "cross_nhd" else view.permute(1, 2, 3, 0, 4)).copy_(value)
+        for layer, cache in enumerate(self.layer_caches):
+            cache[engine_block_id] = value[layer].to(cache.device)
 
     def zero_all_blocks(self) -> None:
-        for tensor in (self.layer_caches if self.kv_layout == "per_layer" else [self.physical]):
-            tensor.zero_()
+        for cache in self.layer_caches:
+            cache.zero_()
 
     # ---- the scheduler's side of a step
     def matched_tokens(self, request: Request, num_local_computed_tokens: int = 0, timeout_s: float = 15.0) -> int:
@@ -249,6 +246,7 @@ class Engine:
 
     def _worker_step(self, metadata, output: SchedulerOutput, forward) -> set[int]:
         worker = self.worker
+        worker.handle_preemptions(metadata)
         worker.bind_connector_metadata(metadata)
         worker.start_load_kv(None)
         forward()
