@@ -19,7 +19,8 @@ metadata binding that the base class would otherwise provide.
 
 kv_connector_extra_config keys (all optional): `address` (else KVTIERD_ADDRESS, else the
 default socket), `token` (else KVTIERD_TOKEN), `model_id` (the key namespace; default the
-model name vLLM was given), `lookup_wait_s` (0.005), `lookup_ttl_s` (2), `wait_timeout_s`
+model name vLLM was given), `lookup_wait_s` (0.005), `lookup_ttl_s` (2), `async_loads` (true:
+hits with blocks in T1 or T2 load in the background, vllm_scheduler.py), `wait_timeout_s`
 (30: promotion wait per load), `timeout_s` (5: per RPC), `retry_after_s` (5: between attach
 attempts). kv_role: `kv_both` loads and stores, `kv_consumer` only loads, `kv_producer` only
 stores. `kv_load_failure_policy` must be "recompute" for a failed load (a block evicted or
@@ -160,7 +161,8 @@ class KvtierdConnector(KVConnectorBase_V1):
             self.scheduler = SchedulerSide(daemon_lookup(link), layout.block_size,
                                            loads=kv_role in LOADING_ROLES, stores=kv_role in STORING_ROLES,
                                            lookup_wait_s=float(extra.get("lookup_wait_s", 0.005)),
-                                           lookup_ttl_s=float(extra.get("lookup_ttl_s", 2.0)))
+                                           lookup_ttl_s=float(extra.get("lookup_ttl_s", 2.0)),
+                                           async_loads=bool(extra.get("async_loads", True)))
             self._scheduler_link = link
         log.info("kvtierd connector (%s, %s): layout %s", self.role_name, kv_role, layout)
 

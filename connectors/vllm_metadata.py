@@ -18,7 +18,8 @@ import dataclasses
 
 @dataclasses.dataclass(frozen=True, slots=True)
 class LoadSpec:
-    """Copy cached blocks from the daemon into a request's engine blocks before the forward.
+    """Copy cached blocks from the daemon into a request's engine blocks: before the forward
+    (synchronous), or in the background while vLLM holds the request (`is_async`).
 
     Invariant: `block_hashes[i]` is the key of chain position `first_block_index + i`, its
     tokens are `token_ids[i * block_size:(i + 1) * block_size]`, and it lands in engine block
@@ -30,6 +31,7 @@ class LoadSpec:
     block_hashes: tuple[bytes, ...]
     token_ids: tuple[int, ...]
     engine_block_ids: tuple[int, ...]
+    is_async: bool = False  # True: loaded in the background, reported in finished_recving
 
     def __post_init__(self) -> None:
         assert len(self.block_hashes) == len(self.engine_block_ids) > 0, self
@@ -68,8 +70,8 @@ class StoreSpec:
 
 @dataclasses.dataclass(slots=True)
 class StepMetadata:
-    """One step's work: loads (run synchronously before the forward) and stores (started after
-    it, finished in the background), and the requests vLLM preempted this step (their blocks are
+    """One step's work: loads (synchronous ones before the forward, asynchronous ones started
+    then), stores (started after the forward, finished in the background), and the requests vLLM preempted this step (their blocks are
     about to be reused: `handle_preemptions` waits for their stores). A request appears at most
     once in each list."""
 

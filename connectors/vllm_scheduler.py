@@ -18,8 +18,14 @@ dict lookup and send no RPC. A daemon that is down or refuses answers 0 hits (lo
 
 Hits are capped one token short of the prompt: vLLM must compute at least the last prompt
 token to sample (as ExampleConnector does, vllm/.../v1/example_connector.py,
-`align_to_block_size(len(prompt) - 1)`). Loads are synchronous (`load_kv_async=False`): the
-worker copies them in `start_load_kv`, before the forward.
+`align_to_block_size(len(prompt) - 1)`). A hit that is all in T0 is loaded synchronously
+(`load_async=False`): the worker copies it in `start_load_kv`, before the forward, a memcpy. A
+hit with blocks in T1 or T2 is loaded asynchronously (`load_async=True`, unless
+`async_loads` is off): vLLM parks the request in WAITING_FOR_REMOTE_KVS, the worker promotes
+and copies in the background while the engine runs its other requests, and reports the
+request in `finished_recving`; a promotion from SSD never holds a decode step
+(vllm/v1/core/sched/scheduler.py, `_update_waiting_for_remote_kv`). vLLM then calls
+`update_state_after_alloc` a second time, with 0 external tokens.
 
 Stores: every step, each scheduled request whose computed tokens now fill more full blocks
 than were offered gets a StoreSpec for its chain up to its last full block. `request_finished`
@@ -99,6 +105,7 @@ class _Tracked:
     request: Any  # vllm.v1.request.Request
     lookup: _Lookup | None = None
     hits: LookupHits = NO_HITS  # of the last answered lookup, for get_external_cache_hit_sources
+    load_async: bool = False  # the answer given for the planned load
     num_local_computed_tokens: int = 0  # from the last get_num_new_matched_tokens call
     engine_block_ids: list[int] = dataclasses.field(default_factory=list)  # kv cache group 0
     num_offered_blocks: int = 0  # leading blocks already stored, loaded, or offered to the daemon
@@ -111,7 +118,7 @@ class SchedulerSide:
     only lookups run on `executor`."""
 
     def __init__(self, lookup_fn: LookupFn, block_size: int, *, loads: bool = True, stores: bool = True,
-                 lookup_wait_s: float = 0.005, lookup_ttl_s: float = 2.0,
+                 lookup_wait_s: float = 0.005, lookup_ttl_s: float = 2.0, async_loads: bool = True,
                  executor: concurrent.futures.Executor | None = None) -> None:
         if block_size <= 0 or lookup_wait_s < 0 or lookup_ttl_s <= 0:
             raise ValueError(f"bad scheduler settings: block_size={block_size}, lookup_wait_s={lookup_wait_s}, "
@@ -122,6 +129,7 @@ class SchedulerSide:
         self.stores_enabled = stores
         self.lookup_wait_s = lookup_wait_s
         self.lookup_ttl_s = lookup_ttl_s
+        self.async_loads = async_loads
         self._executor = executor or concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="kvtierd-lookup")
         self._tracked: dict[str, _Tracked] = {}
         self._loads_to_issue: dict[str, LoadSpec] = {}
@@ -130,8 +138,8 @@ class SchedulerSide:
     # ------------------------------------------------------------------ lookups
 
     def get_num_new_matched_tokens(self, request: Any, num_computed_tokens: int) -> tuple[int | None, bool]:
-        """(tokens the daemon can add beyond `num_computed_tokens`, False), or (None, False)
-        while the lookup is in flight."""
+        """(tokens the daemon can add beyond `num_computed_tokens`, load asynchronously), or
+        (None, False) while the lookup is in flight."""
         if not self.loads_enabled:
             return 0, False
         block_size = self.block_size
@@ -159,7 +167,8 @@ class SchedulerSide:
             hits = NO_HITS
         assert 0 <= hits.num_blocks <= end - first, (hits, first, end)
         tracked.hits = hits
-        return hits.num_blocks * block_size, False
+        tracked.load_async = self.async_loads and hits.num_blocks > hits.num_t0_blocks
+        return hits.num_blocks * block_size, tracked.load_async
 
     def hit_tokens_per_tier(self, request_id: str, num_external_tokens: int) -> tuple[int, int, int]:
         """The leading `num_external_tokens` of the request's last lookup split over T0, T1, T2."""
@@ -190,7 +199,8 @@ class SchedulerSide:
         assert end <= len(block_ids) and end <= len(request.block_hashes), (first, end, len(block_ids))
         self._loads_to_issue[request.request_id] = LoadSpec(
             request.request_id, first, tuple(bytes(h) for h in request.block_hashes[first:end]),
-            tuple(request.all_token_ids[first * block_size:end * block_size]), tuple(block_ids[first:end]))
+            tuple(request.all_token_ids[first * block_size:end * block_size]), tuple(block_ids[first:end]),
+            tracked.load_async)
         tracked.num_offered_blocks = max(tracked.num_offered_blocks, end)  # the daemon holds them
 
     # ------------------------------------------------------------------ per step

@@ -7,12 +7,16 @@ the forward (attention layers call `wait_for_layer_load` and `save_kv_layer`), `
 `clear_connector_metadata()`. `handle_preemptions(req_ids)` comes before a preempted request's
 blocks are reused (base.py).
 
-Load (synchronous, in `start_load_kv`): Acquire the blocks' hashes under a one-off daemon
-request id (pins T0 hits; T1/T2 hits are promoted, so Wait), scatter the ready pool blocks into
-the engine blocks, Release once the copy has finished reading the pool (after a CUDA event, on
-the background thread). Engine blocks that could not be filled (the daemon is down, evicted a
-block since the lookup, a promotion failed or timed out) are reported by
-`get_block_ids_with_load_errors()` in the same step, and vLLM recomputes them.
+Load (in `start_load_kv`): Acquire the blocks' hashes under a one-off daemon request id (pins
+T0 hits; T1/T2 hits are promoted, so Wait), scatter the ready pool blocks into the engine
+blocks, Release once the copy has finished reading the pool (after a CUDA event, on the
+background thread). A synchronous load runs there and then, before the forward; an
+asynchronous one (`LoadSpec.is_async`) runs on the load thread while the engine goes on, and
+`get_finished` reports its request in `finished_recving` once its copy has landed. Engine
+blocks that could not be filled (the daemon is down, evicted a block since the lookup, a
+promotion failed or timed out) are reported by `get_block_ids_with_load_errors()` in the same
+step (for an asynchronous load: the step that reports it finished), and vLLM recomputes them
+under `kv_load_failure_policy="recompute"`.
 
 Store (started in `wait_for_save`, after the forward wrote the step's KV): a job per StoreSpec
 on one background thread: Acquire the chain (hits first, then fresh blocks), gather the engine
@@ -69,6 +73,8 @@ class WorkerSide:
         self.wait_timeout_s = wait_timeout_s
         self.engine: EngineBlocks | None = None
         self._executor = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="kvtierd-store")
+        self._load_executor = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="kvtierd-load")
+        self._async_loads: dict[str, concurrent.futures.Future] = {}  # request id -> its load (main thread only)
         self._daemon_request_ids = itertools.count()
         self._lock = threading.Lock()  # guards the three fields below (the store thread appends stats)
         self._jobs: dict[str, list[concurrent.futures.Future]] = {}
@@ -90,16 +96,38 @@ class WorkerSide:
     # ------------------------------------------------------------------ loads
 
     def start_load(self, metadata: StepMetadata) -> None:
-        """Fill every LoadSpec's engine blocks before the forward; failures become load errors."""
+        """Fill every synchronous LoadSpec's engine blocks now and start the asynchronous ones;
+        failures become load errors."""
         for spec in metadata.loads:
-            failed = self._load(spec)
-            if failed:
-                log.warning("kvtierd connector: %d of %d blocks of %s not loaded; vLLM recomputes them",
-                            len(failed), spec.num_blocks, spec.request_id)
-                self._load_error_block_ids.update(failed)
+            if spec.is_async:
+                assert spec.request_id not in self._async_loads, f"{spec.request_id} loads twice"
+                self._async_loads[spec.request_id] = self._load_executor.submit(self._load, spec, True)
+            else:
+                self._report_load(spec, self._load(spec))
 
-    def _load(self, spec: LoadSpec) -> set[int]:
-        """Load what can be loaded; returns the engine block ids left unfilled."""
+    def _report_load(self, spec: LoadSpec, failed: set[int]) -> None:
+        if failed:
+            log.warning("kvtierd connector: %d of %d blocks of %s not loaded; vLLM recomputes them",
+                        len(failed), spec.num_blocks, spec.request_id)
+            self._load_error_block_ids.update(failed)
+
+    def _finished_loads(self) -> set[str]:
+        """Requests whose asynchronous loads are done (their failures now in the load errors)."""
+        done = {request_id for request_id, future in self._async_loads.items() if future.done()}
+        for request_id in done:
+            spec, failed = self._async_loads.pop(request_id).result()
+            self._report_load(spec, failed)
+        return done
+
+    def _load(self, spec: LoadSpec, in_background: bool = False):
+        """Load what can be loaded; returns the engine block ids left unfilled (in the
+        background: with the spec, once the copy has landed)."""
+        if in_background:
+            try:
+                return spec, self._load(spec)
+            except Exception as error:  # never lose the report: vLLM would wait for it forever
+                log.warning("kvtierd connector: background load of %s failed: %r", spec.request_id, error)
+                return spec, set(spec.engine_block_ids)
         assert self.engine is not None, "load before register_kv_caches"
         session = self.link.session()
         if session is None:
@@ -128,6 +156,8 @@ class WorkerSide:
                 self.engine.from_pool(session.pool.tensor, acquired.block_ids[:num_ready],
                                       spec.engine_block_ids[:num_ready])
                 event = self._record_event()
+                if spec.is_async and event is not None:
+                    event.synchronize()  # landed before finished_recving names the request
         except Exception as error:  # a bad copy must not kill the engine: recompute instead
             log.warning("kvtierd connector: copying %s from the pool failed: %r", spec.request_id, error)
             num_ready = 0
@@ -217,7 +247,8 @@ class WorkerSide:
             self._jobs.setdefault(request_id, []).append(future)
 
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
-        """(finished requests whose stores are all done, None: loads are synchronous)."""
+        """(finished requests whose stores are all done, requests whose asynchronous loads are done)."""
+        finished_loads = self._finished_loads()
         with self._lock:
             self._finished_waiting |= finished_req_ids & self._requests_with_stores
             for request_id in finished_req_ids - self._requests_with_stores:
@@ -229,7 +260,7 @@ class WorkerSide:
                 self._finished_waiting.discard(request_id)
                 self._requests_with_stores.discard(request_id)
                 self._jobs.pop(request_id, None)
-        return (done or None), None
+        return (done or None), (finished_loads or None)
 
     def wait_for_requests(self, request_ids: set[str]) -> None:
         """Block until the jobs of `request_ids` are done (their blocks are about to be reused)."""
@@ -238,5 +269,6 @@ class WorkerSide:
         concurrent.futures.wait(futures)
 
     def shutdown(self) -> None:
+        self._load_executor.shutdown(wait=True)
         self._executor.shutdown(wait=True)
         self.link.close()

@@ -99,9 +99,9 @@ def test_get_num_new_matched_tokens_is_none_while_the_lookup_is_pending_and_send
     deadline = time.monotonic() + 10
     while (answer := side.get_num_new_matched_tokens(request, 0)) == (None, False):
         assert time.monotonic() < deadline
-    assert answer == (3 * BLOCK_SIZE, False)
+    assert answer == (3 * BLOCK_SIZE, True)  # blocks in T2: loaded in the background
     assert calls == [7] and side.num_lookups == 1
-    assert side.get_num_new_matched_tokens(request, 0) == (3 * BLOCK_SIZE, False) and side.num_lookups == 1
+    assert side.get_num_new_matched_tokens(request, 0) == (3 * BLOCK_SIZE, True) and side.num_lookups == 1
     assert side.hit_tokens_per_tier("pending", 3 * BLOCK_SIZE) == (BLOCK_SIZE, 0, 2 * BLOCK_SIZE)
     side.shutdown()
 
@@ -188,15 +188,66 @@ def test_blocks_evicted_after_the_lookup_are_load_errors_or_come_back_from_t1(tm
                 assert wait_until(lambda: lookup().num_t1_blocks == 4, timeout_s=30)
         step_b = engine.prefill(b)
         assert step_b.num_external_tokens == 4 * BLOCK_SIZE
-        if policy == "off":
+        assert engine.num_async_loads == 0  # the lookup saw T0 hits: a synchronous load
+        if policy == "off":  # which finds them gone
             assert step_b.load_error_block_ids == set(step_b.engine_block_ids[:4])
-        else:
+        else:  # which promotes them back from T1 (Acquire pending, Wait)
             assert step_b.load_error_block_ids == set()
             for i in range(4):
                 assert torch.equal(as_bits(engine.block(step_b.engine_block_ids[i])),
                                    as_bits(block_value(a.block_hashes[i])))
         engine.close()
         engines.remove(engine)
+
+
+def test_a_hit_in_t1_loads_in_the_background_and_is_reported_in_finished_recving(tmp_path, engines):
+    """The lookup sees T1 blocks: load_async; vLLM parks the request, idle steps run, the worker
+    reports it in finished_recving, and its engine blocks hold A's bytes; hit sources say host."""
+    args = small_daemon_args(str(tmp_path), t0_bytes="64KiB", extra=["--set", "policy.t0_to_t1=write_through"])
+    with DaemonProcess(args) as daemon:
+        engine = Engine(daemon.address, wait_timeout_s=10.0)
+        engines.append(engine)
+        a = Request("async-a", prompt(41, 22))
+        engine.finish(a, engine.prefill(a).engine_block_ids)
+        engine.drain()
+        with KvtierClient(daemon.address) as client:
+            session = client.attach(engine.worker.layout, map_pool=False, keepalive=False)
+            session.acquire("filler", [], num_extra_blocks=session.handle.num_blocks)  # A's blocks leave T0
+            session.release("filler")
+            lookup = lambda: session.lookup(a.block_hashes[:4], token_ids=a.all_token_ids[:16])  # noqa: E731
+            assert wait_until(lambda: lookup().num_t1_blocks == 4, timeout_s=30)
+        b = Request("async-b", prompt(42, 26, shared=a.all_token_ids[:16]))
+        step_b = engine.prefill(b)
+        assert step_b.num_external_tokens == 4 * BLOCK_SIZE and engine.num_async_loads == 1
+        assert [spec.is_async for spec in step_b.metadata.loads] == [True]
+        assert "async-b" in engine.finished_recving and step_b.load_error_block_ids == set()
+        for i in range(4):
+            assert torch.equal(as_bits(engine.block(step_b.engine_block_ids[i])), as_bits(block_value(a.block_hashes[i])))
+        sources = engine.scheduler.get_external_cache_hit_sources(b, 4 * BLOCK_SIZE)
+        assert {str(getattr(k, "value", k)): v for k, v in sources.items()} == {"host": 4 * BLOCK_SIZE}
+        engine.close()
+        engines.remove(engine)
+
+
+def test_the_connector_is_a_best_effort_cache_and_waits_for_preempted_stores(daemon, engines):
+    """requires_kv_delivery is False; handle_preemptions(metadata) returns only once the
+    preempted request's queued store has read its blocks."""
+    engine = Engine(daemon.address)
+    engines.append(engine)
+    assert engine.worker.requires_kv_delivery is False and engine.scheduler.requires_kv_delivery is False
+    gate = threading.Event()
+    engine.worker.worker._executor.submit(gate.wait, 10)  # the store thread is busy: the store queues
+    a = Request("preempted", prompt(43, 16))
+    engine.prefill(a)
+    metadata = type(engine.scheduler.build_connector_meta(empty_output()))(preempted_req_ids=("preempted",))
+    waiter = threading.Thread(target=engine.worker.handle_preemptions, args=(metadata,))
+    waiter.start()
+    waiter.join(0.2)
+    assert waiter.is_alive()  # the store has not run
+    gate.set()
+    waiter.join(10)
+    assert not waiter.is_alive()
+    assert engine.worker.worker.num_stored_blocks == 4
 
 
 def test_a_scheduler_side_connector_refuses_worker_calls():

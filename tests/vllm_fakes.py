@@ -193,6 +193,8 @@ class Engine:
         self.finished_waiting: dict[str, list[int]] = {}  # delayed frees: request id -> block ids
         self.finished_req_ids: set[str] = set()  # to tell the worker next step
         self.finished_sending: set[str] = set()
+        self.finished_recving: set[str] = set()  # requests whose asynchronous loads were reported
+        self.num_async_loads = 0
 
     # ---- engine block access, through vLLM's views (independent of the connector's own)
     def block(self, engine_block_id: int) -> torch.Tensor:
@@ -207,38 +209,62 @@ class Engine:
             cache.zero_()
 
     # ---- the scheduler's side of a step
-    def matched_tokens(self, request: Request, num_local_computed_tokens: int = 0, timeout_s: float = 15.0) -> int:
-        """get_num_new_matched_tokens until it stops answering None."""
+    def matched(self, request: Request, num_local_computed_tokens: int = 0,
+                timeout_s: float = 15.0) -> tuple[int, bool]:
+        """get_num_new_matched_tokens until it stops answering None: (tokens, load_async)."""
         deadline = time.monotonic() + timeout_s
         while True:
             num_tokens, load_async = self.scheduler.get_num_new_matched_tokens(request, num_local_computed_tokens)
-            assert load_async is False
             if num_tokens is not None:
-                return num_tokens
+                assert num_tokens or not load_async, "load_async with no tokens"
+                return num_tokens, load_async
             assert time.monotonic() < deadline, "the lookup never finished"
             time.sleep(0.005)
 
-    def prefill(self, request: Request) -> StepResult:
-        """One engine step that schedules `request` whole: lookup, allocate, build metadata,
-        load, forward (writes the blocks it computes), save, report."""
-        num_external = self.matched_tokens(request)
+    def matched_tokens(self, request: Request, num_local_computed_tokens: int = 0) -> int:
+        return self.matched(request, num_local_computed_tokens)[0]
+
+    def prefill(self, request: Request, timeout_s: float = 15.0) -> StepResult:
+        """Engine steps that schedule `request` whole: lookup, allocate, build metadata, load
+        (an asynchronous load: idle steps, as vLLM parks the request, until the worker reports it
+        in finished_recving, then update_state_after_alloc with 0), forward (writes the blocks
+        it computes), save, report."""
+        num_external, load_async = self.matched(request)
+        self.num_async_loads += load_async
         num_blocks = math.ceil(request.num_tokens / BLOCK_SIZE)
         block_ids, self.free_block_ids = self.free_block_ids[:num_blocks], self.free_block_ids[num_blocks:]
         self.scheduler.update_state_after_alloc(request, KVCacheBlocks(block_ids), num_external)
+        errors: set[int] = set()
+        load_metadata = None
+        if load_async:
+            deadline = time.monotonic() + timeout_s
+            load_metadata = self.idle_step(errors)
+            while request.request_id not in self.finished_recving:
+                assert time.monotonic() < deadline, "the asynchronous load was never reported"
+                self.idle_step(errors)
+                time.sleep(0.005)
+            self.scheduler.update_state_after_alloc(request, KVCacheBlocks(block_ids), 0)
         request.num_computed_tokens = num_external
         new = NewRequestData(request.request_id, request.prompt_token_ids, (block_ids,), num_external)
         output = SchedulerOutput([new], CachedRequestData(), {request.request_id: request.num_tokens - num_external},
                                  self._take_finished())
         metadata = self.scheduler.build_connector_meta(output)
         request.num_computed_tokens = request.num_tokens  # the scheduler advances after building
-        errors = self._worker_step(metadata, output, lambda: [
+        errors |= self._worker_step(metadata, output, lambda: [
             self.write_block(block_ids[i], block_value(request.block_hashes[i]))
             for i in range(num_external // BLOCK_SIZE, len(request.block_hashes))])
+        if load_metadata is not None:  # the step that carried the load
+            metadata = type(metadata)(load_metadata.loads, metadata.stores, metadata.preempted_req_ids)
         return StepResult(num_external, block_ids, errors, metadata)
 
-    def idle_step(self) -> None:
+    def idle_step(self, errors: set[int] | None = None):
+        """A step with nothing scheduled; its load errors join `errors`. Returns its metadata."""
         output = SchedulerOutput([], CachedRequestData(), {}, self._take_finished())
-        self._worker_step(self.scheduler.build_connector_meta(output), output, lambda: None)
+        metadata = self.scheduler.build_connector_meta(output)
+        step_errors = self._worker_step(metadata, output, lambda: None)
+        if errors is not None:
+            errors |= step_errors
+        return metadata
 
     def _take_finished(self) -> set[str]:
         finished, self.finished_req_ids = self.finished_req_ids, set()
@@ -254,7 +280,7 @@ class Engine:
         finished_sending, finished_recving = worker.get_finished(output.finished_req_ids)
         errors = worker.get_block_ids_with_load_errors()
         worker.clear_connector_metadata()
-        assert finished_recving is None
+        self.finished_recving |= finished_recving or set()
         for request_id in finished_sending or ():
             assert request_id in self.finished_waiting, f"{request_id} reported but never delayed"
             self.free_block_ids += self.finished_waiting.pop(request_id)
