@@ -18,6 +18,6 @@ def test_the_gpu_script_compiles_and_is_executable():
 def test_the_gpu_script_shows_help_without_vllm():
     done = subprocess.run([sys.executable, SCRIPT, "--help"], capture_output=True, text=True, timeout=60)
     assert done.returncode == 0, done.stderr
-    for option in ("--model", "--load-format", "--kvtierd-address", "--no-cross-layer"):
+    for option in ("--model", "--load-format", "--kvtierd-address", "--kv-cache-layout"):
         assert option in done.stdout
     assert "KvtierdConnector" not in done.stderr and "warm" in done.stdout
