@@ -52,6 +52,10 @@ class ChatTokenizer:
         except (OSError, ValueError) as e:
             raise InvalidArgument(f"{directory} has no tokenizer that transformers can load: {e}") from e
 
+    def save(self, directory: str | Path) -> None:
+        """The tokenizer files and chat template, as a Hugging Face directory holds them."""
+        self._tokenizer.save_pretrained(str(directory))
+
     def prompt(self, messages: list[dict[str, str]]) -> list[int]:
         """The token ids of `messages` rendered by the chat template, ending with the assistant's turn."""
         text = self._tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)

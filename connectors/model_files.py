@@ -2,12 +2,14 @@
 
 A GGUF file (llama.cpp's format) holds the config, the weights (dequantized here) and the
 tokenizer with its chat template. A Hugging Face directory holds config.json, *.safetensors
-and, for chat, the tokenizer files.
+and, for chat, the tokenizer files. `save_hf_directory` writes the second from the first, so a
+GGUF model (dequantized) serves through engines that read Hugging Face directories (vLLM).
 """
 
 from __future__ import annotations
 
 import dataclasses
+import json
 from pathlib import Path
 
 import torch
@@ -39,3 +41,21 @@ def load_model_files(path: str | Path, dtype: torch.dtype = torch.float32) -> Mo
         config = LlamaConfig.from_file(config_path)
         return ModelFiles(path.name, config, load_weights(path, config, dtype), ChatTokenizer.from_directory(path))
     raise InvalidArgument(f"{path} is neither a .gguf file nor a model directory")
+
+
+def save_hf_directory(files: ModelFiles, directory: str | Path, dtype: torch.dtype = torch.float32) -> Path:
+    """config.json (a LlamaConfig without quantization), model.safetensors and the tokenizer
+    files of `files` in `directory`; returns it. transformers refuses `save_pretrained` on a
+    GGUF-loaded model, so the pieces are written here."""
+    from safetensors.torch import save_file
+
+    directory = Path(directory)
+    directory.mkdir(parents=True, exist_ok=True)
+    config = files.config.to_hf()
+    config.update(torch_dtype=str(dtype).removeprefix("torch."), bos_token_id=1,
+                  eos_token_id=files.tokenizer.eos_token_id, max_position_embeddings=8192)
+    (directory / "config.json").write_text(json.dumps(config, indent=2))
+    save_file({name: tensor.to(dtype).contiguous() for name, tensor in files.weights.items()},
+              str(directory / "model.safetensors"), metadata={"format": "pt"})
+    files.tokenizer.save(directory)
+    return directory

@@ -295,3 +295,41 @@ def test_preempted_requests_decode_the_reference_tokens(reference, engines, daem
                      "--num-gpu-blocks", str(PREEMPTION_NUM_GPU_BLOCKS)).result()
     assert result["num_preemptions"] > 0, result
     assert result["output_token_ids"] == expected(reference, PREEMPTION_PROMPTS)
+
+
+@pytest.fixture(scope="session")
+def smollm2_hf(smollm2_gguf, tmp_path_factory) -> pathlib.Path:
+    """SmolLM2-135M-Instruct dequantized to fp32 and saved as a Hugging Face directory, which vLLM reads."""
+    from kvtierd.connectors.model_files import load_model_files, save_hf_directory
+
+    return save_hf_directory(load_model_files(smollm2_gguf), tmp_path_factory.mktemp("smollm2-hf"))
+
+
+@pytest.mark.timeout(900)
+def test_smollm2_through_vllm_answers_the_same_with_the_prefix_from_kvtierd(vllm_python, smollm2_hf, tmp_path,
+                                                                             short_dir):
+    """The real model, real chat prompts: the demo's 1,092-token handbook before two questions, and
+    the capital of France. A new engine loads the handbook from kvtierd and says what recompute says."""
+    from kvtierd.connectors import demo_texts
+    from kvtierd.connectors.chat_tokenizer import ChatTokenizer
+
+    tokenizer = ChatTokenizer.from_directory(smollm2_hf)
+    system = {"role": "system", "content": demo_texts.SYSTEM_PROMPT}
+    prompts = [tokenizer.prompt([system, {"role": "user", "content": question}]) for question in demo_texts.QUESTIONS[:2]]
+    prompts.append(tokenizer.prompt([{"role": "user", "content": "What is the capital of France?"}]))
+    layout_bytes = 30 * 2 * BLOCK_SIZE * 3 * 64 * 4  # SmolLM2: 30 layers, 3 KV heads of 64, fp32
+    flags = ("--max-model-len", "1536")
+
+    def engine(name: str, address: str | None) -> dict:
+        return Engine(vllm_python, smollm2_hf, tmp_path, name, prompts, address, *flags).result()
+
+    reference_run = engine("smollm2-reference", None)
+    assert tokenizer.decode(reference_run["output_token_ids"][2]).startswith("The capital of France is Paris.")
+    args = small_daemon_args(short_dir, t0_bytes=f"{256 * layout_bytes}B", host_bytes="256MiB", ssd_bytes="512MiB")
+    with DaemonProcess(args) as daemon:
+        cold = engine("smollm2-cold", daemon.address)
+        warm = engine("smollm2-warm", daemon.address)
+    assert cold["output_token_ids"] == warm["output_token_ids"] == reference_run["output_token_ids"]
+    assert cold["num_cached_tokens"] == [0, 0, 0]  # one batch: nothing stored yet when it was scheduled
+    for prompt, num_cached in zip(prompts, warm["num_cached_tokens"]):
+        assert num_cached == hit_cap(prompt), warm["num_cached_tokens"]  # every full block, from the other engine
