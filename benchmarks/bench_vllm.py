@@ -35,9 +35,8 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from benchmarks import _report  # noqa: E402
+from kvtierd.connectors.vllm_transfer_config import kv_transfer_config  # noqa: E402
 
-CONNECTOR = {"kv_connector": "KvtierdConnector", "kv_connector_module_path": "kvtierd.connectors.vllm_connector",
-             "kv_role": "kv_both", "kv_load_failure_policy": "recompute"}
 FULL_MODEL = {"vocab_size": 32000, "hidden_size": 768, "intermediate_size": 2048, "num_hidden_layers": 12,
               "num_attention_heads": 12, "num_key_value_heads": 4}
 QUICK_MODEL = {"vocab_size": 1000, "hidden_size": 256, "intermediate_size": 512, "num_hidden_layers": 2,
@@ -69,7 +68,7 @@ def run_engine(spec: dict) -> dict:
                   dtype="float32", max_model_len=spec["max_model_len"], max_num_seqs=NUM_DECODE_REQUESTS,
                   enable_prefix_caching=spec["vllm_prefix_caching"], seed=0)
     if spec["address"]:
-        kwargs["kv_transfer_config"] = dict(CONNECTOR, kv_connector_extra_config={"address": spec["address"]})
+        kwargs["kv_transfer_config"] = kv_transfer_config(spec["address"])
     llm = LLM(**kwargs)
     warmup = [[3 + i % 97 for i in range(2 * BLOCK_SIZE + 5)]]  # unrelated tokens: first-call costs only
     llm.generate([TokensPrompt(prompt_token_ids=p) for p in warmup], SamplingParams(max_tokens=1), use_tqdm=False)

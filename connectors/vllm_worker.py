@@ -101,7 +101,7 @@ class WorkerSide:
         for spec in metadata.loads:
             if spec.is_async:
                 assert spec.request_id not in self._async_loads, f"{spec.request_id} loads twice"
-                self._async_loads[spec.request_id] = self._load_executor.submit(self._load, spec, True)
+                self._async_loads[spec.request_id] = self._load_executor.submit(self._load_in_background, spec)
             else:
                 self._report_load(spec, self._load(spec))
 
@@ -119,15 +119,16 @@ class WorkerSide:
             self._report_load(spec, failed)
         return done
 
-    def _load(self, spec: LoadSpec, in_background: bool = False):
-        """Load what can be loaded; returns the engine block ids left unfilled (in the
-        background: with the spec, once the copy has landed)."""
-        if in_background:
-            try:
-                return spec, self._load(spec)
-            except Exception as error:  # never lose the report: vLLM would wait for it forever
-                log.warning("kvtierd connector: background load of %s failed: %r", spec.request_id, error)
-                return spec, set(spec.engine_block_ids)
+    def _load_in_background(self, spec: LoadSpec) -> tuple[LoadSpec, set[int]]:
+        """`_load` on the load thread: (the spec, the engine block ids left unfilled), always."""
+        try:
+            return spec, self._load(spec)
+        except Exception as error:  # never lose the report: vLLM would wait for it forever
+            log.warning("kvtierd connector: background load of %s failed: %r", spec.request_id, error)
+            return spec, set(spec.engine_block_ids)
+
+    def _load(self, spec: LoadSpec) -> set[int]:
+        """Load what can be loaded; returns the engine block ids left unfilled."""
         assert self.engine is not None, "load before register_kv_caches"
         session = self.link.session()
         if session is None:

@@ -32,7 +32,6 @@ import time
 
 READY_LINE = "vllm_engine_main: ready"
 HOLDING_LINE = "vllm_engine_main: holding"
-CONNECTOR_MODULE = "kvtierd.connectors.vllm_connector"
 
 
 def parse_args() -> argparse.Namespace:
@@ -55,10 +54,8 @@ def engine_kwargs(args: argparse.Namespace) -> dict:
     if args.num_gpu_blocks is not None:
         kwargs["num_gpu_blocks_override"] = args.num_gpu_blocks
     if args.address is not None:
-        kwargs["kv_transfer_config"] = {
-            "kv_connector": "KvtierdConnector", "kv_connector_module_path": CONNECTOR_MODULE,
-            "kv_role": "kv_both", "kv_load_failure_policy": "recompute",
-            "kv_connector_extra_config": {"address": args.address}}
+        from kvtierd.connectors.vllm_transfer_config import kv_transfer_config
+        kwargs["kv_transfer_config"] = kv_transfer_config(args.address)
     return kwargs
 
 
