@@ -1,7 +1,12 @@
-"""Shared fixtures and factories; the `gpu` marker skips without CUDA."""
+"""Shared fixtures and factories; the `gpu` marker skips without CUDA.
+
+KVTIERD_REQUIRE_GPU=1 (scripts/gpu-acceptance sets it on the GPU machine) turns every skip of a
+`gpu` test into a failure: CUDA or CuPy missing there is a failed run, never a quiet pass.
+"""
 
 from __future__ import annotations
 
+import os
 import pathlib
 import subprocess
 
@@ -11,13 +16,46 @@ import torch
 REPO = pathlib.Path(__file__).resolve().parent.parent
 
 
+def gpu_required() -> bool:
+    return os.environ.get("KVTIERD_REQUIRE_GPU") == "1"
+
+
+def missing_gpu_reason() -> str | None:
+    """Why the `gpu` tests cannot run here (no CUDA, no CuPy, CuPy without a device), or None."""
+    if not torch.cuda.is_available():
+        return "torch.cuda.is_available() is false"
+    try:
+        import cupy
+    except ImportError as e:
+        return f"CuPy does not import: {e}"
+    if not cupy.cuda.is_available():
+        return "cupy.cuda.is_available() is false"
+    return None
+
+
 def pytest_collection_modifyitems(config, items):
-    if torch.cuda.is_available():
+    if torch.cuda.is_available() or gpu_required():
         return
     skip_gpu = pytest.mark.skip(reason="needs CUDA (torch.cuda.is_available() is false)")
     for item in items:
         if "gpu" in item.keywords:
             item.add_marker(skip_gpu)
+
+
+def pytest_runtest_setup(item):
+    if gpu_required() and "gpu" in item.keywords and (reason := missing_gpu_reason()):
+        pytest.fail(f"KVTIERD_REQUIRE_GPU=1 and {reason}", pytrace=False)
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item, call):
+    """Under KVTIERD_REQUIRE_GPU=1 a `gpu` test that skips (a skipif, importorskip, pytest.skip) fails."""
+    outcome = yield
+    report = outcome.get_result()
+    if report.skipped and gpu_required() and "gpu" in item.keywords and not hasattr(report, "wasxfail"):
+        reason = report.longrepr[2] if isinstance(report.longrepr, tuple) else str(report.longrepr)
+        report.outcome = "failed"
+        report.longrepr = f"KVTIERD_REQUIRE_GPU=1: a gpu test may not skip ({reason})"
 
 
 @pytest.fixture(scope="session")

@@ -232,7 +232,19 @@ def cuda_blocks(shape, dtype, seed) -> torch.Tensor:
 @pytest.mark.parametrize("seed", [0, 1])
 def test_cuda_codec_matches_reference_bit_for_bit(dtype, shape, seed):
     pytest.importorskip("cupy", reason="the CUDA kernels need CuPy")
-    blocks = cuda_blocks(shape, dtype, seed)
+    check_cuda_codec(cuda_blocks(shape, dtype, seed))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", (torch.float16, torch.bfloat16))
+def test_cuda_codec_matches_reference_at_llama3_8b_size(dtype):
+    """Real sizes: 32 blocks of Llama-3-8B (32 layers, block 16, 8 KV heads, head_dim 128), bit for bit."""
+    pytest.importorskip("cupy", reason="the CUDA kernels need CuPy")
+    check_cuda_codec(cuda_blocks((32, *llama3_8b().block_shape), dtype, seed=5))
+
+
+def check_cuda_codec(blocks: torch.Tensor) -> None:
+    """The CUDA quantizer and dequantizer (to every codec dtype) give the reference's bytes."""
     payload, scales = quantize_fp8(blocks)
     ref_payload, ref_scales = quantize_fp8_reference(blocks.cpu())
     assert torch.equal(payload.cpu(), ref_payload)

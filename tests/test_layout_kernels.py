@@ -182,6 +182,7 @@ def test_bad_scatter_inputs_raise_and_change_nothing(case):
 
 GPU_GEOMETRIES = [dict(), dict(num_layers=3, block_size=16, num_kv_heads=8, head_dim=128),
                   dict(num_layers=1, block_size=3, num_kv_heads=1, head_dim=5)]
+LLAMA3_8B_GEOMETRY = dict(num_layers=32, block_size=16, num_kv_heads=8, head_dim=128)
 
 
 @pytest.fixture
@@ -194,14 +195,28 @@ def cupy_kernels():
 @pytest.mark.parametrize("geometry", GPU_GEOMETRIES, ids=lambda g: str(sorted(g.items())))
 def test_cuda_gather_and_scatter_match_reference(cupy_kernels, dtype, geometry):
     caches = make_caches(dtype, num_engine_blocks=40, device="cuda", **geometry)
+    check_cuda_gather_and_scatter(caches, torch.randperm(40)[:17].tolist(), repeats=[7, 7])
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", (torch.float16, torch.bfloat16, torch.float8_e4m3fn))
+def test_cuda_gather_and_scatter_match_reference_at_llama3_8b_size(cupy_kernels, dtype):
+    """Real sizes: 32 layers of [2, 300, 16, 8, 128] caches (2 MiB blocks in fp16), a 4k-token request's
+    256 blocks in shuffled order gathered, then scattered back, the reference's bytes both ways."""
+    caches = make_caches(dtype, num_engine_blocks=300, device="cuda", **LLAMA3_8B_GEOMETRY)
+    check_cuda_gather_and_scatter(caches, torch.randperm(300)[:256].tolist())
+
+
+def check_cuda_gather_and_scatter(caches: list[torch.Tensor], ids: list[int], repeats: list[int] = ()) -> None:
+    """Gather of `ids` + `repeats` and scatter of `ids` write exactly the torch reference's bytes."""
     assert uses_cuda_kernel(caches[0])
-    ids = torch.randperm(40)[:17].tolist() + [7, 7]
-    assert same_bytes(gather_blocks(caches, ids).cpu(),
-                      gather_blocks_reference([c.cpu() for c in caches], ids))
-    slots = slots_for(caches, 17)
+    gather_ids = ids + list(repeats)
+    assert same_bytes(gather_blocks(caches, gather_ids).cpu(),
+                      gather_blocks_reference([c.cpu() for c in caches], gather_ids))
+    slots = slots_for(caches, len(ids))
     expected = [c.cpu() for c in caches]
-    scatter_blocks_reference(slots.cpu(), expected, ids[:17])
-    scatter_blocks(slots, caches, ids[:17])
+    scatter_blocks_reference(slots.cpu(), expected, ids)
+    scatter_blocks(slots, caches, ids)
     torch.cuda.synchronize()
     assert all(same_bytes(c.cpu(), e) for c, e in zip(caches, expected))
 

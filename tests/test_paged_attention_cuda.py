@@ -249,6 +249,16 @@ def test_kernel_matches_reference_on_pure_decode_with_long_contexts(cupy_kernels
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("dtype", (torch.float16, torch.bfloat16), ids=str)
+def test_kernel_matches_reference_at_llama3_8b_size(cupy_kernels, dtype):
+    """Real sizes, Llama-3-8B's attention (32 heads / 8 KV heads of 128, block 16): four decodes at
+    4,096 keys and a 512-token prefill after a 3,584-token cached prefix, in one launch."""
+    batch = make_batch((4096,) * 5, (1, 1, 1, 1, 512), num_heads=32, num_kv_heads=8, head_dim=128,
+                       dtype=dtype, seed=11).to("cuda")
+    assert_close_to_reference(run_kernel(batch), batch)
+
+
+@pytest.mark.gpu
 def test_paged_attention_dispatches_to_the_kernel_on_cuda(cupy_kernels, monkeypatch):
     """On CUDA with CuPy, paged_attention never runs the torch reference and equals the kernel."""
     batch = make_batch(dtype=torch.bfloat16).to("cuda")
