@@ -15,6 +15,8 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import gc
+import json
+import os
 import platform
 import statistics
 import subprocess
@@ -23,6 +25,11 @@ import time
 from collections.abc import Callable, Sequence
 
 Op = Callable[[], object]
+
+# Where print_table also appends each table as one JSON line (title, headers, rows), when set:
+# scripts/gpu-acceptance reads the benchmarks' tables from there.
+TABLES_ENV = "KVTIERD_BENCH_TABLES"
+_title = ""  # the last print_header's title, for the JSON line
 
 TIMING_NOTE = ("timing: time.perf_counter_ns per round, ours and baseline alternating; "
                "warm-up rounds discarded; gc disabled while timing; median over rounds (best in brackets)")
@@ -83,13 +90,20 @@ def time_pair(ours: Op, baseline: Op, *, rounds: int, warmup: int,
     return ours_timings, baseline_timings
 
 
-def parse_args(description: str, argv: Sequence[str] | None = None) -> argparse.Namespace:
+def argument_parser(description: str) -> argparse.ArgumentParser:
+    """The flags every benchmark takes (--quick); a benchmark may add its own."""
     parser = argparse.ArgumentParser(description=description)
     parser.add_argument("--quick", action="store_true", help="a few rounds only (smoke test); numbers are rough")
-    return parser.parse_args(argv)
+    return parser
+
+
+def parse_args(description: str, argv: Sequence[str] | None = None) -> argparse.Namespace:
+    return argument_parser(description).parse_args(argv)
 
 
 def print_header(title: str, quick: bool, timing_note: str = TIMING_NOTE) -> None:
+    global _title
+    _title = title
     print(title)
     print(f"python {platform.python_version()} ({platform.python_implementation()}), {platform.machine()}, "
           f"{'QUICK run: rough numbers' if quick else 'full run'}")
@@ -109,6 +123,9 @@ def print_table(headers: Sequence[str], rows: Sequence[Sequence[object]]) -> Non
     for row in cells[1:]:
         print(line(row))
     sys.stdout.flush()
+    if path := os.environ.get(TABLES_ENV):
+        with open(path, "a") as tables:
+            tables.write(json.dumps({"title": _title, "headers": cells[0], "rows": cells[1:]}) + "\n")
 
 
 def verdict(passed: bool) -> str:

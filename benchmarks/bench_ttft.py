@@ -11,6 +11,11 @@ of other blocks pushed it out of T0; T2: after a restart, which empties T0 and T
 same machine, same run: the same request on a private pool that recomputes everything (what a
 runner without kvtierd does). Every restored request must produce the baseline's first token.
 (vLLM reports 2-22x for CPU offloading on an H100.)
+
+`--cuda` (the GPU acceptance run): only a random-weight Llama of 16 layers, hidden 2048 (~0.85 B
+parameters, fp32) on cuda:0, a 4,096-token prefix + 64 new tokens, the daemon's pool in GPU memory
+(`--device cuda`) and T1 page-locked; the baseline recomputes on a private pool on the GPU. Goal:
+a T1 hit >= 5x faster than recompute.
 """
 
 from __future__ import annotations
@@ -41,6 +46,9 @@ from kvtierd.daemon_process import DaemonProcess, small_daemon_args  # noqa: E40
 
 FULL = LlamaConfig(vocab_size=32000, hidden_size=1024, intermediate_size=2816, num_hidden_layers=8,
                    num_attention_heads=16, num_key_value_heads=8)
+CUDA = LlamaConfig(vocab_size=32000, hidden_size=2048, intermediate_size=5632, num_hidden_layers=16,
+                   num_attention_heads=16, num_key_value_heads=8)
+CUDA_PREFIX_TOKENS = 4096
 QUICK = LlamaConfig(vocab_size=4096, hidden_size=256, intermediate_size=704, num_hidden_layers=2,
                     num_attention_heads=4, num_key_value_heads=2)
 BLOCK_SIZE = 16
@@ -110,7 +118,7 @@ class Bench:
         self._rng = np.random.default_rng(2)
         self.num_request_blocks = num_blocks_for(prompts.max_prompt_tokens() + 1, BLOCK_SIZE)
         self.directory = directory
-        self.private = ReferenceRunner(self.model, PrivateKv(self.layout, self.num_request_blocks))
+        self.private = ReferenceRunner(self.model, PrivateKv(self.layout, self.num_request_blocks, model.device))
         self.daemon: DaemonProcess | None = None
         self.client: KvtierClient | None = None
         self.runner: ReferenceRunner | None = None
@@ -127,7 +135,8 @@ class Bench:
         self.daemon = DaemonProcess(small_daemon_args(
             self.directory, t0_bytes=str(2 * request_bytes), host_bytes=str(6 * request_bytes),
             ssd_bytes=str(16 * request_bytes),
-            extra=["--set", "policy.t0_to_t1=write_through", "--set", "policy.recompute_s_per_token=0"]))
+            extra=["--device", str(self.model.device), "--set", "policy.t0_to_t1=write_through",
+                   "--set", "policy.recompute_s_per_token=0"]))
         self.client = KvtierClient(self.daemon.address, timeout_s=120.0)
         self.runner = ReferenceRunner(self.model, KvtierdConnector(self.client.attach(self.layout)))
 
@@ -154,9 +163,20 @@ class Bench:
             self.daemon.stop()
 
 
+def parse_args(argv: Sequence[str] | None):
+    parser = _report.argument_parser(__doc__.splitlines()[0])
+    parser.add_argument("--cuda", action="store_true", help="the GPU row set only (a ~0.85 B random Llama on cuda:0)")
+    return parser.parse_args(argv)
+
+
 def main(argv: Sequence[str] | None = None) -> int:
-    args = _report.parse_args(__doc__.splitlines()[0], argv)
+    args = parse_args(argv)
     rounds = 2 if args.quick else 3
+    if args.cuda:
+        config = QUICK if args.quick else CUDA
+        model = LlamaModel(config, random_weights(config, seed=0), device="cuda")
+        prompts = RandomPrompts(config.vocab_size, 512 if args.quick else CUDA_PREFIX_TOKENS)
+        return run_in_temporary_directory(Bench(model, "bench-ttft-llama-cuda", prompts, ""), rounds, 5.0, args.quick)
     gguf = fetch_model(progress=lambda line: print(line, file=sys.stderr, flush=True))
     files = load_model_files(gguf)
     smollm2 = (LlamaModel(files.config, files.weights), files.name, ChatPrompts(files.tokenizer, 0 if args.quick else 3))
@@ -164,13 +184,19 @@ def main(argv: Sequence[str] | None = None) -> int:
     llama = (LlamaModel(config, random_weights(config, seed=0)), "bench-ttft-llama",
              RandomPrompts(config.vocab_size, 512 if args.quick else 2048))
     for (model, model_id, prompts), goal in ((smollm2, 8.0), (llama, 5.0)):
-        with tempfile.TemporaryDirectory(dir=os.environ.get("KVTIERD_BENCH_DIR", "/var/tmp")) as directory:
-            bench = Bench(model, model_id, prompts, directory)
-            try:
-                run(bench, model_id, rounds, goal, args.quick)
-            finally:
-                bench.close()
+        run_in_temporary_directory(Bench(model, model_id, prompts, ""), rounds, goal, args.quick)
         print()
+    return 0
+
+
+def run_in_temporary_directory(bench: Bench, rounds: int, goal_t1_speedup: float, quick: bool) -> int:
+    """`run` with the daemon's socket and SSD files in a temporary directory (KVTIERD_BENCH_DIR or /var/tmp)."""
+    with tempfile.TemporaryDirectory(dir=os.environ.get("KVTIERD_BENCH_DIR", "/var/tmp")) as directory:
+        bench.directory = directory
+        try:
+            run(bench, bench.layout.model_id, rounds, goal_t1_speedup, quick)
+        finally:
+            bench.close()
     return 0
 
 
@@ -204,7 +230,8 @@ def run(bench: Bench, model_id: str, rounds: int, goal_t1_speedup: float, quick:
 
     _report.print_header(f"TTFT, {bench.prompts.description}: reference runner on {model_id}, "
                          f"{config.num_hidden_layers} layers, hidden {config.hidden_size}, "
-                         f"{config.num_parameters() / 1e6:.0f} M parameters, fp32 on CPU, block {BLOCK_SIZE}", quick,
+                         f"{config.num_parameters() / 1e6:.0f} M parameters, fp32 on {bench.model.device}, "
+                         f"block {BLOCK_SIZE}", quick,
                          "timing: TTFT as the runner measures it (admission to first token: hashing, Acquire, "
                          "Wait, prefill); medians over rounds (best in brackets)")
     print("baseline: the same request recomputed on a private pool (no kvtierd), run before each of ours")
