@@ -1,0 +1,1 @@
+"""scripts/gpu-acceptance: every CUDA path of kvtierd proven in one short call on a GPU machine."""

@@ -1,0 +1,82 @@
+"""The parts of the GPU acceptance run: what each runs, what it proves, and its time cap.
+
+A part is one subprocess: either the `gpu`-marked tests of some test files (pytest, with
+KVTIERD_REQUIRE_GPU=1 so that a skip is a failure) or one benchmark script. Every gpu test file
+belongs to exactly one part (the dry run checks it). `checks` names the tests that prove an item
+of issue 13 on their own; the report gives each its own row.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+PER_TEST_TIMEOUT_S = 120  # pytest-timeout (carried): one hung test fails alone, the part goes on
+
+
+@dataclasses.dataclass(frozen=True)
+class Check:
+    what: str
+    node_id: str  # a test node id; a parametrized test counts as passed when all its cases pass
+
+
+@dataclasses.dataclass(frozen=True)
+class Part:
+    name: str
+    what: str
+    timeout_s: int
+    test_files: tuple[str, ...] = ()
+    checks: tuple[Check, ...] = ()
+    benchmark: tuple[str, ...] = ()  # the script and its arguments
+
+    @property
+    def is_tests(self) -> bool:
+        return bool(self.test_files)
+
+    def argv(self, junit_path: str) -> list[str]:
+        """The command after the interpreter."""
+        if self.is_tests:
+            return ["-m", "pytest", "-m", "gpu", "-q", "-rfEs", "-p", "no:cacheprovider",
+                    "--timeout", str(PER_TEST_TIMEOUT_S), "--junitxml", junit_path, *self.test_files]
+        return list(self.benchmark)
+
+
+PARTS = (
+    Part("tests-kernels", "kv_layout, fp8_codec and paged_attention kernels against their torch references, "
+         "small shapes and Llama-3-8B sizes", 180,
+         ("tests/test_layout_kernels.py", "tests/test_fp8_codec.py", "tests/test_paged_attention_cuda.py"),
+         (Check("kv_layout gather/scatter bit for bit, Llama-3-8B size",
+                "tests/test_layout_kernels.py::test_cuda_gather_and_scatter_match_reference_at_llama3_8b_size"),
+          Check("fp8 codec bit for bit, Llama-3-8B size",
+                "tests/test_fp8_codec.py::test_cuda_codec_matches_reference_at_llama3_8b_size"),
+          Check("paged attention within the fp32-accumulation tolerances, Llama-3-8B size",
+                "tests/test_paged_attention_cuda.py::test_kernel_matches_reference_at_llama3_8b_size"))),
+    Part("tests-pool", "the CUDA device pool, its IPC handle, the copy engine's streams", 120,
+         ("tests/test_cuda_pool.py", "tests/test_copy_engine.py"),
+         (Check("two processes share a CUDA pool through its IPC handle",
+                "tests/test_cuda_pool.py::test_second_process_maps_the_pool_through_the_ipc_handle"),)),
+    Part("tests-daemon", "a daemon with a CUDA pool serving the reference runner and the vLLM connector's "
+         "CUDA engine caches", 150,
+         ("tests/test_reference_runner.py", "tests/test_vllm_connector.py"),
+         (Check("daemon with a CUDA pool: runner restores from T1, generation identical to recompute",
+                "tests/test_reference_runner.py::test_on_cuda_a_prefix_restored_from_t1_matches_the_cpu_recompute"),)),
+    Part("bench-copy", "T0 <-> T1, 64 x 2 MiB on the copy engine's streams vs cudaMemcpyAsync", 90,
+         benchmark=("benchmarks/bench_tier_copy.py",)),
+    Part("bench-pinning", "8 GiB host slab (mmap, parallel first touch, cudaHostRegister) vs cudaHostAlloc", 150,
+         benchmark=("benchmarks/bench_host_pinning.py",)),
+    Part("bench-attention", "paged-attention kernel vs torch SDPA on the same KV", 90,
+         benchmark=("benchmarks/bench_paged_attention.py",)),
+    Part("bench-ttft", "TTFT of the reference runner, 4k-token prefix from T1 vs recompute", 240,
+         benchmark=("benchmarks/bench_ttft.py", "--cuda")),
+)
+PART_NAMES = tuple(part.name for part in PARTS)
+
+
+def select(only: str | None) -> list[Part]:
+    """The parts named in `only` ("tests-pool,bench-copy"), in run order; all of them for None."""
+    if not only:
+        return list(PARTS)
+    names = [name.strip() for name in only.split(",") if name.strip()]
+    unknown = sorted(set(names) - set(PART_NAMES))
+    if unknown:
+        raise ValueError(f"unknown part(s) {', '.join(unknown)}; the parts are {', '.join(PART_NAMES)}")
+    return [part for part in PARTS if part.name in names]
