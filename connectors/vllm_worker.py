@@ -48,7 +48,7 @@ log = logging.getLogger(__name__)
 
 
 class EngineBlocks(Protocol):
-    """PerLayerBlocks or CrossLayerBlocks (vllm_engine_blocks.py)."""
+    """The engine's KV blocks as the worker moves them (vllm_engine_blocks.PagedLayers)."""
 
     device: torch.device
 

@@ -23,6 +23,7 @@ import tempfile
 import pytest
 
 from kvtierd.client import KvtierClient
+from kvtierd.connectors.vllm_transfer_config import cpu_engine_env
 from kvtierd.daemon_process import DaemonProcess, small_daemon_args, wait_until
 
 ENGINE_MAIN = pathlib.Path(__file__).with_name("vllm_engine_main.py")
@@ -70,9 +71,7 @@ def hit_cap(prompt: list[int]) -> int:
 
 
 def engine_env() -> dict[str, str]:
-    env = {k: v for k, v in os.environ.items() if not k.startswith("KVTIERD_")}
-    env["VLLM_CPU_KVCACHE_SPACE"] = "1"  # GiB; unset, the CPU worker sizes (and touches) most of RAM
-    return env
+    return cpu_engine_env({k: v for k, v in os.environ.items() if not k.startswith("KVTIERD_")}, kv_cache_gib=1)
 
 
 class Engine:
