@@ -91,6 +91,7 @@ class CopyEngine(abc.ABC):
         self.max_inflight_bytes = max_inflight_bytes
         self.bandwidth = {d: Bandwidth(initial_bytes_per_s[d]) for d in Direction}
         self.inflight_bytes = 0
+        self.num_waiting_submits = 0  # callers of submit held back by the budget (under _budget)
         self._budget = threading.Condition()
         self.closed = False
 
@@ -99,8 +100,10 @@ class CopyEngine(abc.ABC):
         if self.closed:
             raise RuntimeError("copy engine is closed")
         with self._budget:
+            self.num_waiting_submits += 1
             self._budget.wait_for(lambda: self.inflight_bytes == 0
                                   or self.inflight_bytes + nbytes <= self.max_inflight_bytes)
+            self.num_waiting_submits -= 1
             self.inflight_bytes += nbytes
         transfer = Transfer(direction, nbytes)
         transfer.add_done_callback(self._release)

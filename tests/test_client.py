@@ -371,9 +371,11 @@ def test_async_attach_keeps_the_lease_alive_until_close(fake, target):
     async def main():
         async with AsyncKvtierClient(target) as client:
             session = await client.attach(LAYOUT, map_pool=False)
-            await asyncio.sleep(0.5)
-            assert fake.num_calls["KeepAlive"] >= 3 and not fake.keepalive_ended.is_set()
-            assert await session.acquire("r", [b"0" * 32]) is not None
+            assert await asyncio.to_thread(wait_for, lambda: fake.num_calls["KeepAlive"] >= 3)
+            assert not fake.keepalive_ended.is_set()
+            acquired = await session.acquire("r", [b"0" * 32])
+            assert list(acquired.block_ids) == [3, 1, 2] and acquired.pending  # the daemon's answer, decoded
+            assert fake.requests["Acquire"][0].session_id == "s-1"
             await session.close()
             assert await asyncio.to_thread(fake.keepalive_ended.wait, 2.0)
     asyncio.run(main())

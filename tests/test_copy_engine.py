@@ -3,12 +3,12 @@
 from __future__ import annotations
 
 import threading
-import time
 
 import pytest
 import torch
 
 from kvtierd.copy_engine import Bandwidth, Direction, ThreadCopyEngine
+from kvtierd.daemon_process import wait_until
 from kvtierd.errors import InvalidArgument
 
 
@@ -47,7 +47,7 @@ def test_submit_blocks_while_the_budget_is_spent(engine):
 
     thread = threading.Thread(target=submit_second)
     thread.start()
-    time.sleep(0.2)
+    assert wait_until(lambda: engine.num_waiting_submits == 1)  # the second submit waits on the budget
     assert not second_started.is_set() and engine.inflight_bytes == 800  # held back: 1600 > 1000
     release.set()
     first.wait(10)
@@ -56,7 +56,11 @@ def test_submit_blocks_while_the_budget_is_spent(engine):
 
 
 def test_a_transfer_larger_than_the_budget_runs_alone(engine):
-    engine.submit(Direction.HOST_TO_HOST, lambda: None, 5000).wait(10)
+    """A 5000-byte transfer against a 1000-byte budget starts on an idle engine, not never."""
+    seen_inflight = []
+    engine.submit(Direction.HOST_TO_HOST, lambda: seen_inflight.append(engine.inflight_bytes), 5000).wait(10)
+    assert seen_inflight == [5000] and engine.num_waiting_submits == 0
+    assert engine.wait_idle(10) and engine.inflight_bytes == 0
 
 
 def test_bandwidth_is_a_moving_average():
