@@ -1,4 +1,5 @@
-"""Shared fixtures and factories; the `gpu` marker skips without CUDA.
+"""Shared fixtures and factories; the `gpu` marker skips without CUDA, and fails where CUDA is
+present but CuPy is not.
 
 KVTIERD_REQUIRE_GPU=1 (scripts/gpu-acceptance sets it on the GPU machine) turns every skip of a
 `gpu` test into a failure: CUDA or CuPy missing there is a failed run, never a quiet pass.
@@ -48,8 +49,13 @@ def pytest_collection_modifyitems(config, items):
 
 
 def pytest_runtest_setup(item):
-    if gpu_required() and "gpu" in item.keywords and (reason := missing_gpu_reason()):
-        pytest.fail(f"KVTIERD_REQUIRE_GPU=1 and {reason}", pytrace=False)
+    """A `gpu` test fails (never skips) where CUDA is present but CuPy is missing or broken (the
+    cuda extra was not installed), and anywhere under KVTIERD_REQUIRE_GPU=1."""
+    if "gpu" not in item.keywords or not (gpu_required() or torch.cuda.is_available()):
+        return
+    if reason := missing_gpu_reason():
+        why = "KVTIERD_REQUIRE_GPU=1" if gpu_required() else "CUDA is present"
+        pytest.fail(f"{why} and {reason}", pytrace=False)
 
 
 @pytest.hookimpl(hookwrapper=True)
