@@ -11,15 +11,13 @@ Warnings (seed 003, "long contexts get a pool of their own"): a request longer t
 cannot run; one whose KV exceeds the host tier (T1) would thrash when offloaded; long requests
 that each take a large share of T0 crowd short ones out: give long contexts a separate pool.
 
-Budgets here are what an operator quotes: "GB" and "MB" are decimal (80 GB = 80e9 bytes, as GPU
+Budgets are parsed by `units.parse_bytes`, as everywhere: "GB" and "MB" are decimal (80 GB = 80e9 bytes, as GPU
 and DIMM sizes are sold), "GiB" and "MiB" binary.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import math
-import re
 from collections.abc import Mapping, Sequence
 
 from kvtierd.errors import InvalidArgument
@@ -27,26 +25,6 @@ from kvtierd.fragmentation import Fragmentation, fragmentation
 
 DEFAULT_BLOCK_SIZES = (8, 16, 32)
 LONG_REQUEST_SHARE_OF_T0 = 0.25  # a request taking more of T0 than this crowds short ones out
-_SIZE = re.compile(r"\s*(\d+(?:\.\d+)?)\s*([kmgt]i?b?|b)?\s*", re.IGNORECASE)
-
-
-def parse_budget(text: str) -> int:
-    """Bytes from "40GB" (decimal), "40GiB" (binary), "4e10" or "1048576"."""
-    match = _SIZE.fullmatch(text)
-    if match is None:
-        try:
-            value = float(text)
-        except ValueError:
-            raise InvalidArgument(f"not a size: {text!r} (examples: 40GB, 1.5TiB, 4e10)") from None
-        if value < 0 or not math.isfinite(value):
-            raise InvalidArgument(f"a size must be a finite number >= 0, got {text!r}")
-        return int(value)
-    number, unit = match.groups()
-    if not unit or unit.lower() == "b":
-        return int(float(number))
-    power = "kmgt".index(unit[0].lower()) + 1
-    base = 1024 if "i" in unit.lower() else 1000
-    return int(float(number) * base ** power)
 
 
 def parse_histogram(text: str) -> dict[int, int]:

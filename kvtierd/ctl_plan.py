@@ -9,9 +9,10 @@ import re
 from pathlib import Path
 
 from kvtierd.capacity_plan import (
-    DEFAULT_BLOCK_SIZES, histogram_from_percentiles, parse_budget, parse_histogram, plan, plan_lines)
+    DEFAULT_BLOCK_SIZES, histogram_from_percentiles, parse_histogram, plan, plan_lines)
 from kvtierd.errors import InvalidArgument
 from kvtierd.layout import DTYPES, Layout
+from kvtierd.units import parse_bytes
 
 # ----------------------------------------------------------------------------- plan
 
@@ -91,7 +92,7 @@ def request_lengths(args: argparse.Namespace) -> dict[int, int]:
 
 
 def run_plan(args: argparse.Namespace) -> int:
-    budgets = {tier: parse_budget(value) for tier, value in (("t0", args.t0), ("t1", args.t1), ("t2", args.t2))
+    budgets = {tier: parse_bytes(value) for tier, value in (("t0", args.t0), ("t1", args.t1), ("t2", args.t2))
                if value}
     try:
         block_sizes = [int(b) for b in args.block_sizes.split(",")]

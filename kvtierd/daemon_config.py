@@ -8,7 +8,8 @@ One key, three spellings: `[ssd] capacity_bytes = "8GiB"` in the file, KVTIERD_S
 in the environment, `--set ssd.capacity_bytes=8GiB` on the command line (the top-level `log_level`
 is KVTIERD_LOG_LEVEL). Per-tenant quotas are file tables `[quotas."tenant-a"]`, or
 `--set quotas.tenant-a.t0_bytes=1GiB`. Unknown sections, keys and KVTIERD_ variables are errors:
-a typo must not pass silently. A key ending in `_bytes` is a size (see `parse_bytes`).
+a typo must not pass silently. A key ending in `_bytes` is a size (`units.parse_bytes`: "40GB" is
+40·10⁹ bytes, "40GiB" 40·2³⁰).
 
 No torch here: the client imports `default_socket_path` from this module.
 """
@@ -23,11 +24,10 @@ import re
 import tomllib
 import functools
 from collections.abc import Iterable, Iterator, Mapping
-from fractions import Fraction
 
 from kvtierd.errors import InvalidArgument
+from kvtierd.units import GiB, MiB, parse_bytes
 
-MiB, GiB = 1 << 20, 1 << 30
 CODECS = ("raw", "fp8")
 EDGE_POLICIES = ("write_through", "on_evict", "off")
 HASH_ALGOS = ("sha256", "xxh3_128")
@@ -128,29 +128,7 @@ KEY_TYPES = {f"{section}.{field.name}": type(getattr(cls(), field.name))
              for section, cls in SECTIONS.items() for field in dataclasses.fields(cls)} | {"log_level": str}
 QUOTA_KEYS = tuple(field.name for field in dataclasses.fields(Quota))
 ENV_KEYS = {"KVTIERD_" + key.replace(".", "_").upper(): key for key in KEY_TYPES}
-_SIZE = re.compile(r"\s*(\d+(?:\.\d+)?)\s*(?:([kmgt])(?:i?b)?|b)?\s*", re.IGNORECASE)
 _BOOLS = {"1": True, "true": True, "yes": True, "0": False, "false": False, "no": False}
-
-
-def parse_bytes(text: str | int) -> int:
-    """A byte count from an int or a string: "1048576", "512k", "4G", "256MiB", "1 GiB", "1.5GiB".
-
-    Units are binary whatever their spelling: K, KB and KiB all mean 1024 (M, G, T likewise);
-    case does not matter; a bare "B" means bytes. Negative or fractional byte counts are errors."""
-    if isinstance(text, bool) or not isinstance(text, (int, str)):
-        raise InvalidArgument(f"expected a byte size, got {text!r}")
-    if isinstance(text, str):
-        match = _SIZE.fullmatch(text)
-        if match is None:
-            raise InvalidArgument(f"not a byte size: {text!r} (examples: 1048576, 512k, 4G, 256MiB)")
-        number, unit = match.groups()
-        exact = Fraction(number) * (1 << (10 * ("kmgt".index(unit.lower()) + 1)) if unit else 1)
-        if exact.denominator != 1:
-            raise InvalidArgument(f"{text!r} is not a whole number of bytes")
-        return int(exact)
-    if text < 0:
-        raise InvalidArgument(f"a byte size must be >= 0, got {text}")
-    return text
 
 
 def load_config(path: str | None = None, environ: Mapping[str, str] = os.environ,

@@ -16,14 +16,14 @@ import torch
 
 from kvtierd.errors import InvalidArgument
 from kvtierd.shm_segment import ShmSegment, default_segment_name
+from kvtierd.units import ALIGNMENT_BYTES, round_up
 
-PAGE_BYTES = 4096
 FIRST_TOUCH_CHUNK_BYTES = 64 << 20
 
 
 def slot_stride(slot_nbytes: int) -> int:
-    """Bytes between slot starts: `slot_nbytes` rounded up to a whole 4 KiB page."""
-    return -(-slot_nbytes // PAGE_BYTES) * PAGE_BYTES
+    """Bytes between slot starts: `slot_nbytes` rounded up to ALIGNMENT_BYTES (4 KiB), as T2's slots are."""
+    return round_up(slot_nbytes, ALIGNMENT_BYTES)
 
 
 class HostSlab:
@@ -41,7 +41,7 @@ class HostSlab:
         self.num_slots = num_slots
         self.slot_nbytes = slot_nbytes
         self.stride = slot_stride(slot_nbytes)
-        nbytes = max(num_slots * self.stride, PAGE_BYTES)  # an empty tier still maps one page
+        nbytes = max(num_slots * self.stride, ALIGNMENT_BYTES)  # an empty tier still maps one page
         self.segment = ShmSegment.create(nbytes, name or default_segment_name("host"), what="host tier")
         flat = self.segment.flat
         self.pinned = torch.cuda.is_available() if pin is None else pin

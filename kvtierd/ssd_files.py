@@ -30,17 +30,15 @@ from collections.abc import Sequence
 
 import numpy as np
 
+from kvtierd.units import ALIGNMENT_BYTES, round_up
+
 log = logging.getLogger(__name__)
 
-ALIGNMENT = 4096
+ALIGNMENT = ALIGNMENT_BYTES  # O_DIRECT's; T1's slot stride too, so a read lands in a host slot as is
 SLOT_FILE_NAME = "kvtierd-slots.bin"
 DISK_FULL_ERRNOS = frozenset({errno.ENOSPC, errno.EDQUOT, errno.EFBIG})
 MAX_CHUNK_BYTES = 8 << 20  # one syscall moves at most this much (or one block, if larger)
 PREALLOCATE_CHUNK_BYTES = 256 << 20
-
-
-def round_up(nbytes: int, alignment: int = ALIGNMENT) -> int:
-    return -(-nbytes // alignment) * alignment
 
 
 def buffer_address(view: memoryview) -> int:

@@ -26,7 +26,8 @@ from pathlib import Path
 import pytest
 import yaml
 
-from kvtierd.daemon_config import DaemonConfig, load_config, parse_bytes
+from kvtierd.daemon_config import DaemonConfig, load_config
+from kvtierd.units import parse_bytes
 from kvtierd.errors import InvalidArgument
 
 ROOT = Path(__file__).resolve().parent.parent

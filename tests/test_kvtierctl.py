@@ -184,7 +184,7 @@ def test_plan_from_a_config_json_and_a_histogram_warns_about_long_contexts(tmp_p
 
 def test_plan_refuses_bad_input_with_exit_2():
     done = kvtierctl("plan", "--bytes-per-token", "819200", "--t0", "forty", "--length", "34")
-    assert done.returncode == 2 and "not a size" in done.stderr
+    assert done.returncode == 2 and "not a byte size" in done.stderr
     done = kvtierctl("plan", "--bytes-per-token", "819200", "--t0", "40GB")
     assert done.returncode == 2 and "request lengths" in done.stderr
 
