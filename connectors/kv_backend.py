@@ -17,6 +17,7 @@ import torch
 
 from kvtierd.block_hash import PromptExtras
 from kvtierd.errors import InvalidArgument, ResourceExhausted
+from kvtierd.units import ceil_div
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -31,7 +32,7 @@ class StartedSequence:
 
 
 def num_blocks_for(num_tokens: int, block_size: int) -> int:
-    return -(-num_tokens // block_size)
+    return ceil_div(num_tokens, block_size)
 
 
 class KvBackend(Protocol):

@@ -25,6 +25,7 @@ import torch
 import torch.nn.functional as F
 
 from kvtierd.errors import InvalidArgument
+from kvtierd.units import ceil_div
 
 
 def check_cache_pair(key_cache: torch.Tensor, value_cache: torch.Tensor) -> None:
@@ -76,7 +77,7 @@ def paged_attention(query: torch.Tensor, key_cache: torch.Tensor, value_cache: t
 def gather_context(cache: torch.Tensor, block_table: torch.Tensor, context_len: int) -> torch.Tensor:
     """The first `context_len` tokens of one sequence, contiguous: `[context_len, kv_heads, head_dim]`."""
     block_size = cache.shape[1]
-    num_blocks = -(-context_len // block_size)
+    num_blocks = ceil_div(context_len, block_size)
     blocks = cache.index_select(0, block_table[:num_blocks])
     return blocks.reshape(num_blocks * block_size, *cache.shape[2:])[:context_len]
 

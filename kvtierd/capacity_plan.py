@@ -22,6 +22,7 @@ from collections.abc import Mapping, Sequence
 
 from kvtierd.errors import InvalidArgument
 from kvtierd.fragmentation import Fragmentation, fragmentation
+from kvtierd.units import round_up
 
 DEFAULT_BLOCK_SIZES = (8, 16, 32)
 LONG_REQUEST_SHARE_OF_T0 = 0.25  # a request taking more of T0 than this crowds short ones out
@@ -109,7 +110,7 @@ def plan(bytes_per_token: int, budgets: Mapping[str, int], lengths: Mapping[int,
     for block_size in block_sizes:
         frag = fragmentation(lengths, block_size)
         slots = frag.num_allocated_slots / frag.num_requests
-        longest_slots = -(-longest // block_size) * block_size
+        longest_slots = round_up(longest, block_size)
         rows.append(BlockSizePlan(block_size, frag, slots, usable["t0"] / (slots * bytes_per_token),
                                   usable["t0"] / (longest_slots * bytes_per_token)))
     total = fragmentation(lengths, 1)

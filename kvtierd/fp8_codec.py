@@ -29,6 +29,7 @@ import torch
 from kvtierd.errors import InvalidArgument
 from kvtierd.layout import Layout
 from kvtierd.cuda_kernels import launch_kernel, load_kernel, uses_cuda_kernel
+from kvtierd.units import round_up
 
 FP8_E4M3_MAX = 448.0
 KERNEL_SOURCE = "fp8_codec.cu"
@@ -141,7 +142,7 @@ def dequantize_fp8_reference(payload: torch.Tensor, scales: torch.Tensor,
 def _slot_geometry(block_shape: tuple[int, ...]) -> tuple[int, int, int]:
     """(payload bytes, scales offset, slot bytes) of one block of `block_shape` [L, 2, B, H, D]."""
     payload_nbytes = math.prod(block_shape)
-    scales_offset = -(-payload_nbytes // _SCALE_BYTES) * _SCALE_BYTES
+    scales_offset = round_up(payload_nbytes, _SCALE_BYTES)
     return payload_nbytes, scales_offset, scales_offset + _SCALE_BYTES * 2 * block_shape[0]
 
 

@@ -13,11 +13,12 @@ import dataclasses
 from collections.abc import Iterable, Mapping
 
 from kvtierd.errors import InvalidArgument
+from kvtierd.units import round_up
 
 
 def num_slots(num_tokens: int, block_size: int) -> int:
     """Token slots a request of `num_tokens` occupies: whole blocks."""
-    return -(-num_tokens // block_size) * block_size
+    return round_up(num_tokens, block_size)
 
 
 @dataclasses.dataclass(frozen=True, slots=True)

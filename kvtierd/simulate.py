@@ -26,6 +26,7 @@ from kvtierd.errors import InvalidArgument, ResourceExhausted
 from kvtierd.fragmentation import Fragmentation, fragmentation
 from kvtierd.index_metrics import IndexStats
 from kvtierd.layout import Layout
+from kvtierd.units import ceil_div
 
 # A small Llama-shaped model, so the default pool fits a container's 64 MiB /dev/shm.
 SIM_LAYOUT = Layout("kvtierd-sim-8l", num_layers=8, num_kv_heads=2, head_dim=64, block_size=16)
@@ -147,7 +148,7 @@ class ChatSimulator:
         block_size = self.layout.block_size
         chain = self.namespace.hash_blocks(turn.prompt)
         total_tokens = len(turn.prompt) + len(turn.replies[0])
-        num_blocks = -(-total_tokens // block_size)
+        num_blocks = ceil_div(total_tokens, block_size)
         request_id = next(self._request_ids)
         allocation = self.index.allocate(request_id, chain, num_blocks - len(chain), turn.prompt)
         for position in range(allocation.num_hit_blocks):
