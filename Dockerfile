@@ -1,5 +1,5 @@
 # kvtierd daemon image: `kvtierd serve --config /etc/kvtierd/kvtierd.toml` as a non-root user.
-# Linted by hadolint (scripts/install-hadolint, tests/test_helm_chart.py); packaged by helm/kvtierd.
+# Linted by hadolint (scripts/install-hadolint, tests/deploy/test_helm_chart.py); packaged by helm/kvtierd.
 #
 #   docker build -t kvtierd:0.1.0 .
 #   docker build -t kvtierd:0.1.0-cuda --build-arg TORCH_INDEX_URL=https://download.pytorch.org/whl/cu128 \

@@ -2,7 +2,7 @@
 
     python benchmarks/_grpc_floor.py SOCKET [--max-message-bytes N]
 
-Like `kvtierd serve` (kvtierd/server.py): one uvloop event loop (plain asyncio where uvloop is
+Like `kvtierd serve` (kvtierd/server/serve.py): one uvloop event loop (plain asyncio where uvloop is
 missing), `grpc.aio.server` with the same options (max message length both ways, no
 SO_REUSEPORT), an insecure port on a unix socket. No interceptor, no servicer, no protobuf: one
 generic method, `/floor.Floor/Empty`, takes any bytes and answers empty bytes. What the daemon

@@ -27,7 +27,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks import _report  # noqa: E402
 from kvtierd.block_hash import BlockHash, Namespace  # noqa: E402
-from kvtierd.block_index import Allocation, BlockIndex  # noqa: E402
+from kvtierd.index.block_index import Allocation, BlockIndex  # noqa: E402
 from kvtierd.layout import llama3_8b  # noqa: E402
 
 NUM_PROMPT_TOKENS = 4096

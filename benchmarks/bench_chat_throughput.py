@@ -1,7 +1,7 @@
 """Throughput of N conversations x M turns, with kvtierd and without.
 
 The reference runner (the demo's 4-layer, hidden-512 Llama, fp32 on CPU) serves the demo's chat
-traffic (connectors/demo_workload.py): each prompt the whole history plus a new message, each
+traffic (connectors/demo/demo_workload.py): each prompt the whole history plus a new message, each
 reply generated; turn t of half the conversations is one batch, prefilled and decoded
 together, then turn t of the other half. Ours: through a real `kvtierd serve` whose T0 holds
 one batch, so each half's history comes back from T1 on its next turn. Baseline, same machine, same
@@ -22,14 +22,14 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks import _report  # noqa: E402
 from kvtierd.client import KvtierClient  # noqa: E402
-from kvtierd.connectors.demo import RANDOM_MODEL, DemoOptions, daemon_args  # noqa: E402
-from kvtierd.connectors.demo_workload import DemoTraffic, DemoWorkload, RandomTokenChat  # noqa: E402
-from kvtierd.connectors.kv_backend import PrivateKv, num_blocks_for  # noqa: E402
-from kvtierd.connectors.llama_model import LlamaModel  # noqa: E402
-from kvtierd.connectors.llama_weights import random_weights  # noqa: E402
-from kvtierd.connectors.runner import GenerationRequest, ReferenceRunner  # noqa: E402
-from kvtierd.connectors.runner_connector import KvtierdConnector  # noqa: E402
-from kvtierd.daemon_process import DaemonProcess  # noqa: E402
+from kvtierd.connectors.demo.demo import RANDOM_MODEL, DemoOptions, daemon_args  # noqa: E402
+from kvtierd.connectors.demo.demo_workload import DemoTraffic, DemoWorkload, RandomTokenChat  # noqa: E402
+from kvtierd.connectors.reference.kv_backend import PrivateKv, num_blocks_for  # noqa: E402
+from kvtierd.connectors.reference.llama_model import LlamaModel  # noqa: E402
+from kvtierd.connectors.reference.llama_weights import random_weights  # noqa: E402
+from kvtierd.connectors.reference.runner import GenerationRequest, ReferenceRunner  # noqa: E402
+from kvtierd.connectors.reference.runner_connector import KvtierdConnector  # noqa: E402
+from kvtierd.server.daemon_process import DaemonProcess  # noqa: E402
 
 TIMING = ("timing: wall time of all turns, one pass each (the conversations depend on their own replies); "
           "ours and the baseline run back to back on the same model")

@@ -30,7 +30,7 @@ from benchmarks import _report  # noqa: E402
 
 NUM_HEADS, NUM_KV_HEADS, HEAD_DIM, BLOCK_SIZE = 32, 8, 128, 16
 DTYPE = torch.bfloat16
-ATOL, RTOL = 8e-3, 1.6e-2  # bf16, as tests/test_paged_attention_cuda.py
+ATOL, RTOL = 8e-3, 1.6e-2  # bf16, as tests/connectors/reference/test_paged_attention_cuda.py
 GOAL_DECODE_RATIO = 0.25
 
 
@@ -46,7 +46,7 @@ class Case:
     causal: bool
 
     def ours(self) -> torch.Tensor:
-        from kvtierd.connectors.paged_attention_cuda import paged_attention_cuda
+        from kvtierd.connectors.reference.paged_attention_cuda import paged_attention_cuda
 
         return paged_attention_cuda(*self.paged_args)
 

@@ -25,9 +25,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from benchmarks import _report  # noqa: E402
 from kvtierd.block_hash import Namespace  # noqa: E402
 from kvtierd.layout import llama3_8b  # noqa: E402
-from kvtierd.ssd_tier import SsdTierConfig  # noqa: E402
-from kvtierd.tier_config import EdgePolicy, TierConfig  # noqa: E402
-from kvtierd.tier_manager import TierManager  # noqa: E402
+from kvtierd.t2.ssd_tier import SsdTierConfig  # noqa: E402
+from kvtierd.tiering.tier_config import EdgePolicy, TierConfig  # noqa: E402
+from kvtierd.tiering.tier_manager import TierManager  # noqa: E402
 
 
 def raw_read(path: str, buffer: mmap.mmap) -> None:

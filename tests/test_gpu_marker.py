@@ -11,7 +11,7 @@ from tests.conftest import REPO
 # pytest in a child whose torch reports CUDA and whose CuPy cannot be imported.
 CUDA_WITHOUT_CUPY = ("import sys, torch; torch.cuda.is_available = lambda: True; sys.modules['cupy'] = None; "
                      "import pytest; sys.exit(pytest.main(sys.argv[1:]))")
-NODE = "tests/test_fp8_codec.py::test_cuda_dequantize_from_unpacked_slot_views"
+NODE = "tests/movers/test_fp8_codec.py::test_cuda_dequantize_from_unpacked_slot_views"
 
 
 def test_a_gpu_test_fails_where_cuda_is_present_but_cupy_is_not():

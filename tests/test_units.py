@@ -32,8 +32,8 @@ def test_round_up_reaches_the_next_multiple_of_the_alignment():
 
 def test_t1_slots_and_t2_slots_share_one_alignment():
     """A slot read with O_DIRECT from T2 lands in a T1 slot without staging: the strides agree."""
-    from kvtierd.host_slab import slot_stride
-    from kvtierd.ssd_files import ALIGNMENT
+    from kvtierd.t1.host_slab import slot_stride
+    from kvtierd.t2.ssd_files import ALIGNMENT
 
     assert ALIGNMENT == ALIGNMENT_BYTES == 4096
     for slot_nbytes in (1, 4096, 128 << 10, (128 << 10) + 1, 819_200):

@@ -20,7 +20,7 @@ from . import travel
 from .parts import PARTS
 
 AS_GPU_MACHINE = str(Path(__file__).with_name("as_gpu_machine.py"))
-DAEMON_MODULES = "import kvtierd.cli, kvtierd.server, kvtierd.client, kvtierd.tier_manager, kvtierd.v1.kvtier_pb2_grpc"
+DAEMON_MODULES = "import kvtierd.cli.kvtierd_main, kvtierd.server.serve, kvtierd.client, kvtierd.tiering.tier_manager, kvtierd.v1.kvtier_pb2_grpc"
 TIMEOUT_S = 300
 
 

@@ -12,7 +12,7 @@ import json
 import platform
 
 NEEDED_IMPORTS = ("kvtierd.v1.kvtier_pb2", "kvtierd.v1.kvtier_pb2_grpc", "grpc_health.v1.health",
-                  "grpc_reflection.v1alpha.reflection", "lmdb", "pytest_timeout", "kvtierd.server", "cupy")
+                  "grpc_reflection.v1alpha.reflection", "lmdb", "pytest_timeout", "kvtierd.server.serve", "cupy")
 
 
 def version(dist: str) -> str:

@@ -1,0 +1,98 @@
+"""The reference Llama decoder: RMSNorm, RoPE, grouped-query attention, SwiGLU, with paged KV.
+
+Its attention keeps no KV of its own: each layer writes the new tokens' K and V into the block
+pool (`pool[:, layer, 0]` and `pool[:, layer, 1]`, ARCHITECTURE §3) through the batch's block
+tables and reads every sequence's context back from there (paged_attention.py). Whatever is in
+the pool — computed in this pass, earlier, by another process, or restored from T1/T2 — is
+what the model attends to. The math follows transformers' LlamaForCausalLM (the oracle in
+tests/connectors/reference/test_llama_oracle.py): RMSNorm in fp32, rotate-half RoPE, SiLU-gated MLP.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from kvtierd.connectors.reference.forward_batch import ForwardBatch
+from kvtierd.connectors.reference.llama_config import LlamaConfig
+from kvtierd.connectors.reference.llama_weights import check_weights
+from kvtierd.connectors.reference.paged_attention import paged_attention, write_kv
+from kvtierd.errors import InvalidArgument
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    hidden = x.float()
+    hidden = hidden * torch.rsqrt(hidden.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * hidden.to(x.dtype)
+
+
+def rotate_half(x: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+
+
+class LlamaModel:
+    """A Llama decoder over a paged KV pool. Stateless between calls: the pool is the state.
+
+    `pool` is block-major `[num_blocks, num_layers, 2, block_size, kv_heads, head_dim]`, of this
+    model's dtype and device; `forward` writes only the slots its batch names.
+    """
+
+    def __init__(self, config: LlamaConfig, weights: dict[str, torch.Tensor], device: str | torch.device = "cpu",
+                 dtype: torch.dtype = torch.float32) -> None:
+        check_weights(config, weights)
+        self.config = config
+        self.device = torch.device(device)
+        if self.device.type == "cuda" and self.device.index is None:  # compare equal to the pool's cuda:N
+            self.device = torch.device("cuda", torch.cuda.current_device())
+        self.dtype = dtype
+        self.w = {name: tensor.to(self.device, dtype) for name, tensor in weights.items()}
+        if config.tie_word_embeddings:
+            self.w["lm_head.weight"] = self.w["model.embed_tokens.weight"]
+        exponents = torch.arange(0, config.head_dim, 2, dtype=torch.int64).float() / config.head_dim
+        self.inv_freq = (1.0 / (config.rope_theta ** exponents)).to(self.device)
+
+    def check_pool(self, pool: torch.Tensor) -> None:
+        c = self.config
+        if pool.dim() != 6 or pool.shape[1:3] != (c.num_hidden_layers, 2) \
+                or pool.shape[4:] != (c.num_key_value_heads, c.head_dim):
+            raise InvalidArgument(f"a pool of shape {tuple(pool.shape)} does not hold this model's KV "
+                                  f"({c.num_hidden_layers} layers, {c.num_key_value_heads} KV heads of {c.head_dim})")
+        if pool.dtype != self.dtype or pool.device != self.device:
+            raise InvalidArgument(f"the pool is {pool.dtype} on {pool.device}, the model {self.dtype} on {self.device}")
+
+    def rope(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos and sin `[num_tokens, 1, head_dim]` (broadcast over heads)."""
+        freqs = positions.to(self.device).float().unsqueeze(1) * self.inv_freq.unsqueeze(0)
+        angles = torch.cat((freqs, freqs), dim=-1)
+        return angles.cos().to(self.dtype).unsqueeze(1), angles.sin().to(self.dtype).unsqueeze(1)
+
+    @torch.inference_mode()
+    def forward(self, batch: ForwardBatch, pool: torch.Tensor, *, all_logits: bool = False) -> torch.Tensor:
+        """Logits `[num_seqs, vocab]` of each sequence's last token (`all_logits`: of every token)."""
+        self.check_pool(pool)
+        c, w = self.config, self.w
+        num_tokens = batch.input_ids.shape[0]
+        cos, sin = self.rope(batch.positions)
+        x = F.embedding(batch.input_ids, w["model.embed_tokens.weight"])
+        for layer in range(c.num_hidden_layers):
+            p = f"model.layers.{layer}."
+            h = rms_norm(x, w[p + "input_layernorm.weight"], c.rms_norm_eps)
+            q = (h @ w[p + "self_attn.q_proj.weight"].T).view(num_tokens, c.num_attention_heads, c.head_dim)
+            k = (h @ w[p + "self_attn.k_proj.weight"].T).view(num_tokens, c.num_key_value_heads, c.head_dim)
+            v = (h @ w[p + "self_attn.v_proj.weight"].T).view(num_tokens, c.num_key_value_heads, c.head_dim)
+            q = q * cos + rotate_half(q) * sin
+            k = k * cos + rotate_half(k) * sin
+            key_cache, value_cache = pool[:, layer, 0], pool[:, layer, 1]
+            write = batch.write_token_index
+            write_kv(key_cache, value_cache, k[write], v[write], batch.slot_block_ids, batch.slot_offsets)
+            attended = paged_attention(q, key_cache, value_cache, batch.block_tables, batch.context_lens,
+                                       batch.query_start_loc)
+            x = x + attended.reshape(num_tokens, -1) @ w[p + "self_attn.o_proj.weight"].T
+            h = rms_norm(x, w[p + "post_attention_layernorm.weight"], c.rms_norm_eps)
+            gated = F.silu(h @ w[p + "mlp.gate_proj.weight"].T) * (h @ w[p + "mlp.up_proj.weight"].T)
+            x = x + gated @ w[p + "mlp.down_proj.weight"].T
+        if not all_logits:
+            x = x[batch.last_token_index]
+        x = rms_norm(x, w["model.norm.weight"], c.rms_norm_eps)
+        return (x @ w["lm_head.weight"].T).float()

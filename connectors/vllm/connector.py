@@ -1,0 +1,252 @@
+"""`KvtierdConnector`: kvtierd as a vLLM KV connector (KVConnectorBase_V1, vLLM 0.32), loaded out of tree.
+
+    vllm serve MODEL --kv-transfer-config '{"kv_connector": "KvtierdConnector",
+        "kv_connector_module_path": "kvtierd.connectors.vllm.connector", "kv_role": "kv_both",
+        "kv_load_failure_policy": "recompute",
+        "kv_connector_extra_config": {"address": "unix:///run/kvtierd/kvtierd.sock"}}'
+
+vLLM's KVConnectorFactory imports `kv_connector_module_path` and takes the attribute named
+`kv_connector` (vllm/distributed/kv_transfer/kv_connector/factory.py, `get_connector_class`),
+then builds it once per role, each in its own process: `cls(vllm_config, role,
+kv_cache_config)` (a class without `kv_cache_config` is refused). This class is a thin
+adapter: the scheduler role delegates to vllm_scheduler.SchedulerSide, the worker role to
+vllm_worker.WorkerSide; method names and signatures are those of vLLM 0.32's
+vllm/distributed/kv_transfer/kv_connector/v1/base.py.
+
+vLLM is imported only here, and only if installed: without it `KVConnectorBase_V1` is `object`
+and the class still imports (the unit tests drive it in vLLM's call order), defining the
+metadata binding that the base class would otherwise provide.
+
+kv_connector_extra_config keys (all optional): `address` (else KVTIERD_ADDRESS, else the
+default socket), `token` (else KVTIERD_TOKEN), `model_id` (the key namespace; default the
+model name vLLM was given), `lookup_wait_s` (0.005), `lookup_ttl_s` (2), `async_loads` (true:
+hits with blocks in T1 or T2 load in the background, vllm_scheduler.py), `wait_timeout_s`
+(30: promotion wait per load), `timeout_s` (5: per RPC), `retry_after_s` (5: between attach
+attempts), `prefetch` (true: a Lookup that finds blocks in T2 starts their promotion to T1, so
+the load that follows waits less; off, a Lookup has no side effect). kv_role: `kv_both` loads and stores, `kv_consumer` only loads, `kv_producer` only
+stores. `kv_load_failure_policy` must be "recompute" for a failed load (a block evicted or
+corrupted after the lookup, the daemon gone) to be recomputed; vLLM's default "fail" fails
+the request instead.
+
+The layout: vLLM picks one `KVCacheLayout` for the engine (`kv_cache_config.kv_cache_layout`,
+e.g. LBHNC on the CPU, LBNHC by default with FlashAttention); a block's bytes are stored in
+that layout's physical page order (vllm_engine_blocks.py), so the layout name joins the model
+id in the key namespace ("MODEL@vllm-LBHNC"): engines share blocks with engines of the same
+model, dtype, geometry and layout, never a misread one.
+
+Keys are vLLM's own `Request.block_hashes`, computed whenever a KV connector is configured,
+even with vLLM's prefix caching off (vllm/v1/engine/core.py). They chain from vLLM's
+NONE_HASH (vllm/v1/core/kv_cache_utils.py, `init_none_hash`): with sha256 (the default
+`--prefix-caching-hash-algo`) it is fixed unless PYTHONHASHSEED is set, so engines that share
+a cache must agree on PYTHONHASHSEED (all unset, or all the same value); the xxhash algorithms
+draw a random seed per process unless PYTHONHASHSEED is set. sha256* gives 32-byte keys
+(daemon hash_algo "sha256"), xxhash* 16-byte ones ("xxh3_128").
+
+This is a best-effort cache: `requires_kv_delivery` is False (a stored block is an offer, not
+a hand-off another engine waits for), and `get_external_cache_hit_sources` names the tier
+that served each hit (T0 device, T1 host, T2 disk).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from typing import Any
+
+import torch
+
+from kvtierd.connectors.vllm.daemon_link import DaemonLink
+from kvtierd.connectors.vllm.engine_blocks import PagedLayers, layers_in_order
+from kvtierd.connectors.vllm.metadata import StepMetadata
+from kvtierd.connectors.vllm.scheduler import SchedulerSide, daemon_lookup
+from kvtierd.connectors.vllm.worker import WorkerSide
+from kvtierd.layout import DTYPES, Layout
+
+try:  # vLLM is optional: see the module docstring
+    from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorBase_V1, KVConnectorMetadata
+    from vllm.v1.metrics.cache_hit_source import CacheHitSource
+    VLLM_AVAILABLE = True
+    KVConnectorMetadata.register(StepMetadata)
+    HIT_SOURCES = (CacheHitSource.DEVICE, CacheHitSource.HOST, CacheHitSource.DISK)  # of T0, T1, T2
+except ImportError:
+    KVConnectorBase_V1 = object  # type: ignore[misc,assignment]
+    VLLM_AVAILABLE = False
+    HIT_SOURCES = ("device", "host", "disk")
+
+log = logging.getLogger(__name__)
+
+LOADING_ROLES = {"kv_both", "kv_consumer"}
+STORING_ROLES = {"kv_both", "kv_producer"}
+_CACHE_DTYPES = {"fp8": "float8_e4m3fn", "fp8_e4m3": "float8_e4m3fn"}
+
+
+def role_name(role: Any) -> str:
+    """"scheduler" or "worker", from vLLM's KVConnectorRole or a string."""
+    name = (getattr(role, "name", None) or str(role)).lower()
+    if name not in ("scheduler", "worker"):
+        raise ValueError(f"unknown connector role {role!r}")
+    return name
+
+
+def hash_algo_for(vllm_hash_algo: str) -> str:
+    """The daemon's hash_algo whose digest size is that of vLLM's prefix_caching_hash_algo."""
+    return "xxh3_128" if vllm_hash_algo.startswith("xxhash") else "sha256"
+
+
+def layout_from_vllm_config(vllm_config: Any, tp_rank: int, model_id: str | None = None,
+                            kv_cache_layout: str | None = None) -> Layout:
+    """The kvtierd Layout of this rank's KV blocks, from vLLM's model, cache and parallel config;
+    the engine's KVCacheLayout name joins the model id (see the module docstring)."""
+    model_config, cache_config = vllm_config.model_config, vllm_config.cache_config
+    parallel_config = vllm_config.parallel_config
+    if getattr(parallel_config, "pipeline_parallel_size", 1) != 1:
+        raise ValueError("the kvtierd connector does not support pipeline parallelism")
+    cache_dtype = getattr(cache_config, "cache_dtype", "auto")
+    if cache_dtype == "auto":
+        dtype_name = next((name for name, (_, dtype) in DTYPES.items() if dtype == model_config.dtype), None)
+    else:
+        dtype_name = _CACHE_DTYPES.get(cache_dtype)
+    if dtype_name is None:
+        raise ValueError(f"the kvtierd connector cannot store a KV cache of dtype {cache_dtype!r} "
+                         f"(model dtype {model_config.dtype})")
+    name = model_id or str(model_config.model)
+    if kv_cache_layout:
+        name = f"{name}@vllm-{kv_cache_layout}"
+    return Layout(name, model_config.get_num_layers(parallel_config),
+                  model_config.get_num_kv_heads(parallel_config), model_config.get_head_size(),
+                  cache_config.block_size, dtype_name, tp_rank, parallel_config.tensor_parallel_size)
+
+
+def _tensor_parallel_rank() -> int:
+    try:
+        from vllm.distributed.parallel_state import get_tensor_model_parallel_rank
+        return get_tensor_model_parallel_rank()
+    except (ImportError, AssertionError, AttributeError):
+        return 0
+
+
+def engine_kv_cache_layout(vllm_config: Any, kv_cache_config: Any) -> str | None:
+    """The KVCacheLayout vLLM resolved for this engine (`KVCacheConfig.kv_cache_layout`, also
+    copied to `cache_config.kv_cache_layout`), e.g. "LBHNC"."""
+    layout = getattr(kv_cache_config, "kv_cache_layout", None) or getattr(vllm_config.cache_config,
+                                                                           "kv_cache_layout", None)
+    return None if layout is None else str(getattr(layout, "name", layout))
+
+
+class KvtierdConnector(KVConnectorBase_V1):
+    """kvtierd behind vLLM's connector API. Exactly one of `scheduler` / `worker` is set, by role."""
+
+    def __init__(self, vllm_config: Any, role: Any, kv_cache_config: Any = None) -> None:
+        if VLLM_AVAILABLE:
+            super().__init__(vllm_config, role, kv_cache_config)
+        self._connector_metadata = None
+        transfer_config = vllm_config.kv_transfer_config
+        extra = dict(getattr(transfer_config, "kv_connector_extra_config", None) or {})
+        kv_role = getattr(transfer_config, "kv_role", None) or "kv_both"
+        self.scheduler: SchedulerSide | None = None
+        self.worker: WorkerSide | None = None
+        self.role_name = role_name(role)
+        is_worker = self.role_name == "worker"
+        layout = layout_from_vllm_config(vllm_config, _tensor_parallel_rank() if is_worker else 0,
+                                         extra.get("model_id"), engine_kv_cache_layout(vllm_config, kv_cache_config))
+        self.layout = layout
+        link = DaemonLink(layout, target=extra.get("address") or os.environ.get("KVTIERD_ADDRESS"),
+                          token=extra.get("token"),
+                          hash_algo=hash_algo_for(getattr(vllm_config.cache_config, "prefix_caching_hash_algo",
+                                                          "sha256")),
+                          map_pool=is_worker, timeout_s=float(extra.get("timeout_s", 5.0)),
+                          retry_after_s=float(extra.get("retry_after_s", 5.0)))
+        if is_worker:
+            self.worker = WorkerSide(link, wait_timeout_s=float(extra.get("wait_timeout_s", 30.0)))
+        else:
+            self.scheduler = SchedulerSide(daemon_lookup(link, prefetch=bool(extra.get("prefetch", True))),
+                                           layout.block_size,
+                                           loads=kv_role in LOADING_ROLES, stores=kv_role in STORING_ROLES,
+                                           lookup_wait_s=float(extra.get("lookup_wait_s", 0.005)),
+                                           lookup_ttl_s=float(extra.get("lookup_ttl_s", 2.0)),
+                                           async_loads=bool(extra.get("async_loads", True)))
+            self._scheduler_link = link
+        log.info("kvtierd connector (%s, %s): layout %s", self.role_name, kv_role, layout)
+
+    @property
+    def requires_kv_delivery(self) -> bool:
+        """False: a best-effort cache; vLLM never waits for a store to be delivered."""
+        return False
+
+    # ------------------------------------------------------------------ metadata binding
+
+    def bind_connector_metadata(self, connector_metadata: StepMetadata) -> None:
+        self._connector_metadata = connector_metadata
+
+    def clear_connector_metadata(self) -> None:
+        self._connector_metadata = None
+
+    def _step(self) -> StepMetadata:
+        assert isinstance(self._connector_metadata, StepMetadata), self._connector_metadata
+        return self._connector_metadata
+
+    # ------------------------------------------------------------------ worker side
+
+    def _worker(self) -> WorkerSide:
+        if self.worker is None:
+            raise RuntimeError("a worker-side method was called on the scheduler-side connector")
+        return self.worker
+
+    def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
+        self._worker().register(PagedLayers(layers_in_order(kv_caches), self.layout))
+
+    def start_load_kv(self, forward_context: Any, **kwargs: Any) -> None:
+        self._worker().start_load(self._step())
+
+    def wait_for_layer_load(self, layer_name: str) -> None:
+        return  # loads complete in start_load_kv (ordered before the forward on the same stream)
+
+    def save_kv_layer(self, layer_name: str, kv_layer: torch.Tensor, attn_metadata: Any, **kwargs: Any) -> None:
+        return  # whole blocks, all layers, are stored from wait_for_save
+
+    def wait_for_save(self) -> None:
+        self._worker().start_stores(self._step())
+
+    def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
+        return self._worker().get_finished(finished_req_ids)
+
+    def get_block_ids_with_load_errors(self) -> set[int]:
+        return self._worker().take_load_error_block_ids()
+
+    def handle_preemptions(self, kv_connector_metadata: StepMetadata) -> None:
+        """Before a preempted request's blocks are reused: its stores must have read them."""
+        self._worker().wait_for_requests(set(kv_connector_metadata.preempted_req_ids))
+
+    def shutdown(self) -> None:
+        if self.worker is not None:
+            self.worker.shutdown()
+        if self.scheduler is not None:
+            self.scheduler.shutdown()
+            self._scheduler_link.close()
+
+    # ------------------------------------------------------------------ scheduler side
+
+    def _scheduler(self) -> SchedulerSide:
+        if self.scheduler is None:
+            raise RuntimeError("a scheduler-side method was called on the worker-side connector")
+        return self.scheduler
+
+    def get_num_new_matched_tokens(self, request: Any, num_computed_tokens: int) -> tuple[int | None, bool]:
+        return self._scheduler().get_num_new_matched_tokens(request, num_computed_tokens)
+
+    def update_state_after_alloc(self, request: Any, blocks: Any, num_external_tokens: int) -> None:
+        self._scheduler().update_state_after_alloc(request, blocks, num_external_tokens)
+
+    def get_external_cache_hit_sources(self, request: Any, num_external_tokens: int) -> dict[Any, int]:
+        """`num_external_tokens` split by the daemon tier that holds them: T0, then T1, then T2."""
+        tokens_per_tier = self._scheduler().hit_tokens_per_tier(request.request_id, num_external_tokens)
+        return {source: n for source, n in zip(HIT_SOURCES, tokens_per_tier) if n}
+
+    def build_connector_meta(self, scheduler_output: Any) -> StepMetadata:
+        return self._scheduler().build_connector_meta(scheduler_output)
+
+    def update_connector_output(self, connector_output: Any) -> None:
+        return  # finished_sending is all the scheduler needs, and vLLM acts on it itself
+
+    def request_finished(self, request: Any, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
+        return self._scheduler().request_finished(request, block_ids)

@@ -1,0 +1,1 @@
+"""The command lines: `kvtierd` (serve, demo, simulate) and `kvtierctl` (the operator's CLI)."""

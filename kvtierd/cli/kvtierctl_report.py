@@ -1,0 +1,117 @@
+"""What `kvtierctl stats` and `kvtierctl health` print, from Stats / TenantStats responses.
+
+`StatsView` turns one Stats response (and, in watch mode, the previous one and the seconds
+between them) into plain rows: per pool the hit rate in tokens, per tier usage, capacity, hits
+and evictions, bytes moved per direction, and the T2 error counters; rates are deltas over the
+refresh interval. Pure functions of the responses: no RPCs here.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+from kvtierd.planning.capacity import format_bytes
+from kvtierd.v1 import kvtier_pb2 as pb
+
+DIRECTIONS = {"d2h": "T0->T1", "h2d": "T1->T0", "h2h": "T2<->T1"}
+
+
+def _pool_key(pool: pb.PoolStats) -> tuple:
+    return (pool.layout.model_id, pool.layout.block_size, pool.layout.dtype, pool.layout.tp_rank)
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class StatsView:
+    stats: pb.StatsResponse
+    previous: pb.StatsResponse | None = None
+    interval_s: float = 0.0
+
+    def _previous_pool(self, pool: pb.PoolStats) -> pb.PoolStats | None:
+        if self.previous is None:
+            return None
+        return next((p for p in self.previous.pools if _pool_key(p) == _pool_key(pool)), None)
+
+    def lines(self, address: str) -> list[str]:
+        s = self.stats
+        lines = [f"kvtierd {s.version} at {address}: {s.num_sessions} sessions, "
+                 f"{s.num_reclaimed_refs:,} block refs reclaimed from dead sessions"]
+        if not s.pools:
+            lines.append("no pools yet: a pool is created when the first client attaches a layout")
+        for pool in s.pools:
+            lines += [""] + self.pool_lines(pool)
+        return lines
+
+    def pool_lines(self, pool: pb.PoolStats) -> list[str]:
+        layout, before = pool.layout, self._previous_pool(pool)
+        hits = {t.tier: t.num_hit_blocks for t in pool.tiers}
+        queries = pool.num_query_blocks
+        rate = (f"hit rate {sum(hits.values()) / queries:.1%} of {queries * layout.block_size:,} query tokens ("
+                + ", ".join(f"{tier.upper()} {n / queries:.1%}" for tier, n in hits.items()) + ")"
+                if queries else "no queries yet")
+        lines = [f"pool {layout.model_id} ({layout.num_layers} layers x {layout.num_kv_heads} KV heads x "
+                 f"{layout.head_dim}, {layout.dtype}, block {layout.block_size}): {rate}",
+                 f"  {'tier':<4} {'capacity':>11} {'used':>11} {'cached blocks':>13} {'hit blocks':>10} "
+                 f"{'evictions':>9}{'  evictions/s' if before else ''}"]
+        before_tiers = {t.tier: t for t in before.tiers} if before else {}
+        for tier in pool.tiers:
+            used = (pool.num_blocks - pool.num_free_blocks) if tier.tier == "t0" else None
+            used_text = f"{used:,} blk" if used is not None else format_bytes(tier.used_bytes)
+            line = (f"  {tier.tier:<4} {format_bytes(tier.capacity_bytes):>11} {used_text:>11} "
+                    f"{tier.num_cached_blocks:>13,} {tier.num_hit_blocks:>10,} {tier.num_evictions:>9,}")
+            if before:
+                previous = before_tiers.get(tier.tier)
+                delta = tier.num_evictions - (previous.num_evictions if previous else 0)
+                line += f"  {delta / self.interval_s:>11,.1f}"
+            lines.append(line)
+        before_moved = {t.direction: t.bytes_moved for t in before.transfers} if before else {}
+        moved = []
+        for transfer in pool.transfers:
+            text = f"{DIRECTIONS.get(transfer.direction, transfer.direction)} {format_bytes(transfer.bytes_moved)}"
+            if before:
+                text += f" ({format_bytes((transfer.bytes_moved - before_moved.get(transfer.direction, 0)) / self.interval_s)}/s)"
+            moved.append(text)
+        lines.append("  moved: " + (", ".join(moved) if moved else "nothing yet"))
+        lines.append(f"  errors: {pool.num_corrupted_blocks:,} corrupted T2 blocks dropped, "
+                     f"{pool.num_t2_io_errors:,} T2 I/O errors, {pool.num_failed_load_blocks:,} failed loads, "
+                     f"{pool.num_failed_offload_blocks:,} failed offloads"
+                     + ("" if pool.t2_admitting or not _has_t2(pool) else f"; T2 NOT admitting: {pool.t2_reason}"))
+        return lines
+
+
+def _has_t2(pool: pb.PoolStats) -> bool:
+    return any(t.tier == "t2" for t in pool.tiers)
+
+
+def tenant_lines(usage: list[pb.TenantUsage]) -> list[str]:
+    if not usage:
+        return ["no blocks or sessions of that tenant"]
+    lines = [f"{'tenant':<24} {'pool':<28} {'sessions':>8} {'T0 held':>9} {'T0 cached':>9} {'T1':>9} {'T2':>9}"]
+    for row in usage:
+        def size(n: int) -> str:
+            return format_bytes(n * row.bytes_per_block)
+        lines.append(f"{row.tenant:<24} {row.model_id:<28} {row.num_sessions:>8} {size(row.num_t0_held_blocks):>9} "
+                     f"{size(row.num_t0_cached_blocks):>9} {size(row.num_t1_blocks):>9} {size(row.num_t2_blocks):>9}")
+    return lines
+
+
+def health_problems(stats: pb.StatsResponse) -> tuple[list[str], list[str]]:
+    """(problems, notes): problems make `kvtierctl health` exit 1."""
+    problems, notes = [], []
+    for pool in stats.pools:
+        name = pool.layout.model_id
+        held = pool.num_blocks - pool.num_free_blocks
+        if held and not stats.num_sessions:
+            problems.append(f"{name}: {held:,} T0 blocks held with no session open (a leak)")
+        if pool.num_corrupted_blocks:
+            problems.append(f"{name}: {pool.num_corrupted_blocks:,} corrupted T2 blocks dropped (disk or file damage)")
+        if pool.num_t2_io_errors:
+            problems.append(f"{name}: {pool.num_t2_io_errors:,} T2 I/O errors")
+        if _has_t2(pool) and not pool.t2_admitting:
+            problems.append(f"{name}: T2 is not admitting blocks: {pool.t2_reason or 'unknown reason'}")
+        if pool.num_failed_load_blocks or pool.num_failed_offload_blocks:
+            notes.append(f"{name}: {pool.num_failed_load_blocks:,} failed loads (recomputed), "
+                         f"{pool.num_failed_offload_blocks:,} failed offloads")
+    if stats.num_reclaimed_refs:
+        notes.append(f"{stats.num_reclaimed_refs:,} block refs were reclaimed from sessions that died or lost "
+                     "their lease (runners that crashed: the daemon returned their blocks)")
+    return problems, notes

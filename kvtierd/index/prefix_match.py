@@ -1,0 +1,62 @@
+"""Prefix matching: the longest verified run of cached blocks at the start of a hash chain.
+
+A hash found in the prefix table is a hit only if the block's stored parent is the chain's
+previous hash (the root for block 0, when the index knows it) and, when the caller sent the
+prompt's tokens, the block's stored tokens equal them: a hash collision is a miss, never
+another request's KV (design §4). The first miss ends the match: a prefix breaks once.
+"""
+
+from __future__ import annotations
+
+import operator
+from collections.abc import Mapping, Sequence
+
+from kvtierd.block_hash import BlockHash, pack_token_ids
+from kvtierd.errors import InvalidArgument
+from kvtierd.index.kv_block import KVBlock
+
+
+def check_hashes(block_hashes: Sequence[bytes], hash_size: int) -> None:
+    """InvalidArgument unless every hash is bytes of `hash_size` (checked at C speed)."""
+    if set(map(type, block_hashes)) - {bytes} or set(map(len, block_hashes)) - {hash_size}:
+        raise InvalidArgument(f"a block hash is {hash_size} bytes")
+
+
+def pack_prompt_tokens(token_ids: Sequence[int] | bytes | None, num_blocks: int, block_size: int) -> bytes | None:
+    """The prompt's tokens, packed, when given; InvalidArgument if they do not cover the blocks."""
+    if token_ids is None:
+        return None
+    token_bytes = pack_token_ids(token_ids)
+    if len(token_bytes) < 4 * block_size * num_blocks:
+        raise InvalidArgument(f"{num_blocks} hashes need {block_size * num_blocks} tokens, got {len(token_bytes) // 4}")
+    return token_bytes
+
+
+def match_prefix(hash_to_block: Mapping[BlockHash, KVBlock], block_hashes: Sequence[bytes],
+                 token_bytes: bytes | None, root: bytes | None, block_size: int) -> list[KVBlock]:
+    """The cached blocks of the chain's longest verified prefix. Changes nothing.
+
+    Found blocks are verified in bulk (list and bytes comparisons run at C speed); only when a
+    comparison fails is the first failing block looked for, one by one.
+    """
+    found = list(map(hash_to_block.get, block_hashes))
+    num_hits = found.index(None) if None in found else len(found)
+    if num_hits == 0:
+        return []
+    hits = found[:num_hits]
+    parents = list(map(_PARENT, hits))
+    expected = [root, *block_hashes[:num_hits - 1]]
+    if root is None:  # no fixed root: block 0's parent is not checked
+        parents[0] = None
+    if parents != expected:
+        num_hits = next(i for i, (got, want) in enumerate(zip(parents, expected)) if got != want)
+        hits = hits[:num_hits]
+    stride = 4 * block_size
+    if token_bytes is not None and hits and b"".join(map(_TOKENS, hits)) != token_bytes[:len(hits) * stride]:
+        num_hits = next(i for i, block in enumerate(hits) if block.token_ids != token_bytes[i * stride:(i + 1) * stride])
+        hits = hits[:num_hits]
+    return hits
+
+
+_PARENT = operator.attrgetter("parent_hash")
+_TOKENS = operator.attrgetter("token_ids")

@@ -1,0 +1,184 @@
+"""The scrape-time half of the daemon's metrics: tier state read from each pool when scraped.
+
+Each registered pool is a `PoolSource` whose `stats()` returns `TierManager.stats()`; index
+observers hold plain counters (prefix query and hit tokens, T0 evictions) that the index bumps
+under its own lock. At scrape time `TierCollector` reads both and builds fresh metric families,
+so nothing is copied on the hot path and a removed pool simply stops being reported. Families
+that mix the two sources (hit tokens and evictions per tier) live here only: one name, one
+collector.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import threading
+from collections.abc import Callable, Iterator
+from typing import Protocol
+
+from prometheus_client.metrics_core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily, Metric
+
+from kvtierd.metrics.bucket_histogram import BucketHistogram
+
+log = logging.getLogger(__name__)
+
+
+class IndexCounts(Protocol):
+    """What an index observer has counted so far (monotonic)."""
+
+    num_query_tokens: int
+    num_hit_tokens: int
+    num_evictions: int
+    lifetime_s: BucketHistogram
+    idle_s: BucketHistogram
+    reuse_gap_s: BucketHistogram
+
+
+# observer attribute → (name, help) of the per-model block-age histograms
+_AGE_HISTOGRAMS = {
+    "lifetime_s": ("kvtierd_block_lifetime_seconds", "Time from a T0 block's commit to its eviction."),
+    "idle_s": ("kvtierd_block_idle_before_evict_seconds", "Time from a T0 block's last release to its eviction."),
+    "reuse_gap_s": ("kvtierd_block_reuse_gap_seconds",
+                    "Time from a T0 block's last release to its reuse by a prefix hit (hits on blocks in use "
+                    "not counted)."),
+}
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class PoolSource:
+    block_size_tokens: int
+    bytes_per_block: int
+    stats: Callable[[], dict]  # TierManager.stats(); called on the scrape thread
+
+
+# attribute → (family kind, name without _total, help, labels after "model")
+_FAMILIES: dict[str, tuple[type, str, str, tuple[str, ...]]] = {
+    "query_tokens": (CounterMetricFamily, "kvtierd_prefix_query_tokens",
+                     "Prompt tokens looked up in the block index (full blocks only).", ()),
+    "hit_tokens": (CounterMetricFamily, "kvtierd_prefix_hit_tokens",
+                   "Prompt tokens served from a tier instead of recomputed (t0: found in the device pool; "
+                   "t1, t2: promoted from host or SSD).", ("tier",)),
+    "hit_blocks": (CounterMetricFamily, "kvtierd_prefix_hit_blocks", "Prefix blocks served from each tier.",
+                   ("tier",)),
+    "evictions": (CounterMetricFamily, "kvtierd_evictions", "Cached blocks evicted from each tier.", ("tier",)),
+    "capacity": (GaugeMetricFamily, "kvtierd_tier_capacity_bytes", "Bytes each tier can hold.", ("tier",)),
+    "used": (GaugeMetricFamily, "kvtierd_tier_used_bytes",
+             "Bytes in use per tier (t0: blocks held by requests; t1, t2: stored blocks).", ("tier",)),
+    "t0_free_blocks": (GaugeMetricFamily, "kvtierd_t0_free_blocks",
+                       "Device pool blocks not held by any request (cached ones included); a steady fall "
+                       "with steady traffic is a reference leak.", ()),
+    "t0_blocks": (GaugeMetricFamily, "kvtierd_t0_blocks", "Blocks in the device pool.", ()),
+    "cached_blocks": (GaugeMetricFamily, "kvtierd_cached_blocks",
+                      "Blocks holding reusable content (t0: in the index; t2: on the SSD).", ("tier",)),
+    "transfer_bytes": (CounterMetricFamily, "kvtierd_transfer_bytes",
+                       "Bytes copied per direction (d2h: device to host, h2d: host to device, h2h: host to host).",
+                       ("direction",)),
+    "bandwidth": (GaugeMetricFamily, "kvtierd_transfer_bandwidth_bytes_per_second",
+                  "Measured copy bandwidth per direction.", ("direction",)),
+    "offloaded_blocks": (CounterMetricFamily, "kvtierd_offloaded_blocks", "Blocks copied down each tier edge.",
+                         ("edge",)),
+    "failed_loads": (CounterMetricFamily, "kvtierd_failed_loads",
+                     "Blocks whose promotion from a lower tier failed (served as misses).", ()),
+    "failed_offloads": (CounterMetricFamily, "kvtierd_failed_offloads", "Blocks whose copy down a tier failed.", ()),
+    "skipped_slow": (CounterMetricFamily, "kvtierd_skipped_slow_blocks",
+                     "Lower-tier hits not loaded because recomputing them was expected to be faster.", ()),
+    "ssd_dropped": (CounterMetricFamily, "kvtierd_ssd_corrupted_blocks_dropped",
+                    "SSD blocks dropped as corrupt, on read or when the tier was opened.", ()),
+    "ssd_io_errors": (CounterMetricFamily, "kvtierd_ssd_io_errors", "SSD read or write errors.", ()),
+    "ssd_admitting": (GaugeMetricFamily, "kvtierd_ssd_admitting",
+                      "1 while the SSD tier accepts new blocks, 0 after it stopped (disk full, I/O error).", ()),
+}
+
+
+class TierCollector:
+    """A prometheus_client collector over the registered pools and index observers. Thread-safe."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()  # guards the two dicts below, never held while calling stats()
+        self._pools: dict[str, PoolSource] = {}
+        self._observers: dict[str, list[IndexCounts]] = {}
+
+    def add_pool(self, model_id: str, source: PoolSource) -> None:
+        with self._lock:
+            self._pools[model_id] = source
+
+    def remove_pool(self, model_id: str) -> None:
+        with self._lock:
+            self._pools.pop(model_id, None)
+
+    def add_observer(self, model_id: str, observer: IndexCounts) -> None:
+        """Observers are kept for good: their counters must not go back when a pool is reopened."""
+        with self._lock:
+            self._observers.setdefault(model_id, []).append(observer)
+
+    def describe(self) -> list[Metric]:
+        return list(_new_families().values())
+
+    def collect(self) -> Iterator[Metric]:
+        with self._lock:
+            pools = sorted(self._pools.items())
+            observers = sorted((model, list(found)) for model, found in self._observers.items())
+        families = _new_families()
+        for model, found in observers:
+            families["query_tokens"].add_metric([model], sum(o.num_query_tokens for o in found))
+            families["hit_tokens"].add_metric([model, "t0"], sum(o.num_hit_tokens for o in found))
+            families["evictions"].add_metric([model, "t0"], sum(o.num_evictions for o in found))
+            for attribute in _AGE_HISTOGRAMS:
+                histograms = [getattr(o, attribute) for o in found]
+                total = histograms[0].cumulative()
+                for other in histograms[1:]:
+                    total = [(le, a + b) for (le, a), (_, b) in zip(total, other.cumulative())]
+                families[attribute].add_metric([model], total, sum_value=sum(h.sum for h in histograms))
+        for model, source in pools:
+            try:
+                stats = source.stats()
+            except Exception:  # a pool closing under the scrape must not fail the whole scrape
+                log.exception("stats of pool %r failed; left out of this scrape", model)
+                continue
+            _add_pool(families, model, source, stats)
+        yield from families.values()
+
+
+def _new_families() -> dict[str, Metric]:
+    families = {key: kind(name, help_text, labels=("model", *labels))
+                for key, (kind, name, help_text, labels) in _FAMILIES.items()}
+    families.update({key: HistogramMetricFamily(name, help_text, labels=("model",))
+                     for key, (name, help_text) in _AGE_HISTOGRAMS.items()})
+    return families
+
+
+def _add_pool(families: dict[str, Metric], model: str, source: PoolSource, stats: dict) -> None:
+    def add(key: str, value, *labels: str) -> None:
+        families[key].add_metric([model, *labels], value)
+
+    t0 = stats["t0"]
+    add("capacity", t0["capacity_bytes"], "t0")
+    add("used", (t0["num_blocks"] - t0["num_free_blocks"]) * source.bytes_per_block, "t0")
+    add("t0_free_blocks", t0["num_free_blocks"])
+    add("t0_blocks", t0["num_blocks"])
+    add("cached_blocks", t0["num_cached_blocks"], "t0")
+    for tier, num_blocks in stats["hit_blocks"].items():
+        add("hit_blocks", num_blocks, tier)
+        if tier != "t0":  # t0 hit tokens come from the index observer
+            add("hit_tokens", num_blocks * source.block_size_tokens, tier)
+    if (t1 := stats.get("t1")) is not None:
+        add("capacity", t1["capacity_bytes"], "t1")
+        add("used", t1["used_bytes"], "t1")
+        add("evictions", t1["evictions"], "t1")
+    if (t2 := stats.get("t2")) is not None:
+        add("capacity", t2["capacity_bytes"], "t2")
+        add("used", t2["used_bytes"], "t2")
+        add("cached_blocks", t2["num_entries"], "t2")
+        add("evictions", t2["num_evictions"], "t2")
+        add("ssd_dropped", t2["num_corrupted"] + t2["num_dropped_on_open"])
+        add("ssd_io_errors", t2["num_io_errors"])
+        add("ssd_admitting", 1 if t2["admitting"] else 0)
+    for direction, nbytes in stats["bytes_moved"].items():
+        add("transfer_bytes", nbytes, direction)
+    for direction, bytes_per_s in stats["bandwidth_bytes_per_s"].items():
+        add("bandwidth", bytes_per_s, direction)
+    for edge, num_blocks in stats["offloaded_blocks"].items():
+        add("offloaded_blocks", num_blocks, edge)
+    add("failed_loads", stats["failed_load_blocks"])
+    add("failed_offloads", stats["failed_offload_blocks"])
+    add("skipped_slow", stats["skipped_slow_blocks"])

@@ -1,0 +1,109 @@
+"""How a lower tier stores a block: the bytes of its slot, and the copies in and out of T0.
+
+`raw` keeps the block's own bytes (the layout's dtype, block-major): a copy per block, bit exact.
+`fp8` keeps e4m3 values with one float32 scale per (block, layer, K/V), half the bytes of fp16;
+quantization runs on the pool's device before the copy down and dequantization after the copy
+up, so only fp8 bytes cross PCIe. Both run inside a copy-engine job (on its stream or thread).
+"""
+
+from __future__ import annotations
+
+import abc
+
+import torch
+
+from kvtierd.errors import InvalidArgument
+from kvtierd.layout import Layout
+
+
+class BlockCodec(abc.ABC):
+    """Moves blocks between the pool `[num_blocks, *block_shape]` and uint8 slot rows."""
+
+    name: str
+    slot_nbytes: int
+
+    def __init__(self, layout: Layout) -> None:
+        self.layout = layout
+
+    @abc.abstractmethod
+    def encode(self, pool: torch.Tensor, block_ids: list[int], slots: torch.Tensor, slot_ids: list[int]) -> None:
+        """Write pool blocks `block_ids` into slot rows `slot_ids`."""
+
+    @abc.abstractmethod
+    def decode(self, slots: torch.Tensor, slot_ids: list[int], pool: torch.Tensor, block_ids: list[int]) -> None:
+        """Write slot rows `slot_ids` back into pool blocks `block_ids`."""
+
+
+class RawCodec(BlockCodec):
+    name = "raw"
+
+    def __init__(self, layout: Layout) -> None:
+        super().__init__(layout)
+        self.slot_nbytes = layout.bytes_per_block
+
+    def _as_blocks(self, slot_rows: torch.Tensor) -> torch.Tensor:
+        """Rows `[n, slot_nbytes]` (contiguous) as blocks `[n, *block_shape]` of the layout's dtype."""
+        return slot_rows.view(self.layout.torch_dtype).view(slot_rows.shape[0], *self.layout.block_shape)
+
+    def encode(self, pool, block_ids, slots, slot_ids):
+        for block_start, slot_start, n in _runs(block_ids, slot_ids, slots):
+            self._as_blocks(slots[slot_start:slot_start + n]).copy_(pool[block_start:block_start + n], non_blocking=True)
+
+    def decode(self, slots, slot_ids, pool, block_ids):
+        for block_start, slot_start, n in _runs(block_ids, slot_ids, slots):
+            pool[block_start:block_start + n].copy_(self._as_blocks(slots[slot_start:slot_start + n]), non_blocking=True)
+
+
+def _runs(block_ids: list[int], slot_ids: list[int], slots: torch.Tensor) -> list[tuple[int, int, int]]:
+    """(first block, first slot, length) of each run where both ids go up by one: one copy a run.
+    Rows that are not back to back (a slot stride above the slot's bytes) make runs of one."""
+    if not block_ids:
+        return []
+    back_to_back = slots.is_contiguous()
+    runs = [[block_ids[0], slot_ids[0], 1]]
+    for block_id, slot_id in zip(block_ids[1:], slot_ids[1:]):
+        run = runs[-1]
+        if back_to_back and block_id == run[0] + run[2] and slot_id == run[1] + run[2]:
+            run[2] += 1
+        else:
+            runs.append([block_id, slot_id, 1])
+    return [tuple(run) for run in runs]
+
+
+class Fp8Codec(BlockCodec):
+    name = "fp8"
+
+    def __init__(self, layout: Layout) -> None:
+        super().__init__(layout)
+        from kvtierd.movers.fp8_codec import fp8_slot_nbytes
+
+        if layout.dtype == "float8_e4m3fn":
+            raise InvalidArgument("the fp8 codec needs a wider pool dtype; this pool already stores fp8")
+        self.slot_nbytes = fp8_slot_nbytes(layout)
+
+    def encode(self, pool, block_ids, slots, slot_ids):
+        from kvtierd.movers.fp8_codec import pack_fp8_slot, quantize_fp8
+
+        index = torch.tensor(block_ids, dtype=torch.long, device=pool.device)
+        packed = pack_fp8_slot(*quantize_fp8(pool.index_select(0, index)))
+        for row, slot_id in enumerate(slot_ids):
+            slots[slot_id].copy_(packed[row], non_blocking=True)
+
+    def decode(self, slots, slot_ids, pool, block_ids):
+        from kvtierd.movers.fp8_codec import dequantize_fp8, unpack_fp8_slot
+
+        staged = torch.empty((len(slot_ids), self.slot_nbytes), dtype=torch.uint8, device=pool.device)
+        for row, slot_id in enumerate(slot_ids):
+            staged[row].copy_(slots[slot_id], non_blocking=True)
+        payload, scales = unpack_fp8_slot(staged, self.layout)
+        index = torch.tensor(block_ids, dtype=torch.long, device=pool.device)
+        pool.index_copy_(0, index, dequantize_fp8(payload, scales, self.layout.torch_dtype))
+
+
+CODECS = {"raw": RawCodec, "fp8": Fp8Codec}
+
+
+def make_codec(name: str, layout: Layout) -> BlockCodec:
+    if name not in CODECS:
+        raise InvalidArgument(f"tier codec {name!r} is not one of {', '.join(CODECS)}")
+    return CODECS[name](layout)

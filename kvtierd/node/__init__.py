@@ -1,0 +1,1 @@
+"""The node's state across layouts and tenants: pools, sessions (leases), tenants, quotas, operator operations, config."""

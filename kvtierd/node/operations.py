@@ -1,0 +1,146 @@
+"""What an operator asks of a running daemon (kvtierctl): usage per tenant, evict, flush, drain.
+
+Tenants are known to the tiers only by the 16-byte tag every key starts with (tenants.py);
+`Operations` remembers the name behind each tag it has seen (callers, configured tokens), and
+reports a tag it cannot name as `tag:<hex>` (T2 blocks of a tenant not seen since a restart).
+
+Authority: a tenant may look at and evict its own blocks; another tenant's, every tenant's, and
+Drain need an admin tenant (server.admin_tenants), else PERMISSION_DENIED. Evict drops only
+blocks nobody holds: from T0 it is an eviction (the on_evict policy copies them down first),
+from T1 and T2 the slots are freed; from all three tiers it is a flush.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+from collections.abc import Iterable
+
+from kvtierd.errors import InvalidArgument, PermissionDenied
+from kvtierd.node.pools import Pool, PoolRegistry
+from kvtierd.node.quotas import owner_of
+from kvtierd.node.sessions import SessionTable
+from kvtierd.node.tenants import Tenant
+
+TIERS = ("t0", "t1", "t2")
+EVERY_TENANT = "*"
+
+
+@dataclasses.dataclass(slots=True)
+class EvictCounts:
+    t0: int = 0
+    t1: int = 0
+    t2: int = 0
+    t0_held: int = 0  # skipped: requests hold them
+
+
+class Operations:
+    """Operator actions on the daemon's pools. `draining` is read by Attach (never mutated there)."""
+
+    def __init__(self, registry: PoolRegistry, sessions: SessionTable, admin_tenants: Iterable[str],
+                 known_tenants: Iterable[str] = ()) -> None:
+        self.registry = registry
+        self.sessions = sessions
+        self.admin_tenants = frozenset(admin_tenants)
+        self._names: dict[bytes, str] = {}
+        for name in known_tenants:
+            self.remember(Tenant.named(name))
+        self.draining = False
+
+    def remember(self, tenant: Tenant) -> None:
+        self._names[tenant.tag] = tenant.name
+
+    def name_of(self, tag: bytes) -> str:
+        return self._names.get(tag) or f"tag:{tag.hex()}"
+
+    def check_admin(self, caller: Tenant, action: str) -> None:
+        if caller.name not in self.admin_tenants:
+            raise PermissionDenied(f"{action} needs an admin tenant (server.admin_tenants); "
+                                   f"tenant {caller.name!r} is not one")
+
+    def _target_tags(self, caller: Tenant, tenant: str, all_tenants: bool, action: str) -> set[bytes] | None:
+        """The tags to act on (None: every tenant), after the authority checks."""
+        if all_tenants or tenant == EVERY_TENANT:
+            if tenant not in ("", EVERY_TENANT):
+                raise InvalidArgument("name a tenant or ask for every tenant, not both")
+            self.check_admin(caller, f"{action} of every tenant")
+            return None
+        if tenant and tenant != caller.name:
+            self.check_admin(caller, f"{action} of another tenant ({tenant!r})")
+            target = Tenant.named(tenant)
+            self.remember(target)
+            return {target.tag}
+        return {caller.tag}
+
+    # ----------------------------------------------------------------------------- usage
+
+    def tenant_usage(self, caller: Tenant, tenant: str) -> list[dict]:
+        """Per (tenant, pool): held and cached T0 blocks, T1 and T2 blocks, sessions."""
+        return self.usage_rows(self._target_tags(caller, tenant, False, "usage"))
+
+    def usage_rows(self, tags: set[bytes] | None = None) -> list[dict]:
+        """The rows of `tenant_usage` for these tenant tags (None: every tenant), unchecked:
+        for the caller-checked RPC above and for the metrics scrape."""
+        rows = []
+        for pool in self.registry.pools():
+            counts = _pool_counts(pool)
+            held, sessions = collections.Counter(), collections.Counter()
+            for session in self.sessions.open_sessions():
+                if session.pool is pool:
+                    sessions[session.tenant.tag] += 1
+                    held[session.tenant.tag] += sum(r.num_blocks for r in session.requests.values())
+            seen = set(held) | set(sessions) | {tag for tier in counts.values() for tag in tier}
+            for tag in seen if tags is None else seen & tags:
+                rows.append(dict(tenant=self.name_of(tag), model_id=pool.layout.model_id,
+                                 num_t0_held_blocks=held[tag], num_t0_cached_blocks=counts["t0"][tag],
+                                 num_t1_blocks=counts["t1"][tag], num_t2_blocks=counts["t2"][tag],
+                                 bytes_per_block=pool.layout.bytes_per_block, num_sessions=sessions[tag]))
+        return sorted(rows, key=lambda row: (row["tenant"], row["model_id"]))
+
+    # ----------------------------------------------------------------------------- evict, flush
+
+    def evict(self, caller: Tenant, tenant: str, all_tenants: bool, tiers: Iterable[str],
+              pools: list[Pool] | None = None) -> EvictCounts:
+        """Drop the target tenants' unheld blocks from `tiers` (all three when empty). Blocking:
+        T0 evictions may copy down, T2 removals write the index; run it off the event loop."""
+        tiers = list(tiers) or list(TIERS)
+        unknown = [t for t in tiers if t not in TIERS]
+        if unknown:
+            raise InvalidArgument(f"unknown tier(s) {', '.join(map(repr, unknown))}; tiers are t0, t1, t2")
+        tags = self._target_tags(caller, tenant, all_tenants, "evict")
+
+        def mine(keys: Iterable[bytes]) -> list[bytes]:
+            return [k for k in keys if tags is None or owner_of(k) in tags]
+
+        counts = EvictCounts()
+        for pool in self.registry.pools() if pools is None else pools:
+            tier_state = pool.manager.tiers
+            if "t0" in tiers:
+                keys = mine(tier_state.index.cached_hashes())
+                num_evicted = tier_state.index.evict(keys)
+                counts.t0 += num_evicted
+                counts.t0_held += len(keys) - num_evicted
+            if "t1" in tiers and tier_state.host is not None:
+                counts.t1 += len(tier_state.host.index.remove(mine(e.block_hash for e in tier_state.host.index.entries())))
+            if "t2" in tiers and tier_state.ssd is not None:
+                counts.t2 += tier_state.ssd.remove(mine(tier_state.ssd.block_hashes()))
+        return counts
+
+    # ----------------------------------------------------------------------------- drain
+
+    def drain(self, caller: Tenant, resume: bool) -> bool:
+        self.check_admin(caller, "resume" if resume else "drain")
+        self.draining = not resume
+        return self.draining
+
+
+def _pool_counts(pool: Pool) -> dict[str, collections.Counter]:
+    """Blocks per tenant tag in each tier of one pool."""
+    tiers = pool.manager.tiers
+    counts = {"t0": collections.Counter(map(owner_of, tiers.index.cached_hashes())),
+              "t1": collections.Counter(), "t2": collections.Counter()}
+    if tiers.host is not None:
+        counts["t1"].update(owner_of(e.block_hash) for e in tiers.host.index.entries())
+    if tiers.ssd is not None:
+        counts["t2"].update(map(owner_of, tiers.ssd.block_hashes()))
+    return counts

@@ -1,0 +1,142 @@
+"""The pools the daemon serves: one set of tiers per layout, created on first Attach and shared
+by every tenant (keys keep tenants apart, see tenants.py).
+
+A pool's T0 holds `t0_bytes // bytes_per_block` blocks; its T1 slab and T2 directory are its
+own (T2 under `<ssd directory>/<layout id>`, so a restarted daemon finds each layout's blocks
+again). The daemon's keys are `tenant tag + client hash`, so the index runs with
+`hash_size = 16 + digest size` and no fixed root: the servicer checks that a chain's first
+block names the client root.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import logging
+import os
+import threading
+
+from kvtierd.block_hash import HASH_FUNCTIONS, Namespace
+from kvtierd.planning.capacity import PoolCapacity, layout_lines
+from kvtierd.errors import FailedPrecondition, ResourceExhausted
+from kvtierd.layout import Layout
+from kvtierd.node.quotas import QuotaBook, owner_of
+from kvtierd.node.tenants import TAG_BYTES
+from kvtierd.tiering.tier_config import TierConfig
+from kvtierd.tiering.tier_manager import TierManager
+
+log = logging.getLogger(__name__)
+
+MAX_PENDING_EVENTS = 65536
+
+
+@dataclasses.dataclass(frozen=True)
+class PoolSettings:
+    """What every pool is built with (from the daemon's configuration)."""
+
+    t0_bytes: int
+    tier_config: TierConfig
+    device: str = "auto"
+    hash_algo: str = "sha256"
+    ssd_directory: str = ""  # "" = no T2
+    ssd_capacity_bytes: int = 0
+    ssd_durability: str = "fdatasync"
+    ssd_o_direct: bool = True
+    max_layouts: int = 4
+
+
+class Pool:
+    """One layout's tiers, and what clients of that layout need to know."""
+
+    def __init__(self, layout: Layout, settings: PoolSettings, observer=None, quotas: QuotaBook | None = None) -> None:
+        num_blocks = settings.t0_bytes // layout.bytes_per_block
+        if num_blocks < 1:
+            raise FailedPrecondition(
+                f"a block of this layout is {layout.bytes_per_block:,} bytes: more than the device pool "
+                f"budget t0_bytes={settings.t0_bytes:,}")
+        self.layout = layout
+        self.client_root = Namespace(layout, "", settings.hash_algo).root
+        self.digest_size = HASH_FUNCTIONS[settings.hash_algo][0]
+        ssd_config = None
+        if settings.ssd_directory and settings.ssd_capacity_bytes:
+            from kvtierd.t2.ssd_config import SsdTierConfig
+
+            ssd_config = SsdTierConfig([os.path.join(settings.ssd_directory, layout_id(layout))],
+                                       settings.ssd_capacity_bytes, durability=settings.ssd_durability,
+                                       o_direct=settings.ssd_o_direct)
+        self.manager = TierManager(layout, num_blocks, settings.tier_config, ssd_config=ssd_config,
+                                   device=settings.device, hash_size=TAG_BYTES + self.digest_size,
+                                   observer=observer, max_pending_events=MAX_PENDING_EVENTS)
+        tiers = self.manager.tiers
+        if quotas is not None and quotas.limits_lower_tiers:
+            for tier, store in (("t1", tiers.host), ("t2", tiers.ssd)):
+                if store is not None:
+                    store.set_owner_quota(owner_of, quotas.lower_tier_limit(tier))
+
+    @property
+    def num_blocks(self) -> int:
+        return self.manager.index.num_blocks
+
+    def capacity_lines(self, request_tokens: int = 8192) -> list[str]:
+        tiers = self.manager.tiers
+        lines = layout_lines(self.layout)
+        lines += PoolCapacity(self.layout, self.num_blocks).lines("T0 device pool", request_tokens)
+        for name, num_slots in (("T1 host", tiers.host.slab.num_slots if tiers.host else 0),
+                                ("T2 SSD", tiers.ssd.num_slots if tiers.ssd else 0)):
+            if num_slots:  # slots are 4 KiB aligned: a small block can take more than its bytes
+                lines.append(PoolCapacity(self.layout, num_slots).lines(name, request_tokens)[0])
+        return lines
+
+    def close(self) -> None:
+        self.manager.close()
+
+
+def layout_id(layout: Layout) -> str:
+    """A short, stable name for a layout (directory names, labels)."""
+    return hashlib.sha256(layout.fingerprint()).hexdigest()[:16]
+
+
+class PoolRegistry:
+    """layout → Pool. `get_or_create` builds a pool once, even under concurrent attaches."""
+
+    def __init__(self, settings: PoolSettings, observer_for=None, quotas: QuotaBook | None = None) -> None:
+        self.settings = settings
+        self.quotas = quotas
+        self._observer_for = observer_for  # model_id → IndexObserver, or None
+        self._pools: dict[Layout, Pool] = {}
+        self._lock = threading.Lock()  # creation only; lookups read the dict
+        self.on_created = []  # callbacks (pool) → None, e.g. metrics sources
+
+    def get(self, layout: Layout) -> Pool | None:
+        return self._pools.get(layout)
+
+    def pools(self) -> list[Pool]:
+        return list(self._pools.values())
+
+    def get_or_create(self, layout: Layout) -> Pool:
+        pool = self._pools.get(layout)
+        if pool is not None:
+            return pool
+        with self._lock:
+            pool = self._pools.get(layout)
+            if pool is not None:
+                return pool
+            if len(self._pools) >= self.settings.max_layouts:
+                raise ResourceExhausted(
+                    f"the daemon serves {len(self._pools)} layouts already (pool.max_layouts); "
+                    f"cannot create a pool for {layout.model_id}")
+            observer = self._observer_for(layout.model_id) if self._observer_for else None
+            pool = Pool(layout, self.settings, observer, self.quotas)
+            self._pools[layout] = pool
+        for line in pool.capacity_lines():
+            log.info("%s", line)
+        for callback in self.on_created:
+            callback(pool)
+        return pool
+
+    def close(self) -> None:
+        """Finish in-flight moves and flush every T2 index."""
+        with self._lock:
+            pools, self._pools = list(self._pools.values()), {}
+        for pool in pools:
+            pool.close()

@@ -1,0 +1,382 @@
+"""The KvTier service: each RPC of proto/kvtierd/v1/kvtier.proto translated to the core.
+
+Handlers raise kvtierd.errors; the interceptor (status_interceptor.py) maps them to status
+codes and resolves the caller's tenant (`current_tenant()`). Every handler validates its whole
+request before the first change, so a bad request changes nothing. Client hashes become the
+daemon's keys by the tenant's prefix here, and only here (`_keys`).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+from collections.abc import Awaitable, Callable
+
+from kvtierd import __version__
+from kvtierd.wire.block_frames import PutFrame, encode_get_response
+from kvtierd.block_hash import pack_token_ids
+from kvtierd.errors import DRAINING_DETAILS, DeadlineExceeded, FailedPrecondition, InvalidArgument, Unavailable
+from kvtierd.server.event_feed import EventFeed
+from kvtierd.layout import Layout
+from kvtierd.node.operations import Operations
+from kvtierd.server.pool_stats import pool_stats
+from kvtierd.node.pools import Pool, PoolRegistry
+from kvtierd.index.prefix_match import check_hashes
+from kvtierd.node.sessions import Session, SessionTable
+from kvtierd.server.status_interceptor import current_tenant
+from kvtierd.node.tenants import Tenant
+from kvtierd.v1 import kvtier_pb2 as pb
+from kvtierd.v1 import kvtier_pb2_grpc
+from kvtierd.wire.conversions import handle_to_proto, layout_from_proto
+
+PUT_BATCH_BLOCKS = 16  # blocks written and committed together by Put
+
+
+class KvTierServicer(kvtier_pb2_grpc.KvTierServicer):
+    def __init__(self, registry: PoolRegistry, sessions: SessionTable, feed: EventFeed,
+                 default_wait_s: float = 60.0, operations: Operations | None = None,
+                 on_drain: Callable[[bool], Awaitable[None]] | None = None) -> None:
+        self.registry = registry
+        self.sessions = sessions
+        self.feed = feed
+        self.operations = operations or Operations(registry, sessions, admin_tenants=())
+        self._on_drain = on_drain  # the daemon's health status follows a drain
+        self.default_wait_s = default_wait_s
+        self._put_ids = itertools.count()
+        self._shutdown = asyncio.Event()  # set at SIGTERM: long-lived streams end at once
+
+    def begin_shutdown(self) -> None:
+        """End every KeepAlive and Events stream now (sessions are then reclaimed), so that the
+        server's grace period is spent on calls that finish, not on streams that never do."""
+        self._shutdown.set()
+
+    async def _until_shutdown(self, next_item):
+        """The items `await next_item()` gives, until it ends or the daemon shuts down."""
+        while not self._shutdown.is_set():
+            item = asyncio.ensure_future(next_item())
+            stop = asyncio.ensure_future(self._shutdown.wait())
+            done, _ = await asyncio.wait({item, stop}, return_when=asyncio.FIRST_COMPLETED)
+            stop.cancel()
+            if item not in done:
+                item.cancel()
+                return
+            try:
+                value = item.result()
+            except StopAsyncIteration:
+                return
+            yield value
+
+    # ----------------------------------------------------------------------------- sessions
+
+    async def Attach(self, request: pb.AttachRequest, context) -> pb.AttachResponse:
+        tenant = current_tenant()
+        if self.operations.draining:
+            raise Unavailable(f"{DRAINING_DETAILS} for maintenance and admits no new sessions "
+                              "(`kvtierctl drain --resume` undoes it)")
+        self.operations.remember(tenant)
+        layout = layout_from_proto(request.layout)
+        algo = request.hash_algo or "sha256"
+        if algo != self.registry.settings.hash_algo:
+            raise FailedPrecondition(f"this daemon keys blocks with {self.registry.settings.hash_algo}, "
+                                     f"the client with {algo}")
+        pool = await self._pool(layout)
+        session = self.sessions.open(tenant, pool)
+        return pb.AttachResponse(
+            session_id=session.session_id, pool=handle_to_proto(pool.manager.pool.handle),
+            bytes_per_block=layout.bytes_per_block, root_hash=pool.client_root, hash_size=pool.digest_size,
+            lease_s=self.sessions.lease_s, tenant=tenant.name)
+
+    async def KeepAlive(self, request_iterator, context):
+        tenant = current_tenant()
+        session = None
+        try:
+            async for ping in self._until_shutdown(request_iterator.__aiter__().__anext__):
+                if session is None:
+                    session = self.sessions.get(ping.session_id, tenant)
+                    self.sessions.stream_opened(session)
+                else:
+                    self.sessions.get(session.session_id, tenant)
+                yield pb.KeepAliveResponse(lease_s=self.sessions.lease_s)
+        finally:
+            if session is not None:
+                self.sessions.stream_closed(session)
+
+    # ----------------------------------------------------------------------------- blocks
+
+    async def Lookup(self, request: pb.LookupRequest, context) -> pb.LookupResponse:
+        session = self._session(request.session_id)
+        keys = _keys(session.tenant, session.pool, request.block_hashes)
+        hits = session.pool.manager.lookup(keys, _tokens(request.token_ids), prefetch=request.prefetch)
+        return pb.LookupResponse(num_hit_blocks=hits.t0 + hits.t1 + hits.t2, num_t0_blocks=hits.t0,
+                                 num_t1_blocks=hits.t1, num_t2_blocks=hits.t2)
+
+    async def Acquire(self, request: pb.AcquireRequest, context) -> pb.AcquireResponse:
+        session = self._session(request.session_id)
+        session.check_new(request.request_id)
+        keys = _keys(session.tenant, session.pool, request.block_hashes)
+        self.sessions.check_quota(session, len(keys) + request.num_extra_blocks)
+        acquired = session.pool.manager.acquire(session.key(request.request_id), keys, request.num_extra_blocks,
+                                                _tokens(request.token_ids))
+        pending = acquired.num_t1_blocks + acquired.num_t2_blocks > 0
+        self.sessions.hold(session, request.request_id, len(acquired.block_ids), acquired.ticket if pending else None)
+        return pb.AcquireResponse(block_ids=acquired.block_ids, num_t0_hit_blocks=acquired.num_t0_hit_blocks,
+                                  num_t1_blocks=acquired.num_t1_blocks, num_t2_blocks=acquired.num_t2_blocks,
+                                  pending=pending)
+
+    async def Wait(self, request: pb.WaitRequest, context) -> pb.WaitResponse:
+        if request.timeout_s < 0:
+            raise InvalidArgument(f"timeout_s must be >= 0, got {request.timeout_s}")
+        session = self._session(request.session_id)
+        held = session.held(request.request_id)
+        if held.ticket is None:
+            table = session.pool.manager.index.block_table(session.key(request.request_id))
+            return pb.WaitResponse(num_ready_blocks=_num_leading_committed(session.pool, table))
+        timeout_s = request.timeout_s or self.default_wait_s
+        try:
+            ready = await asyncio.wait_for(asyncio.shield(asyncio.wrap_future(held.ticket.future)), timeout_s)
+        except asyncio.TimeoutError:
+            raise DeadlineExceeded(f"promotion of request {request.request_id!r} not finished after {timeout_s} s") \
+                from None
+        return pb.WaitResponse(num_ready_blocks=ready)
+
+    async def Commit(self, request: pb.CommitRequest, context) -> pb.CommitResponse:
+        session = self._session(request.session_id)
+        session.held(request.request_id)
+        pool = session.pool
+        keys = _keys(session.tenant, pool, request.block_hashes)
+        if len(request.block_ids) != len(keys) or not keys:
+            raise InvalidArgument(f"commit needs one hash per block, got {len(request.block_ids)} block ids "
+                                  f"and {len(keys)} hashes")
+        key = session.key(request.request_id)
+        position = _position_of(pool, pool.manager.index.block_table(key), list(request.block_ids), request.request_id)
+        parent = _parent_key(session.tenant, pool, position, request.parent_hash)
+        num_held = pool.manager.commit(key, position, keys, pack_token_ids(request.token_ids), parent)
+        return pb.CommitResponse(num_committed_blocks=num_held)
+
+    async def Release(self, request: pb.ReleaseRequest, context) -> pb.ReleaseResponse:
+        session = self._session(request.session_id)
+        return pb.ReleaseResponse(num_released_blocks=await self.sessions.release(session, request.request_id))
+
+    async def Fork(self, request: pb.ForkRequest, context) -> pb.ForkResponse:
+        session = self._session(request.session_id)
+        held = session.held(request.request_id)
+        session.check_new(request.child_request_id)
+        if held.ticket is not None and not held.ticket.done():
+            raise FailedPrecondition(f"request {request.request_id!r} has promotions in flight: Wait before Fork")
+        self.sessions.check_quota(session, held.num_blocks)
+        block_ids = session.pool.manager.fork(session.key(request.request_id), session.key(request.child_request_id))
+        self.sessions.hold(session, request.child_request_id, len(block_ids))
+        return pb.ForkResponse(block_ids=block_ids)
+
+    async def AppendBlocks(self, request: pb.AppendBlocksRequest, context) -> pb.AppendBlocksResponse:
+        session = self._session(request.session_id)
+        session.held(request.request_id)
+        self.sessions.check_quota(session, request.num_blocks)
+        block_ids = session.pool.manager.index.append_blocks(session.key(request.request_id), request.num_blocks)
+        self.sessions.grow(session, request.request_id, len(block_ids))
+        return pb.AppendBlocksResponse(block_ids=block_ids)
+
+    async def PrepareWrite(self, request: pb.PrepareWriteRequest, context) -> pb.PrepareWriteResponse:
+        session = self._session(request.session_id)
+        session.held(request.request_id)
+        target = session.pool.manager.index.prepare_write(session.key(request.request_id), request.position)
+        return pb.PrepareWriteResponse(block_id=target.block_id, copied=target.copied_from is not None)
+
+    # ----------------------------------------------------------------------------- bytes
+
+    async def Put(self, request_iterator, context) -> pb.PutResponse:
+        tenant = current_tenant()
+        self.operations.remember(tenant)
+        put = None
+        try:
+            async for raw in request_iterator:  # serialized PutRequests: the block bytes are not copied
+                frame = PutFrame.decode(raw)
+                if put is None:
+                    if frame.layout is None:
+                        raise InvalidArgument("the first message of a Put must name the layout")
+                    put = _PutStream(await self._pool(layout_from_proto(frame.layout)), tenant,
+                                     ("put", next(self._put_ids)), self.sessions, frame.parent_hash)
+                put.add(frame)
+                if len(put.batch) == PUT_BATCH_BLOCKS:
+                    put.flush()
+            if put is None:
+                raise InvalidArgument("Put needs at least one block")
+            put.flush()
+            put.commit()
+            return pb.PutResponse(num_blocks=put.num_blocks, num_already_cached_blocks=put.num_already_cached)
+        finally:
+            if put is not None:
+                put.close()
+
+    async def Get(self, request: pb.GetRequest, context):
+        tenant = current_tenant()
+        pool = self.registry.get(layout_from_proto(request.layout))
+        if pool is None:
+            return
+        keys = _keys(tenant, pool, request.block_hashes)
+        tokens = _tokens(request.token_ids)
+        manager = pool.manager
+        hits = manager.lookup(keys, tokens)
+        num_hits = hits.t0 + hits.t1 + hits.t2
+        if num_hits == 0:
+            return
+        nbytes = num_hits * pool.layout.bytes_per_block
+        quotas = self.sessions.quotas
+        quotas.check(tenant.name, nbytes)
+        key = ("get", next(self._put_ids))
+        acquired = manager.acquire(key, keys[:num_hits], 0, tokens)
+        quotas.add(tenant.name, nbytes)
+        try:
+            num_ready = await asyncio.shield(asyncio.wrap_future(acquired.ticket.future))
+            for client_hash, block_id in zip(request.block_hashes[:num_ready], acquired.block_ids):
+                # serialized here, from the pool's bytes, in one copy (block_frames.py)
+                yield encode_get_response(client_hash, manager.pool.block_bytes(block_id).cpu().numpy())
+        finally:  # no await here: a cancelled stream must still release
+            if acquired.ticket.done():
+                manager.release(key)
+            else:
+                asyncio.get_running_loop().run_in_executor(None, manager.release, key)
+            quotas.remove(tenant.name, nbytes)
+
+    # ----------------------------------------------------------------------------- observing
+
+    async def Stats(self, request: pb.StatsRequest, context) -> pb.StatsResponse:
+        return pb.StatsResponse(pools=[pool_stats(pool) for pool in self.registry.pools()],
+                                num_sessions=len(self.sessions), num_reclaimed_refs=self.sessions.num_reclaimed_refs,
+                                version=__version__)
+
+    # ----------------------------------------------------------------------------- operations
+
+    async def TenantStats(self, request: pb.TenantStatsRequest, context) -> pb.TenantStatsResponse:
+        rows = await asyncio.to_thread(self.operations.tenant_usage, current_tenant(), request.tenant)
+        return pb.TenantStatsResponse(usage=[pb.TenantUsage(**row) for row in rows])
+
+    async def Evict(self, request: pb.EvictRequest, context) -> pb.EvictResponse:
+        pools = None
+        if request.HasField("layout"):
+            pool = self.registry.get(layout_from_proto(request.layout))
+            pools = [] if pool is None else [pool]
+        counts = await asyncio.to_thread(self.operations.evict, current_tenant(), request.tenant, request.all_tenants,
+                                         list(request.tiers), pools)
+        return pb.EvictResponse(num_t0_blocks=counts.t0, num_t1_blocks=counts.t1, num_t2_blocks=counts.t2,
+                                num_t0_held_blocks=counts.t0_held)
+
+    async def Drain(self, request: pb.DrainRequest, context) -> pb.DrainResponse:
+        draining = self.operations.drain(current_tenant(), request.resume)
+        if self._on_drain is not None:
+            await self._on_drain(draining)
+        return pb.DrainResponse(draining=draining, num_sessions=len(self.sessions))
+
+    async def Events(self, request: pb.EventsRequest, context):
+        layout = layout_from_proto(request.layout) if request.HasField("layout") else None
+        subscriber = self.feed.subscribe(current_tenant(), layout)
+        try:
+            async for event in self._until_shutdown(subscriber.queue.get):
+                yield event
+        finally:
+            self.feed.unsubscribe(subscriber)
+
+    # ----------------------------------------------------------------------------- helpers
+
+    def _session(self, session_id: str) -> Session:
+        return self.sessions.get(session_id, current_tenant())
+
+    async def _pool(self, layout: Layout) -> Pool:
+        pool = self.registry.get(layout)
+        return pool if pool is not None else await asyncio.to_thread(self.registry.get_or_create, layout)
+
+
+class _PutStream:
+    """One Put call: blocks written into T0 blocks of a private request batch by batch, all
+    committed when the stream has ended well, then released (cached, and offloaded by policy
+    like any block). A stream that fails midway commits nothing."""
+
+    def __init__(self, pool: Pool, tenant: Tenant, key, sessions: SessionTable, parent_hash: bytes) -> None:
+        self.pool, self.tenant, self.key, self.quotas = pool, tenant, key, sessions.quotas
+        # the key before the first block: the tenant's root, or the given parent's key
+        self.parent = _parent_key(tenant, pool, 1, parent_hash) if parent_hash else tenant.key(pool.client_root)
+        self.batch: list[PutFrame] = []
+        self.commits: list[tuple[int, list[bytes], bytes, bytes]] = []  # (position, keys, tokens, parent)
+        self.num_blocks = self.num_already_cached = self.num_held_blocks = 0
+
+    def add(self, message: PutFrame) -> None:
+        layout = self.pool.layout
+        check_hashes([message.block_hash], self.pool.digest_size)
+        if len(message.token_ids) != 4 * layout.block_size:
+            raise InvalidArgument(f"a block holds {layout.block_size} tokens (u32), got {len(message.token_ids)} bytes")
+        if message.data.nbytes != layout.bytes_per_block:
+            raise InvalidArgument(f"a block of this layout is {layout.bytes_per_block} bytes, got {message.data.nbytes}")
+        self.batch.append(message)
+
+    def flush(self) -> None:
+        """Write the batch into blocks of the request; blocks already cached are not written."""
+        if not self.batch:
+            return
+        batch, self.batch = self.batch, []
+        manager, bytes_per_block = self.pool.manager, self.pool.layout.bytes_per_block
+        keys = self.tenant.keys(m.block_hash for m in batch)
+        tokens = b"".join(m.token_ids for m in batch)
+        self.quotas.check(self.tenant.name, len(batch) * bytes_per_block)
+        start = self.num_held_blocks
+        if start == 0:
+            allocation = manager.index.allocate(self.key, keys, 0, tokens)
+            block_ids, num_hits = allocation.block_ids, allocation.num_hit_blocks
+        else:
+            block_ids, num_hits = manager.index.append_blocks(self.key, len(batch)), 0
+        self.num_held_blocks += len(block_ids)
+        self.quotas.add(self.tenant.name, len(block_ids) * bytes_per_block)
+        for block_id, message in zip(block_ids[num_hits:], batch[num_hits:]):
+            manager.pool.write_block(block_id, message.data)
+        if num_hits < len(batch):
+            stride = 4 * self.pool.layout.block_size
+            parent = keys[num_hits - 1] if num_hits else self.parent
+            self.commits.append((start + num_hits, keys[num_hits:], tokens[num_hits * stride:], parent))
+        self.num_already_cached += num_hits
+        self.num_blocks += len(batch)
+        self.parent = keys[-1]
+
+    def commit(self) -> None:
+        for position, keys, tokens, parent in self.commits:
+            num_held = self.pool.manager.commit(self.key, position, keys, tokens, parent)
+            self.num_already_cached += len(keys) - num_held
+
+    def close(self) -> None:
+        if self.num_held_blocks:
+            self.pool.manager.release(self.key)
+            self.quotas.remove(self.tenant.name, self.num_held_blocks * self.pool.layout.bytes_per_block)
+
+
+def _keys(tenant: Tenant, pool: Pool, client_hashes) -> list[bytes]:
+    client_hashes = list(client_hashes)  # a protobuf repeated field makes new bytes on every read: read once
+    check_hashes(client_hashes, pool.digest_size)
+    return tenant.keys(client_hashes)
+
+
+def _tokens(token_ids: bytes) -> bytes | None:
+    return pack_token_ids(token_ids) if token_ids else None
+
+
+def _parent_key(tenant: Tenant, pool: Pool, position: int, parent_hash: bytes) -> bytes:
+    """The daemon's key of the parent of the block at `position`; block 0's must be the root."""
+    check_hashes([parent_hash], pool.digest_size)
+    if position == 0 and parent_hash != pool.client_root:
+        raise InvalidArgument("the parent of a request's first block must be the root hash from Attach")
+    return tenant.key(parent_hash)
+
+
+def _position_of(pool: Pool, table: list[int], block_ids: list[int], request_id: str) -> int:
+    """Where consecutive `block_ids` start in the request's table."""
+    if any(b >= pool.num_blocks for b in block_ids):
+        raise InvalidArgument(f"block ids must be in [0, {pool.num_blocks})")
+    try:
+        position = table.index(block_ids[0])
+    except ValueError:
+        raise FailedPrecondition(f"block {block_ids[0]} is not held by request {request_id!r}") from None
+    if table[position:position + len(block_ids)] != block_ids:
+        raise FailedPrecondition(f"blocks {block_ids} are not consecutive blocks of request {request_id!r}")
+    return position
+
+
+def _num_leading_committed(pool: Pool, table: list[int]) -> int:
+    blocks = pool.manager.index.blocks
+    return next((i for i, block_id in enumerate(table) if blocks[block_id].block_hash is None), len(table))

@@ -1,0 +1,43 @@
+"""The device pool without CUDA: a POSIX shared-memory segment under /dev/shm (shm_segment.py)."""
+
+from __future__ import annotations
+
+
+from kvtierd.t0.device_pool import DevicePool, PoolHandle, _check_num_blocks
+from kvtierd.errors import InvalidArgument
+from kvtierd.layout import Layout
+from kvtierd.t0.shm_segment import ShmSegment, default_segment_name
+
+
+class ShmDevicePool(DevicePool):
+    """The pool in a POSIX shared-memory segment, `/dev/shm/<name>`, mapped MAP_SHARED.
+
+    Invariants and ownership are the segment's (ShmSegment): exactly `nbytes`, mode 0600,
+    created O_EXCL, reserved up front, unlinked by the creating process only. Attachers only
+    drop their mapping; mappings still open stay valid after the unlink.
+    """
+
+    def __init__(self, layout: Layout, num_blocks: int, segment: ShmSegment, handle: PoolHandle) -> None:
+        tensor = segment.flat.view(layout.torch_dtype).view(num_blocks, *layout.block_shape)
+        super().__init__(layout, num_blocks, tensor, handle)
+        self.segment = segment
+        self.path = segment.path
+        self.is_creator = segment.is_creator
+
+    @classmethod
+    def create(cls, layout: Layout, num_blocks: int, name: str | None = None) -> ShmDevicePool:
+        num_blocks = _check_num_blocks(num_blocks)
+        nbytes = num_blocks * layout.bytes_per_block
+        segment = ShmSegment.create(nbytes, name if name is not None else default_segment_name("pool"),
+                                    what="device pool")
+        return cls(layout, num_blocks, segment, PoolHandle("shm", layout, num_blocks, nbytes, name=segment.name))
+
+    @classmethod
+    def attach(cls, handle: PoolHandle) -> ShmDevicePool:
+        if handle.kind != "shm":
+            raise InvalidArgument(f"ShmDevicePool cannot attach a {handle.kind!r} handle")
+        return cls(handle.layout, handle.num_blocks, ShmSegment.attach(handle.name, handle.nbytes), handle)
+
+    def close(self) -> None:
+        self._tensor = None
+        self.segment.close()

@@ -1,0 +1,47 @@
+"""The host tier (T1): slots of pinned (or shared) host memory and the index over them."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+
+import torch
+
+from kvtierd.movers.block_codec import make_codec
+from kvtierd.t1.host_slab import HostSlab, slot_stride
+from kvtierd.layout import Layout
+from kvtierd.index.slot_index import SlotIndex, slots_within
+
+
+class HostTier:
+    """`capacity_bytes` of host memory cut into one slot per block (in the codec's bytes).
+
+    Inclusive with T0: a hash may live in both. The tier itself moves no bytes: the tier manager
+    copies through the copy engine, bracketing each copy with the index's two phases.
+    """
+
+    def __init__(self, layout: Layout, capacity_bytes: int, codec: str = "raw", pin: bool | None = None,
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        self.codec = make_codec(codec, layout)
+        self.slab = HostSlab(capacity_bytes // slot_stride(self.codec.slot_nbytes), self.codec.slot_nbytes, pin)
+        self.index = SlotIndex(self.slab.num_slots, clock)
+
+    @property
+    def slots(self) -> torch.Tensor:
+        """uint8 `[num_slots, slot_nbytes]`, one row a block."""
+        return self.slab.slots
+
+    @property
+    def capacity_bytes(self) -> int:
+        return self.slab.nbytes
+
+    @property
+    def used_bytes(self) -> int:
+        return self.index.num_used_slots * self.slab.stride
+
+    def set_owner_quota(self, owner_of, limit_bytes) -> None:
+        """Per-owner byte limits (None = none), enforced in slots; see SlotIndex.set_owner_quota."""
+        self.index.set_owner_quota(owner_of, lambda owner: slots_within(limit_bytes(owner), self.slab.stride))
+
+    def close(self) -> None:
+        self.slab.close()

@@ -1,0 +1,68 @@
+"""Configuration of the SSD tier, the lock that keeps one tier per directory, and the
+operator's description of a disk error."""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import errno
+import fcntl
+import os
+import resource
+
+import lmdb
+
+from kvtierd.errors import FailedPrecondition, InvalidArgument
+from kvtierd.t2.ssd_files import DISK_FULL_ERRNOS
+
+LOCK_FILE_NAME = "kvtierd-ssd.lock"
+DURABILITY_POLICIES = ("fdatasync", "none")
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class SsdTierConfig:
+    directories: list[str]  # one slot file each; the LMDB index lives in the first
+    capacity_bytes: int  # over all directories, split evenly
+    durability: str = "fdatasync"  # "fdatasync": data synced before its index commit; "none": neither synced
+    o_direct: bool = True  # where the filesystem takes it
+    num_io_threads: int = 4
+    high_watermark: float = 0.95  # after a store, used bytes above high * capacity are evicted ...
+    low_watermark: float = 0.85  # ... down to low * capacity, least recently used first
+    lmdb_map_bytes: int = 1 << 30
+
+    def __post_init__(self) -> None:
+        if not self.directories:
+            raise InvalidArgument("ssd tier needs at least one directory")
+        if self.capacity_bytes < 0 or self.lmdb_map_bytes <= 0 or self.num_io_threads < 1:
+            raise InvalidArgument("capacity_bytes >= 0, lmdb_map_bytes > 0 and num_io_threads >= 1 required")
+        if self.durability not in DURABILITY_POLICIES:
+            raise InvalidArgument(f"durability must be one of {DURABILITY_POLICIES}, got {self.durability!r}")
+        if not 0.0 < self.low_watermark <= self.high_watermark <= 1.0:
+            raise InvalidArgument("watermarks must satisfy 0 < low <= high <= 1")
+
+
+def lock_directory(directory: str) -> int:
+    fd = os.open(os.path.join(directory, LOCK_FILE_NAME), os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        os.close(fd)
+        raise FailedPrecondition(f"SSD tier directory {directory} is in use by another tier or process") from None
+    return fd
+
+
+def describe_error(error: BaseException, where: str, path: str = "") -> str:
+    """An operator's line: what failed and whether the disk is full."""
+    text = str(error)
+    if isinstance(error, lmdb.MapFullError):
+        return f"index full (raise lmdb_map_bytes): {where} failed: {text}"
+    if (isinstance(error, OSError) and error.errno in DISK_FULL_ERRNOS) or any(
+            s in text for s in (os.strerror(errno.ENOSPC), os.strerror(errno.EDQUOT), os.strerror(errno.EFBIG))):
+        return f"disk full: {where} failed: {text}"
+    limit = resource.getrlimit(resource.RLIMIT_FSIZE)[0]
+    if limit != resource.RLIM_INFINITY:
+        return f"disk I/O error (file size limit RLIMIT_FSIZE={limit} bytes?): {where} failed: {text}"
+    with contextlib.suppress(OSError):
+        if path and (st := os.statvfs(path)).f_bavail * st.f_frsize < (1 << 20):
+            return f"disk full ({st.f_bavail * st.f_frsize} bytes free): {where} failed: {text}"
+    return f"disk I/O error: {where} failed: {text}"

@@ -1,0 +1,394 @@
+"""The T2 SSD tier: blocks in preallocated slot files (ssd_files.py), found through a persistent
+LMDB index (ssd_index.py) and an in-memory SlotIndex (LRU, two-phase), recovered on open.
+
+Write order of a store batch, so that a crash at any instant leaves the old state or the new:
+  (a) the entries that give up their slots (LRU victims of prepare_store, watermark evictions)
+      are deleted from LMDB in one committed transaction, before any of those slots is written;
+  (b) the bytes go out with batched pwritev from the I/O threads, checksummed on the way;
+  (c) durability per the policy (fdatasync of each touched file);
+  (d) one LMDB transaction inserts the new records;
+  (e) complete_store(success) makes them visible (or drops them and frees their slots).
+Invariant: an LMDB record always names a slot holding exactly its bytes. Slots are freed (by
+eviction, remove or a corrupt read) only under `_write_lock`, which also covers prepare_store and
+the LMDB delete of what was freed, so nobody writes a freed slot before its record is gone; a
+delete that fails stays pending and goes out with the next transaction, before any slot write.
+
+Reads verify length and xxh3_64 checksum: a short read, a mismatch or an I/O error is a miss, the
+entry is dropped (SlotIndex and LMDB) and counted, and no byte of it is reported as loaded.
+Write errors (disk full, I/O errors) stop admission: later stores return 0, lookups and loads of
+what is there keep working, nothing raises into the caller.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import contextlib
+import logging
+import os
+import threading
+import time
+from collections.abc import Sequence
+
+import lmdb
+import numpy as np
+import torch
+import xxhash
+
+from kvtierd.errors import FailedPrecondition, InvalidArgument
+from kvtierd.layout import Layout
+from kvtierd.index.slot_index import BlockMeta, SlotEntry, SlotIndex, slots_within
+from kvtierd.t2.ssd_files import SlotFiles
+from kvtierd.t2.ssd_config import SsdTierConfig, describe_error, lock_directory
+from kvtierd.t2.ssd_index import Record, SsdIndex
+
+log = logging.getLogger(__name__)
+
+INDEX_RESERVE_BYTES = 1 << 20  # left free beside the index when the disk cannot hold the capacity
+
+
+class SsdTier:
+    """Thread-safe; every method is synchronous (the tier manager calls it from its threads)."""
+
+    @classmethod
+    def open(cls, config: SsdTierConfig, layout: Layout, slot_nbytes: int | None = None) -> SsdTier:
+        slot_nbytes = layout.bytes_per_block if slot_nbytes is None else slot_nbytes
+        if not isinstance(slot_nbytes, int) or slot_nbytes <= 0:
+            raise InvalidArgument(f"slot_nbytes must be a positive integer, got {slot_nbytes!r}")
+        return cls(config, layout, slot_nbytes)
+
+    def __init__(self, config: SsdTierConfig, layout: Layout, slot_nbytes: int) -> None:
+        self.config, self.layout, self.slot_nbytes = config, layout, slot_nbytes
+        self._layout_id = xxhash.xxh3_64_intdigest(layout.fingerprint())
+        directories = [os.path.abspath(d) for d in config.directories]
+        for directory in directories:
+            os.makedirs(directory, exist_ok=True)
+        self._lock_fd = lock_directory(directories[0])
+        self._reason = ""
+        self._db: SsdIndex | None = None
+        try:  # the index first: on a short disk the slot files leave it room to grow
+            self._db = SsdIndex(directories[0], config.lmdb_map_bytes, config.durability == "fdatasync")
+        except (OSError, lmdb.Error) as error:  # an inert tier, says why
+            self._reason = describe_error(error, "index open", directories[0])
+            log.error("SSD tier: %s", self._reason)
+        try:
+            self._files = SlotFiles(directories if self._db is not None else [], config.capacity_bytes, slot_nbytes,
+                                    config.o_direct, index_reserve_bytes=INDEX_RESERVE_BYTES)
+        except OSError:
+            os.close(self._lock_fd)
+            raise
+        self._reason = "; ".join(filter(None, [self._reason, *self._files.shortfalls]))
+        self.num_slots = self._files.num_slots
+        self.stride = self._files.stride
+        self._index = SlotIndex(self.num_slots, clock=time.time)  # wall clock: last use persists
+        self._checksums = np.zeros(self.num_slots, dtype=np.uint64)  # per slot, of its holder
+        self._write_lock = threading.Lock()  # orders slot reuse against LMDB deletes (see module doc)
+        self._pending_deletes: set[bytes] = set()  # under _write_lock
+        self._stats_lock = threading.Lock()
+        self._touched: dict[bytes, float] = {}  # last uses not yet persisted; under _stats_lock
+        self._state = threading.Condition()
+        self._num_in_flight, self._closed = 0, False
+        self.num_corrupted = self.num_io_errors = self.bytes_written = self.bytes_read = 0
+        self.num_recovered = self.num_dropped_on_open = 0
+        self._admitting = self.num_slots > 0
+        if not self._admitting and not self._reason:
+            self._reason = "disk: no slots (capacity below one slot)"
+        self._pool = concurrent.futures.ThreadPoolExecutor(config.num_io_threads, thread_name_prefix="kvtierd-ssd-io")
+        if self._db is not None:
+            self._recover()
+
+    # ------------------------------------------------------------------------------ open
+
+    def _recover(self) -> None:
+        paths = [f.path for f in self._files.files]
+        stored_paths = self._db.files()
+        previous = paths if stored_paths is None else stored_paths
+
+        def keep(record: Record) -> bool:
+            return (record.layout_id == self._layout_id and record.length == self.slot_nbytes
+                    and record.file_index < min(len(previous), len(paths))
+                    and previous[record.file_index] == paths[record.file_index]
+                    and self._files.global_slot(record.file_index, record.local_slot) is not None)
+
+        records, dropped = self._db.scan(keep)
+        by_slot: dict[int, list[Record]] = {}
+        for record in records:
+            by_slot.setdefault(self._files.global_slot(record.file_index, record.local_slot), []).append(record)
+        # two records, one slot: neither can be trusted to own it
+        dropped += [r.block_hash for group in by_slot.values() if len(group) > 1 for r in group]
+        self.num_dropped_on_open = len(dropped)
+        with self._write_lock:
+            self._commit_index("recovery", deletes=dropped)  # on failure: pending, not admitting
+        if stored_paths != paths:  # after the deletes: records left name the same files in both lists
+            try:
+                self._db.set_files(paths)
+            except lmdb.Error as error:
+                self._stop_admitting(error, "recovery")
+        restored = [(BlockMeta(r.block_hash, r.parent_hash, r.token_ids), slot, r.last_use_s)
+                    for slot, group in by_slot.items() if len(group) == 1 for r in group]
+        self._index.restore(restored)
+        for slot, group in by_slot.items():
+            if len(group) == 1:
+                self._checksums[slot] = group[0].checksum
+        self.num_recovered = len(restored)
+        log.info("SSD tier: %d slots of %d bytes in %d file(s), o_direct=%s; recovered %d blocks, dropped %d",
+                 self.num_slots, self.stride, len(paths), self._files.o_direct, self.num_recovered,
+                 self.num_dropped_on_open)
+
+    # ------------------------------------------------------------------------------ queries
+
+    def lookup(self, hashes: Sequence[bytes], parent: bytes | None = None, token_bytes: bytes | None = None,
+               block_size: int = 0) -> int:
+        """How many leading blocks are here (verified against parent and tokens when given)."""
+        with self._operation():
+            return self._index.lookup(hashes, parent, token_bytes, block_size)
+
+    def block_hashes(self) -> list[bytes]:
+        """Every block held and visible (for recovery checks, inspection and tests)."""
+        return [e.block_hash for e in self._index.entries() if not e.storing]
+
+    def metas(self, hashes: Sequence[bytes]) -> list[BlockMeta]:
+        """The stored keys (hash, parent, token ids) of the leading held blocks named."""
+        return self._index.metas(hashes)
+
+    def set_owner_quota(self, owner_of, limit_bytes) -> None:
+        """Per-owner byte limits (None = none), enforced in slots; see SlotIndex.set_owner_quota."""
+        self._index.set_owner_quota(owner_of, lambda owner: slots_within(limit_bytes(owner), self.stride))
+
+    def stats(self) -> dict:
+        with self._stats_lock:
+            return dict(
+                capacity_bytes=self.num_slots * self.stride, requested_capacity_bytes=self.config.capacity_bytes,
+                used_bytes=self._index.num_used_slots * self.stride, num_entries=self._index.num_ready,
+                num_slots=self.num_slots, slot_nbytes=self.slot_nbytes, num_corrupted=self.num_corrupted,
+                num_io_errors=self.num_io_errors, num_evictions=self._index.num_evictions,
+                num_recovered=self.num_recovered, num_dropped_on_open=self.num_dropped_on_open,
+                admitting=self._admitting, reason=self._reason, bytes_written=self.bytes_written,
+                bytes_read=self.bytes_read, o_direct=self._files.o_direct, durability=self.config.durability,
+                quota_skips=self._index.num_quota_skips)
+
+    @property
+    def admitting(self) -> bool:
+        return self._admitting
+
+    # ------------------------------------------------------------------------------ stores
+
+    def store(self, items: Sequence[tuple[BlockMeta, object]]) -> int:
+        """Store blocks not already here; returns how many were stored (0 when not admitting or
+        on a write error, which stops admission). Raises only for malformed items."""
+        metas, sources = self._check_items(items)
+        with self._operation():
+            if not self._admitting or not metas:
+                return 0
+            with self._write_lock:
+                plan = self._index.prepare_store(metas)
+                victims = plan.evicted + self._watermark_victims()
+                if not self._commit_index("evict", deletes=[v.block_hash for v in victims]):  # (a)
+                    self._index.complete_store(plan.stores, False)
+                    return 0
+            if not plan.stores:
+                return 0
+            entries = plan.stores
+            try:
+                checksums = self._run_all(self._write_run, entries, [sources[e.block_hash] for e in entries])  # (b)
+                if self.config.durability == "fdatasync":
+                    self._files.sync([self._files.location(e.slot)[0] for e in entries])  # (c)
+            except BaseException as error:  # the slots go back free; an OSError stops admission
+                self._index.complete_store(entries, False)
+                if not isinstance(error, OSError):
+                    raise
+                self._stop_admitting(error, "slot write")
+                return 0
+            records = [self._record(e, checksum) for e, checksum in zip(entries, checksums)]
+            with self._write_lock:
+                with self._stats_lock:
+                    touched, self._touched = self._touched, {}
+                committed = self._commit_index("index commit", puts=records, last_uses=touched)  # (d)
+            if committed:
+                for entry, checksum in zip(entries, checksums):
+                    self._checksums[entry.slot] = checksum
+            self._index.complete_store(entries, committed)  # (e)
+            if not committed:
+                return 0
+            with self._stats_lock:
+                self.bytes_written += len(entries) * self.slot_nbytes
+            return len(entries)
+
+    def _write_run(self, run, entries, sources) -> list[tuple[int, int]]:
+        self._files.write_run(run, sources)
+        return [(p, xxhash.xxh3_64_intdigest(sources[p])) for p in run.positions]
+
+    def _watermark_victims(self) -> list[SlotEntry]:
+        num_used = self._index.num_used_slots
+        if num_used <= int(self.config.high_watermark * self.num_slots):
+            return []
+        return self._index.evict_lru(num_used - int(self.config.low_watermark * self.num_slots))
+
+    def _record(self, entry: SlotEntry, checksum: int) -> Record:
+        file_index, local_slot = self._files.location(entry.slot)
+        return Record(entry.block_hash, file_index, local_slot, self.slot_nbytes, checksum, self._layout_id,
+                      entry.last_use_s, entry.meta.parent_hash, entry.meta.token_ids)
+
+    # ------------------------------------------------------------------------------ loads
+
+    def load(self, hashes: Sequence[bytes], out: torch.Tensor | Sequence[torch.Tensor], parent: bytes | None = None,
+             token_bytes: bytes | None = None, block_size: int = 0) -> int:
+        """Copy the leading verified hits into out[:k]; returns k. A block that fails to read or
+        verify ends the prefix, is dropped and counted; its row of `out` is zeroed. `out` is a
+        uint8 tensor `[>= n, slot_nbytes]` or a list of n rows (e.g. host-tier slots: a row that
+        is 4 KiB aligned and one stride long is read into directly, without staging)."""
+        rows = list(out[:len(hashes)]) if isinstance(out, torch.Tensor) else list(out)
+        if len(rows) < len(hashes) or not all(
+                isinstance(row, torch.Tensor) and row.dtype == torch.uint8 and row.device.type == "cpu"
+                and row.shape == (self.slot_nbytes,) and row.is_contiguous() for row in rows):
+            raise InvalidArgument(
+                f"out must be CPU uint8 rows of {self.slot_nbytes} contiguous bytes, at least {len(hashes)}")
+        with self._operation():
+            entries = self._index.prepare_load(hashes, parent, token_bytes, block_size)
+            if not entries:
+                return 0
+            try:
+                destinations = [memoryview(rows[i].numpy()) for i in range(len(entries))]
+                results = self._run_all(self._load_run, entries, destinations)
+            finally:
+                self._index.complete_load(entries)
+            num_loaded = next((i for i, ok in enumerate(results) if ok is not True), len(results))
+            self._drop([(e, why) for e, why in zip(entries, results) if why is not True])
+            with self._stats_lock:
+                self.bytes_read += num_loaded * self.slot_nbytes
+                for entry in entries[:num_loaded]:
+                    self._touched[entry.block_hash] = entry.last_use_s
+            return num_loaded
+
+    def _load_run(self, run, entries, destinations) -> list[tuple[int, bool | str]]:
+        try:
+            views = self._files.read_run(run, destinations)
+            failure = "corrupt"  # a short read (view None) or a checksum mismatch
+        except OSError as error:
+            log.error("SSD tier: read of %d block(s) failed: %s", len(run.positions), error)
+            views, failure = [None] * len(run.positions), "io"
+        results = []
+        for position, view in zip(run.positions, views):
+            destination = destinations[position]
+            if view is not None and xxhash.xxh3_64_intdigest(view) == int(self._checksums[entries[position].slot]):
+                if view.obj is not destination.obj:
+                    destination[:] = view
+                results.append((position, True))
+            else:
+                destination[:] = bytes(destination.nbytes)  # nothing of a failed block is handed out
+                results.append((position, failure))
+        return results
+
+    def _drop(self, failures: list[tuple[SlotEntry, str]]) -> None:
+        """Drop blocks that failed to read or verify. One pinned by another load stays until
+        that load fails on it too, and is counted then."""
+        if not failures:
+            return
+        why = {entry.block_hash: reason for entry, reason in failures}
+        with self._write_lock:
+            removed = self._index.remove(list(why))
+            self._commit_index("drop", deletes=[e.block_hash for e in removed])
+        num_io = sum(1 for e in removed if why[e.block_hash] == "io")
+        with self._stats_lock:
+            self.num_io_errors += num_io
+            self.num_corrupted += len(removed) - num_io
+        if removed:
+            log.warning("SSD tier: dropped %d block(s) that failed to read (%d) or verify (%d)",
+                        len(removed), num_io, len(removed) - num_io)
+
+    # ------------------------------------------------------------------------------ removal, close
+
+    def remove(self, hashes: Sequence[bytes]) -> int:
+        """Drop the named blocks that no load pins; returns how many went."""
+        with self._operation(), self._write_lock:
+            removed = self._index.remove(hashes)
+            self._commit_index("remove", deletes=[e.block_hash for e in removed])
+            return len(removed)
+
+    def close(self) -> None:
+        """Finish in-flight calls, persist last uses, flush the index. Idempotent."""
+        with self._state:
+            if self._closed:
+                return
+            self._closed = True
+            self._state.wait_for(lambda: self._num_in_flight == 0)
+        self._pool.shutdown(wait=True)
+        if self._db is not None:
+            with self._write_lock:
+                self._commit_index("close", last_uses=self._touched)
+            with contextlib.suppress(lmdb.Error, OSError):
+                self._db.sync()
+            self._db.close()
+        self._files.close()
+        os.close(self._lock_fd)
+
+    # ------------------------------------------------------------------------------ helpers
+
+    @contextlib.contextmanager
+    def _operation(self):
+        with self._state:
+            if self._closed:
+                raise FailedPrecondition("the SSD tier is closed")
+            self._num_in_flight += 1
+        try:
+            yield
+        finally:
+            with self._state:
+                self._num_in_flight -= 1
+                self._state.notify_all()
+
+    def _run_all(self, task, entries: list[SlotEntry], buffers: list[memoryview]) -> list:
+        """Run `task(run, entries, buffers)` per run on the I/O threads; wait for every one before
+        returning or raising (a slot must not be freed while a write to it is in flight)."""
+        runs = self._files.plan_runs([e.slot for e in entries])
+        futures = [self._pool.submit(task, run, entries, buffers) for run in runs]
+        concurrent.futures.wait(futures)
+        results: list = [None] * len(entries)
+        for future in futures:
+            for position, value in future.result():  # re-raises the first failure
+                results[position] = value
+        return results
+
+    def _commit_index(self, where: str, deletes=(), puts=(), last_uses=None) -> bool:
+        """One LMDB transaction, pending deletes included; the caller holds _write_lock."""
+        deletes = self._pending_deletes.union(deletes)
+        if not deletes and not puts and not last_uses:
+            return True
+        if self._db is None:
+            return False
+        try:
+            self._db.commit(deletes, puts, last_uses)
+        except (lmdb.Error, OSError) as error:
+            self._pending_deletes = deletes | {r.block_hash for r in puts}  # a failed commit may have landed
+            self._stop_admitting(error, where)
+            return False
+        self._pending_deletes = set()
+        return True
+
+    def _stop_admitting(self, error: BaseException, where: str) -> None:
+        with self._stats_lock:
+            self.num_io_errors += 1
+            was_admitting, self._admitting = self._admitting, False
+            if was_admitting:
+                self._reason = describe_error(error, where, self.config.directories[0]) + "; T2 stopped admitting"
+        if was_admitting:
+            log.error("SSD tier: %s", self._reason)
+
+    def _check_items(self, items) -> tuple[list[BlockMeta], dict[bytes, memoryview]]:
+        metas, sources = [], {}
+        for meta, data in items:
+            if not isinstance(meta, BlockMeta):
+                raise InvalidArgument(f"store items are (BlockMeta, bytes), got {type(meta).__name__}")
+            if isinstance(data, torch.Tensor):
+                if data.dtype != torch.uint8 or data.device.type != "cpu":
+                    raise InvalidArgument("a block tensor must be a CPU uint8 tensor")
+                view = memoryview(data.contiguous().view(-1).numpy())
+            else:
+                try:
+                    view = memoryview(data).cast("B")
+                except TypeError as error:
+                    raise InvalidArgument(f"block data must be bytes-like or a tensor: {error}") from None
+            if view.nbytes != self.slot_nbytes:
+                raise InvalidArgument(f"a block is {self.slot_nbytes} bytes here, got {view.nbytes}")
+            metas.append(meta)
+            sources.setdefault(meta.block_hash, view)
+        return metas, sources

@@ -1,0 +1,130 @@
+"""Offload: blocks going down the tiers, T0 → T1 → T2, by each edge's policy.
+
+- T0 → T1 `on_evict`: the block index calls `on_t0_evict(victims)` with its lock held, before
+  the victims' content is dropped and their blocks reused; the copy completes before it returns.
+- T0 → T1 `write_through`: `after_commit` copies freshly committed blocks down in the background
+  while a hold keeps them from being evicted or reused until the copy has landed.
+- T1 → T2 `write_through`: every block stored in T1 is written to T2 in the background, pinned in
+  T1 meanwhile. `on_evict`: entries T1 evicts are written to T2 before their slots are reused.
+A failed copy completes its store with success=False: no entry points at bytes that did not land.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+
+from kvtierd.movers.copy_engine import Direction
+from kvtierd.index.kv_block import KVBlock
+from kvtierd.index.slot_index import BlockMeta, SlotEntry, StorePlan
+from kvtierd.tiering.tier_config import EdgePolicy
+from kvtierd.tiering.tiers import Tiers
+
+log = logging.getLogger(__name__)
+
+
+class Offloader:
+    def __init__(self, tiers: Tiers) -> None:
+        self.tiers = tiers
+        self._holder_ids = itertools.count()
+
+    # ----------------------------------------------------------------------------- T0 → T1
+
+    def on_t0_evict(self, victims: list[KVBlock]) -> None:
+        """The block index's eviction hook (its lock is held): copy down what T1 lacks, now."""
+        tiers = self.tiers
+        if tiers.host is None or tiers.config.t0_to_t1 is not EdgePolicy.ON_EVICT:
+            return
+        metas = [BlockMeta(b.block_hash, b.parent_hash, b.token_ids) for b in victims]
+        plan = self.prepare_t1_store(metas)
+        if not plan.stores:
+            return
+        block_of = {b.block_hash: b.block_id for b in victims}
+        block_ids = [block_of[e.block_hash] for e in plan.stores]
+        try:
+            tiers.engine.run(Direction.DEVICE_TO_HOST, self._encode_job(block_ids, plan.stores),
+                             len(plan.stores) * tiers.host.codec.slot_nbytes)
+        except Exception:
+            log.exception("offloading %d evicted blocks to the host tier failed", len(plan.stores))
+            tiers.host.index.complete_store(plan.stores, success=False)
+            tiers.counters.add("num_failed_offload_blocks", len(plan.stores))
+            return
+        tiers.host.index.complete_store(plan.stores, success=True)
+        tiers.counters.add("num_offloaded_blocks", len(plan.stores), "t0_t1")
+        self._after_t1_store(plan.stores)
+
+    def after_commit(self, request_id, start_position: int, block_hashes: list[bytes], token_bytes: bytes,
+                     parent_hash: bytes) -> None:
+        """Write-through T0 → T1 of blocks just committed (a no-op under other policies)."""
+        tiers = self.tiers
+        if tiers.host is None or tiers.config.t0_to_t1 is not EdgePolicy.WRITE_THROUGH or not block_hashes:
+            return
+        stride = 4 * tiers.layout.block_size
+        metas = [BlockMeta(h, p, token_bytes[i * stride:(i + 1) * stride])
+                 for i, (h, p) in enumerate(zip(block_hashes, [parent_hash, *block_hashes[:-1]]))]
+        block_ids = tiers.index.block_table(request_id)[start_position:start_position + len(block_hashes)]
+        holder = ("write-through", next(self._holder_ids))
+        tiers.index.hold(holder, block_ids)  # neither evicted nor reused until the copy landed
+        # A block reused before the hold (its request released meanwhile) no longer holds its hash.
+        block_of = {m.block_hash: block_id for m, block_id in zip(metas, block_ids)
+                    if tiers.index.blocks[block_id].block_hash == m.block_hash}
+        plan = self.prepare_t1_store([m for m in metas if m.block_hash in block_of])
+        if not plan.stores:
+            tiers.index.free(holder)
+            return
+        stored_ids = [block_of[e.block_hash] for e in plan.stores]
+        transfer = tiers.engine.submit(Direction.DEVICE_TO_HOST, self._encode_job(stored_ids, plan.stores),
+                                       len(plan.stores) * tiers.host.codec.slot_nbytes)
+
+        def finalize(error: BaseException | None) -> None:
+            tiers.index.free(holder)
+            tiers.host.index.complete_store(plan.stores, success=error is None)
+            if error is not None:
+                tiers.counters.add("num_failed_offload_blocks", len(plan.stores))
+                return
+            tiers.counters.add("num_offloaded_blocks", len(plan.stores), "t0_t1")
+            self._after_t1_store(plan.stores)
+
+        tiers.after(transfer, finalize)
+
+    def _encode_job(self, block_ids: list[int], entries: list[SlotEntry]):
+        tiers = self.tiers
+        slot_ids = [e.slot for e in entries]
+        return lambda: tiers.host.codec.encode(tiers.pool.tensor, block_ids, tiers.host.slots, slot_ids)
+
+    def prepare_t1_store(self, metas: list[BlockMeta]) -> StorePlan:
+        """Reserve T1 slots; entries T1 evicts for them go to T2 first when that edge is on_evict.
+        Every store into T1 (offload or promotion) reserves through here."""
+        plan = self.tiers.host.index.prepare_store(metas)
+        if plan.evicted and self.tiers.config.t1_to_t2 is EdgePolicy.ON_EVICT:
+            self._write_t2(plan.evicted)  # synchronous: their slots are about to be overwritten
+        return plan
+
+    # ----------------------------------------------------------------------------- T1 → T2
+
+    def _after_t1_store(self, entries: list[SlotEntry]) -> None:
+        """Write-through T1 → T2 of entries just stored in T1, pinned until written."""
+        tiers = self.tiers
+        if tiers.ssd is None or tiers.config.t1_to_t2 is not EdgePolicy.WRITE_THROUGH:
+            return
+        pinned = tiers.host.index.pin_present([e.block_hash for e in entries])
+        if not pinned:
+            return
+        transfer = tiers.engine.submit(Direction.HOST_TO_HOST, lambda: self._write_t2(pinned),
+                                       len(pinned) * tiers.host.codec.slot_nbytes)
+        tiers.after(transfer, lambda error: tiers.host.index.complete_load(pinned))
+
+    def _write_t2(self, entries: list[SlotEntry]) -> int:
+        """Store T1 entries (their slots' current bytes) in T2; returns how many it took."""
+        tiers = self.tiers
+        rows = tiers.t1_rows_for_t2([e.slot for e in entries])
+        try:
+            with tiers.ssd_write.measure(rows.numel()):
+                num_stored = tiers.ssd.store([(e.meta, rows[i]) for i, e in enumerate(entries)])
+        except Exception:  # the SSD tier reports its own errors; the host tier keeps serving
+            log.exception("writing %d blocks to the SSD tier failed", len(entries))
+            tiers.counters.add("num_failed_offload_blocks", len(entries))
+            return 0
+        tiers.counters.add("num_offloaded_blocks", num_stored, "t1_t2")
+        return num_stored
+

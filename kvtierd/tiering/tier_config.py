@@ -1,0 +1,53 @@
+"""What moves between tiers and when: edge policies, capacities, codecs, the recompute cost.
+
+Per edge (T0→T1, T1→T2):
+- `write_through`: committed blocks are copied down in the background at once, so a later
+  eviction from the upper tier costs nothing (the lower tier already holds the block);
+- `on_evict`: a block is copied down when the upper tier evicts it;
+- `off`: nothing moves down this edge.
+A lower-tier hit is loaded only when loading is expected to be faster than recomputing those
+tokens: storage hits slower than recompute are a documented failure of peers (SGLang #26305,
+#31600). Set `recompute_s_per_token` (or pass it per call) to enable the check.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+from collections.abc import Sequence
+
+from kvtierd.movers.copy_engine import Bandwidth
+from kvtierd.errors import InvalidArgument
+
+
+class EdgePolicy(str, enum.Enum):
+    WRITE_THROUGH = "write_through"
+    ON_EVICT = "on_evict"
+    OFF = "off"
+
+
+@dataclasses.dataclass(frozen=True)
+class TierConfig:
+    host_capacity_bytes: int = 1 << 30
+    host_codec: str = "raw"  # "raw" | "fp8"
+    ssd_codec: str = "raw"  # T2 may store fp8 below a raw T1 (converted on the host)
+    t0_to_t1: EdgePolicy = EdgePolicy.ON_EVICT
+    t1_to_t2: EdgePolicy = EdgePolicy.WRITE_THROUGH
+    recompute_s_per_token: float | None = None  # None: lower-tier hits are always loaded
+
+    def __post_init__(self) -> None:
+        if self.host_capacity_bytes < 0:
+            raise InvalidArgument(f"host_capacity_bytes must be >= 0, got {self.host_capacity_bytes}")
+        for name in ("t0_to_t1", "t1_to_t2"):
+            object.__setattr__(self, name, EdgePolicy(getattr(self, name)))
+        if self.recompute_s_per_token is not None and self.recompute_s_per_token <= 0:
+            raise InvalidArgument("recompute_s_per_token must be positive")
+
+
+def worth_loading(num_tokens: int, path: Sequence[tuple[Bandwidth, int]], recompute_s_per_token: float | None) -> bool:
+    """Is moving these bytes along `path` (each hop: its measured bandwidth, its bytes) expected
+    to take less time than recomputing `num_tokens`?"""
+    if recompute_s_per_token is None:
+        return True
+    load_s = sum(bandwidth.seconds_for(nbytes) for bandwidth, nbytes in path)
+    return load_s < num_tokens * recompute_s_per_token

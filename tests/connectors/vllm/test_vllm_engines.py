@@ -1,0 +1,393 @@
+"""End to end: real vLLM engines (the CPU build, in .venv-vllm) through KvtierdConnector to a real
+`kvtierd serve`.
+
+Each engine is its own process tree (tests/connectors/vllm/vllm_engine_main.py: the LLM process, its EngineCore
+and its worker), started in a session of its own so that a timeout or a SIGKILL reaches all three.
+The model is a tiny random Llama; decoding is greedy, so every engine must produce exactly the
+tokens of the engine without a connector (the reference), whatever it loaded from the daemon.
+vLLM's prefix cache is off in every engine: a cached token can only come from the daemon.
+Engines run one at a time (2 cores here) except in the concurrency test.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import pathlib
+import random
+import shutil
+import signal
+import subprocess
+import tempfile
+
+import pytest
+
+from kvtierd.client import KvtierClient
+from kvtierd.connectors.vllm.transfer_config import cpu_engine_env
+from kvtierd.server.daemon_process import DaemonProcess, small_daemon_args, wait_until
+
+ENGINE_MAIN = pathlib.Path(__file__).with_name("vllm_engine_main.py")
+READY_LINE = "vllm_engine_main: ready"  # printed by ENGINE_MAIN once the LLM is built
+
+# The tiny Llama: CPU_ATTN takes head sizes 32, 64, 80, ... and block sizes that are multiples of 32.
+NUM_LAYERS, NUM_KV_HEADS, HEAD_DIM, BLOCK_SIZE = 4, 2, 64, 32
+BYTES_PER_BLOCK = NUM_LAYERS * 2 * BLOCK_SIZE * NUM_KV_HEADS * HEAD_DIM * 4  # K and V, float32: 128 KiB
+NUM_T0_BLOCKS = 320
+MAX_TOKENS = 48
+SHARED_PREFIX_LEN = 256  # 8 blocks
+ENGINE_TIMEOUT_S = 300  # one engine: ~15-30 s start-up on 2 cores, well under a second of generation
+WRITE_THROUGH = ["--set", "policy.t0_to_t1=write_through", "--set", "policy.t1_to_t2=write_through"]
+
+# Saved with .venv-vllm's transformers, the version vLLM reads. initializer_range 0.1 (not 0.02):
+# a model with near-uniform attention repeats one token whatever its context, and then a wrong
+# KV block would not change the output.
+SAVE_TINY_LLAMA = f"""
+import sys, torch, transformers
+torch.manual_seed(0)
+config = transformers.LlamaConfig(vocab_size=1000, hidden_size=256, intermediate_size=512,
+    num_hidden_layers={NUM_LAYERS}, num_attention_heads=4, num_key_value_heads={NUM_KV_HEADS}, head_dim={HEAD_DIM},
+    max_position_embeddings=1024, initializer_range=0.1, dtype="float32")
+transformers.LlamaForCausalLM(config).to(torch.float32).save_pretrained(sys.argv[1])
+"""
+
+
+def random_tokens(seed: int, num_tokens: int) -> list[int]:
+    rng = random.Random(seed)
+    return [rng.randrange(3, 1000) for _ in range(num_tokens)]
+
+
+# Three prompts behind one 256-token prefix (a system prompt), each with a suffix of its own.
+SHARED_PREFIX = random_tokens(1, SHARED_PREFIX_LEN)
+SHARED_PROMPTS = [SHARED_PREFIX + random_tokens(10 + i, n) for i, n in enumerate((20, 37, 54))]
+# Four unrelated prompts of 272 tokens (9 blocks; 10 once 48 tokens are generated): a 20-block KV
+# cache (19 usable) admits two at once and must preempt one when both grow to their tenth block.
+PREEMPTION_PROMPTS = [random_tokens(20 + i, 272) for i in range(4)]
+PREEMPTION_NUM_GPU_BLOCKS = 20
+
+
+def hit_cap(prompt: list[int]) -> int:
+    """The most tokens a sync connector may claim: whole blocks, one token short of the prompt."""
+    return (len(prompt) - 1) // BLOCK_SIZE * BLOCK_SIZE
+
+
+def engine_env() -> dict[str, str]:
+    return cpu_engine_env({k: v for k, v in os.environ.items() if not k.startswith("KVTIERD_")}, kv_cache_gib=1)
+
+
+class Engine:
+    """One running tests/connectors/vllm/vllm_engine_main.py; its output (vLLM's logs too) goes to `log_path`."""
+
+    def __init__(self, vllm_python: str, model_dir: pathlib.Path, directory: pathlib.Path, name: str,
+                 prompts: list[list[int]], address: str | None, *flags: str) -> None:
+        self.name = name
+        self.out_json = directory / f"{name}.json"
+        self.log_path = directory / f"{name}.log"
+        prompts_json = directory / f"{name}.prompts.json"
+        prompts_json.write_text(json.dumps(prompts))
+        command = [vllm_python, "-P", str(ENGINE_MAIN), str(model_dir), str(self.out_json),
+                   "--prompts", str(prompts_json), "--max-tokens", str(MAX_TOKENS), *flags]
+        if address is not None:
+            command += ["--address", address]
+        with open(self.log_path, "w") as log:
+            self.process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, cwd=directory,
+                                            env=engine_env(), start_new_session=True)
+
+    def log(self) -> str:
+        return self.log_path.read_text(errors="replace")
+
+    def failure_report(self) -> str:
+        """The log from its first traceback (or its last 80 lines)."""
+        lines = self.log().splitlines()
+        first = next((i for i, line in enumerate(lines) if "Traceback (most recent call last)" in line
+                      and "Tokenizer not available" not in "".join(lines[i:i + 15])), None)
+        shown = lines[first:first + 120] if first is not None else lines[-80:]
+        return f"engine {self.name} ({self.log_path}):\n" + "\n".join(shown)
+
+    def is_ready(self) -> bool:
+        return READY_LINE in self.log()
+
+    def kill(self) -> None:
+        """SIGKILL the whole tree (LLM process, EngineCore, worker)."""
+        try:
+            os.killpg(self.process.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        self.process.wait(30)
+
+    def result(self, timeout_s: float = ENGINE_TIMEOUT_S) -> dict:
+        """Wait for the engine; fail the test with its traceback if it failed or ran too long."""
+        try:
+            status = self.process.wait(timeout_s)
+        except subprocess.TimeoutExpired:
+            self.kill()
+            pytest.fail(f"engine {self.name} still ran after {timeout_s:.0f} s\n{self.failure_report()}")
+        if status != 0 or not self.out_json.exists():
+            pytest.fail(f"engine {self.name} exited with status {status}\n{self.failure_report()}")
+        return json.loads(self.out_json.read_text())
+
+
+@pytest.fixture
+def engines(vllm_python, tiny_llama, tmp_path):
+    """Starts engines (`engines(name, prompts, address, *flags)`); kills what still runs at teardown."""
+    started: list[Engine] = []
+
+    def start(name: str, prompts: list[list[int]], address: str | None, *flags: str) -> Engine:
+        engine = Engine(vllm_python, tiny_llama, tmp_path, name, prompts, address, *flags)
+        started.append(engine)
+        return engine
+
+    yield start
+    for engine in started:
+        if engine.process.poll() is None:
+            engine.kill()
+
+
+@pytest.fixture(scope="session")
+def tiny_llama(vllm_python, tmp_path_factory) -> pathlib.Path:
+    """A random 4-layer Llama (float32, 2 KV heads of 64) saved by LlamaForCausalLM.save_pretrained."""
+    model_dir = tmp_path_factory.mktemp("tiny-llama")
+    done = subprocess.run([vllm_python, "-P", "-c", SAVE_TINY_LLAMA, str(model_dir)], check=False,
+                          capture_output=True, text=True, timeout=300, cwd=model_dir)
+    if done.returncode != 0:
+        pytest.fail(f"saving the tiny Llama failed ({done.returncode}):\n{done.stdout}\n{done.stderr}")
+    return model_dir
+
+
+@pytest.fixture(scope="session")
+def reference(vllm_python, tiny_llama, tmp_path_factory) -> dict[tuple[int, ...], list[int]]:
+    """prompt -> output tokens of one engine without a connector, over every prompt of this file."""
+    prompts = SHARED_PROMPTS + PREEMPTION_PROMPTS
+    engine = Engine(vllm_python, tiny_llama, tmp_path_factory.mktemp("reference"), "reference", prompts, None)
+    result = engine.result()
+    assert result["num_cached_tokens"] == [0] * len(prompts)
+    return {tuple(prompt): tokens for prompt, tokens in zip(prompts, result["output_token_ids"])}
+
+
+def expected(reference, prompts: list[list[int]]) -> list[list[int]]:
+    return [reference[tuple(prompt)] for prompt in prompts]
+
+
+@pytest.fixture
+def short_dir():
+    """A directory with a short path: a unix socket path must fit in 108 bytes."""
+    directory = tempfile.mkdtemp(prefix="kvv-")
+    yield directory
+    shutil.rmtree(directory, ignore_errors=True)
+
+
+def start_daemon(directory: str, extra: list[str] = ()) -> DaemonProcess:
+    return DaemonProcess(small_daemon_args(directory, t0_bytes=f"{NUM_T0_BLOCKS * BYTES_PER_BLOCK}B",
+                                           host_bytes="64MiB", ssd_bytes="128MiB", extra=list(extra)))
+
+
+@pytest.fixture
+def daemon(short_dir):
+    with start_daemon(short_dir) as process:
+        yield process
+
+
+def tier(pool, name: str):
+    return next(t for t in pool.tiers if t.tier == name)
+
+
+def the_pool(client: KvtierClient):
+    """The one pool (layout) the engines attached."""
+    pools = list(client.stats().pools)
+    assert len(pools) == 1, pools
+    assert pools[0].num_blocks == NUM_T0_BLOCKS
+    return pools[0]
+
+
+def assert_hits_the_prefix(result: dict, prompts: list[list[int]]) -> None:
+    for prompt, num_cached in zip(prompts, result["num_cached_tokens"]):
+        assert num_cached % BLOCK_SIZE == 0 and SHARED_PREFIX_LEN <= num_cached <= hit_cap(prompt), \
+            result["num_cached_tokens"]
+
+
+@pytest.mark.timeout(900)
+def test_a_new_engine_hits_the_prefix_another_engine_stored_and_decodes_the_same(reference, engines, daemon):
+    """Engine A (cold) stores; a new engine process B loads >= the shared prefix; both match the reference."""
+    cold = engines("cold", SHARED_PROMPTS, daemon.address).result()
+    assert cold["output_token_ids"] == expected(reference, SHARED_PROMPTS)
+    warm = engines("warm", SHARED_PROMPTS, daemon.address).result()
+    assert_hits_the_prefix(warm, SHARED_PROMPTS)
+    assert warm["output_token_ids"] == expected(reference, SHARED_PROMPTS)
+    # vLLM's own metric names the tier: everything came from the daemon's T0 ("device").
+    assert warm["cached_tokens_by_source"] == {"device": sum(warm["num_cached_tokens"])}, warm
+
+
+@pytest.mark.timeout(900)
+def test_after_a_daemon_restart_a_new_engine_hits_from_t2(reference, engines, short_dir):
+    """Blocks engine A stored reach T2; after a restart (T0 and T1 empty) engine B loads them from T2."""
+    with start_daemon(short_dir, WRITE_THROUGH) as daemon:
+        cold = engines("cold", SHARED_PROMPTS, daemon.address).result()
+        assert cold["output_token_ids"] == expected(reference, SHARED_PROMPTS)
+        with KvtierClient(daemon.address) as client:
+            assert wait_until(lambda: 0 < tier(the_pool(client), "t0").num_cached_blocks
+                              <= tier(the_pool(client), "t2").num_cached_blocks, timeout_s=30), the_pool(client)
+        assert daemon.stop() == 0
+    with start_daemon(short_dir, WRITE_THROUGH) as daemon, KvtierClient(daemon.address) as client:
+        assert all(tier(pool, name).num_cached_blocks == 0 for pool in client.stats().pools for name in ("t0", "t1"))
+        warm = engines("warm", SHARED_PROMPTS, daemon.address).result()
+        # Some hits were served from T2, others from T0 once the Lookup's prefetch promoted them.
+        num_t2_hit_blocks = tier(the_pool(client), "t2").num_hit_blocks
+    assert_hits_the_prefix(warm, SHARED_PROMPTS)
+    assert warm["output_token_ids"] == expected(reference, SHARED_PROMPTS)
+    assert num_t2_hit_blocks > 0
+    by_source = warm["cached_tokens_by_source"]  # as vLLM reports it: T2 is "disk"
+    assert by_source.get("disk", 0) > 0 and sum(by_source.values()) == sum(warm["num_cached_tokens"]), warm
+
+
+def store_then_corrupt_t2(client: KvtierClient, engines, address: str, short_dir: str) -> None:
+    """Engine A's blocks reach T2, then leave T0 and T1 (Evict), and a byte of every slot on disk is
+    flipped under the running daemon: its index still lists them."""
+    engines("cold", SHARED_PROMPTS, address).result()
+    assert wait_until(lambda: 0 < tier(the_pool(client), "t0").num_cached_blocks
+                      <= tier(the_pool(client), "t2").num_cached_blocks, timeout_s=30), the_pool(client)
+    client.evict(tiers=["t0", "t1"])
+    pool = the_pool(client)
+    assert tier(pool, "t0").num_cached_blocks == tier(pool, "t1").num_cached_blocks == 0, pool
+    slot_files = list(pathlib.Path(short_dir, "ssd").rglob("kvtierd-slots.bin"))
+    assert slot_files
+    for path in slot_files:
+        with open(path, "r+b") as f:
+            for offset in range(100, path.stat().st_size, BYTES_PER_BLOCK):  # a byte inside every slot
+                f.seek(offset)
+                byte = f.read(1)[0]
+                f.seek(offset)
+                f.write(bytes([byte ^ 0x5A]))
+
+
+@pytest.mark.timeout(900)
+def test_a_promised_hit_whose_blocks_are_corrupt_on_ssd_is_recomputed_to_the_same_tokens(
+        reference, engines, short_dir):
+    """With the Lookup's prefetch off (a Lookup has no side effect), the daemon promises B every full
+    block from T2; the load then meets the corrupt bytes, fails their checksums and reports load
+    errors, and vLLM (kv_load_failure_policy recompute) recomputes: B's tokens are the reference's,
+    and the daemon counts the corrupt blocks."""
+    with start_daemon(short_dir, WRITE_THROUGH) as daemon, KvtierClient(daemon.address) as client:
+        store_then_corrupt_t2(client, engines, daemon.address, short_dir)
+        warm = engines("warm-corrupt", SHARED_PROMPTS, daemon.address,
+                       "--extra-config", json.dumps({"prefetch": False})).result()
+        pool = the_pool(client)
+    # The scheduler was promised every full block, from T2 (vLLM's by-source counter records the
+    # promise), and none arrived: num_cached_tokens counts the tokens vLLM did not compute.
+    assert warm["cached_tokens_by_source"] == {"disk": sum(hit_cap(p) for p in SHARED_PROMPTS)}, warm
+    assert warm["num_cached_tokens"] == [0] * len(SHARED_PROMPTS), warm
+    assert warm["output_token_ids"] == expected(reference, SHARED_PROMPTS)
+    assert pool.num_corrupted_blocks > 0, pool
+
+
+@pytest.mark.timeout(900)
+def test_blocks_corrupted_on_ssd_never_reach_the_engine_with_prefetch_on(reference, engines, short_dir):
+    """The same corruption with the default prefetch: how much vLLM is promised depends on when a
+    Lookup's prefetch meets the corrupt bytes (before or after a later request's Lookup answers);
+    either way no corrupt byte reaches the engine and the daemon counts what it dropped."""
+    with start_daemon(short_dir, WRITE_THROUGH) as daemon, KvtierClient(daemon.address) as client:
+        store_then_corrupt_t2(client, engines, daemon.address, short_dir)
+        warm = engines("warm-corrupt", SHARED_PROMPTS, daemon.address).result()
+        pool = the_pool(client)
+    assert all(n in (0, *range(SHARED_PREFIX_LEN, hit_cap(p) + 1, BLOCK_SIZE))
+               for n, p in zip(warm["num_cached_tokens"], SHARED_PROMPTS)), warm
+    assert warm["output_token_ids"] == expected(reference, SHARED_PROMPTS)
+    assert pool.num_corrupted_blocks > 0, pool
+
+
+@pytest.mark.timeout(600)
+def test_without_a_daemon_the_engine_serves_uncached_and_does_not_hang(reference, engines, short_dir):
+    """No daemon at the address: the engine finishes in bounded time, 0 cached tokens, reference tokens."""
+    address = f"unix://{short_dir}/nobody.sock"
+    result = engines("no-daemon", SHARED_PROMPTS, address).result()
+    assert result["num_cached_tokens"] == [0] * len(SHARED_PROMPTS)
+    assert result["output_token_ids"] == expected(reference, SHARED_PROMPTS)
+    assert result["generate_s"] < 60, result
+
+
+@pytest.mark.timeout(900)
+def test_two_engines_at_once_share_the_system_prompt_a_third_stored(reference, engines, daemon):
+    """After A stored the system prompt, B and C run concurrently: both load exactly it, both decode right."""
+    first, second, third = ([prompt] for prompt in SHARED_PROMPTS)
+    result_a = engines("a", first, daemon.address).result()
+    assert result_a["output_token_ids"] == expected(reference, first)
+    engine_b = engines("b", second, daemon.address)
+    engine_c = engines("c", third, daemon.address)
+    result_b, result_c = engine_b.result(), engine_c.result()
+    # Only the system prompt is common to A's and each of B's and C's prompts.
+    assert result_b["num_cached_tokens"] == result_c["num_cached_tokens"] == [SHARED_PREFIX_LEN]
+    assert result_b["output_token_ids"] == expected(reference, second)
+    assert result_c["output_token_ids"] == expected(reference, third)
+
+
+@pytest.mark.timeout(600)
+def test_an_engine_killed_mid_request_leaves_no_block_held(engines, short_dir):
+    """SIGKILL of the whole engine while it stores: once its sessions are gone every T0 block is free."""
+    # 16 short prompts of staggered lengths decoding 448 tokens (~3.5 s here): a block fills, and
+    # is stored, every other step, so the kill comes while the engine's sessions are storing.
+    prompts = [random_tokens(40 + i, 64 + 2 * i) for i in range(16)]
+    with start_daemon(short_dir, ["--lease-s", "2"]) as daemon, KvtierClient(daemon.address) as client:
+        engine = engines("killed", prompts, daemon.address, "--max-tokens", "448")
+        assert wait_until(lambda: engine.is_ready() or engine.process.poll() is not None, timeout_s=ENGINE_TIMEOUT_S)
+        assert engine.process.poll() is None, engine.failure_report()
+        # Past the prompts' 32 full blocks: decode-time stores are under way.
+        assert wait_until(lambda: client.stats().pools and tier(the_pool(client), "t0").num_cached_blocks > 40,
+                          timeout_s=120), engine.failure_report()
+
+        def num_held_blocks() -> int:
+            pool = the_pool(client)
+            return pool.num_blocks - pool.num_free_blocks
+
+        # Best effort: aim the kill at a moment a store holds blocks (a store takes milliseconds).
+        held_before_kill = wait_until(lambda: num_held_blocks() > 0, timeout_s=2, period_s=0.002)
+        engine.kill()
+        assert not engine.out_json.exists(), "the engine finished before the kill"
+        assert wait_until(lambda: client.stats().num_sessions == 0, timeout_s=30), client.stats()
+        pool = the_pool(client)
+        assert pool.num_free_blocks == pool.num_blocks, (held_before_kill, client.stats())
+        assert tier(pool, "t0").num_cached_blocks > 0  # what it committed before the kill stays cached
+
+
+@pytest.mark.timeout(600)
+def test_preempted_requests_decode_the_reference_tokens(reference, engines, daemon):
+    """A 20-block KV cache preempts some of 4 concurrent requests; every output still equals the reference."""
+    result = engines("preempted", PREEMPTION_PROMPTS, daemon.address,
+                     "--num-gpu-blocks", str(PREEMPTION_NUM_GPU_BLOCKS)).result()
+    assert result["num_preemptions"] > 0, result
+    assert result["output_token_ids"] == expected(reference, PREEMPTION_PROMPTS)
+
+
+@pytest.fixture(scope="session")
+def smollm2_hf(smollm2_gguf, tmp_path_factory) -> pathlib.Path:
+    """SmolLM2-135M-Instruct dequantized to fp32 and saved as a Hugging Face directory, which vLLM reads."""
+    from kvtierd.connectors.reference.model_files import load_model_files, save_hf_directory
+
+    return save_hf_directory(load_model_files(smollm2_gguf), tmp_path_factory.mktemp("smollm2-hf"))
+
+
+@pytest.mark.timeout(900)
+def test_smollm2_through_vllm_answers_the_same_with_the_prefix_from_kvtierd(vllm_python, smollm2_hf, tmp_path,
+                                                                             short_dir):
+    """The real model, real chat prompts: the demo's 1,092-token handbook before two questions, and
+    the capital of France. A new engine loads the handbook from kvtierd and says what recompute says."""
+    from kvtierd.connectors.demo import demo_texts
+    from kvtierd.connectors.demo.chat_tokenizer import ChatTokenizer
+
+    tokenizer = ChatTokenizer.from_directory(smollm2_hf)
+    system = {"role": "system", "content": demo_texts.SYSTEM_PROMPT}
+    prompts = [tokenizer.prompt([system, {"role": "user", "content": question}]) for question in demo_texts.QUESTIONS[:2]]
+    prompts.append(tokenizer.prompt([{"role": "user", "content": "What is the capital of France?"}]))
+    layout_bytes = 30 * 2 * BLOCK_SIZE * 3 * 64 * 4  # SmolLM2: 30 layers, 3 KV heads of 64, fp32
+    flags = ("--max-model-len", "1536")
+
+    def engine(name: str, address: str | None) -> dict:
+        return Engine(vllm_python, smollm2_hf, tmp_path, name, prompts, address, *flags).result()
+
+    reference_run = engine("smollm2-reference", None)
+    assert tokenizer.decode(reference_run["output_token_ids"][2]).startswith("The capital of France is Paris.")
+    args = small_daemon_args(short_dir, t0_bytes=f"{256 * layout_bytes}B", host_bytes="256MiB", ssd_bytes="512MiB")
+    with DaemonProcess(args) as daemon:
+        cold = engine("smollm2-cold", daemon.address)
+        warm = engine("smollm2-warm", daemon.address)
+    assert cold["output_token_ids"] == warm["output_token_ids"] == reference_run["output_token_ids"]
+    assert cold["num_cached_tokens"] == [0, 0, 0]  # one batch: nothing stored yet when it was scheduled
+    for prompt, num_cached in zip(prompts, warm["num_cached_tokens"]):
+        assert num_cached == hit_cap(prompt), warm["num_cached_tokens"]  # every full block, from the other engine

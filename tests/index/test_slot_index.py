@@ -1,0 +1,207 @@
+"""The slot index of the lower tiers: two-phase stores and loads, LRU eviction, protection."""
+
+from __future__ import annotations
+
+import pytest
+
+from kvtierd.errors import InvalidArgument
+from kvtierd.index.slot_index import BlockMeta, SlotIndex
+from tests.factories import FakeClock
+
+
+def chain(n: int, start: int = 0) -> list[BlockMeta]:
+    """n chained blocks with distinct fake hashes (32 bytes) and 4 tokens each."""
+    metas, parent = [], b"\x00" * 32
+    for i in range(start, start + n):
+        block_hash = i.to_bytes(4, "little") * 8
+        metas.append(BlockMeta(block_hash, parent, bytes([i % 256]) * 16))
+        parent = block_hash
+    return metas
+
+
+def store(index: SlotIndex, metas: list[BlockMeta], success: bool = True):
+    plan = index.prepare_store(metas)
+    index.complete_store(plan.stores, success)
+    return plan
+
+
+def hashes(metas):
+    return [m.block_hash for m in metas]
+
+
+def test_stores_take_free_slots_and_become_visible_only_when_complete():
+    index = SlotIndex(4)
+    metas = chain(3)
+    plan = index.prepare_store(metas)
+    assert [e.slot for e in plan.stores] == [0, 1, 2] and plan.evicted == [] and plan.num_skipped == 0
+    assert index.lookup(hashes(metas)) == 0  # STORING is invisible
+    index.complete_store(plan.stores, success=True)
+    assert index.lookup(hashes(metas)) == 3 and index.num_used_slots == 3
+
+
+def test_a_failed_store_leaves_no_entry_and_frees_its_slots():
+    index = SlotIndex(4)
+    store(index, chain(3), success=False)
+    assert index.entries() == [] and index.num_used_slots == 0
+    assert sorted(e.slot for e in index.prepare_store(chain(4)).stores) == [0, 1, 2, 3]  # all usable again
+
+
+def test_blocks_already_present_are_skipped():
+    index = SlotIndex(8)
+    store(index, chain(3))
+    plan = index.prepare_store(chain(5))
+    assert plan.num_skipped == 3 and len(plan.stores) == 2
+
+
+def test_eviction_takes_the_least_recently_used_and_returns_its_bytes_location():
+    clock = FakeClock()
+    index = SlotIndex(3, clock)
+    metas = chain(3)
+    store(index, metas)
+    clock.advance(1)
+    pinned = index.prepare_load(hashes(metas[:1]))  # block 0 becomes most recently used
+    index.complete_load(pinned)
+    plan = index.prepare_store(chain(1, start=10))
+    assert [e.block_hash for e in plan.evicted] == [metas[1].block_hash]
+    assert plan.stores[0].slot == plan.evicted[0].slot
+    assert index.num_evictions == 1
+
+
+def test_a_pinned_entry_is_never_evicted():
+    index = SlotIndex(2)
+    metas = chain(2)
+    store(index, metas)
+    pinned = index.prepare_load(hashes(metas))
+    plan = index.prepare_store(chain(2, start=10))
+    assert plan.stores == [] and plan.evicted == [] and plan.num_skipped == 2
+    index.complete_load(pinned)
+    assert len(index.prepare_store(chain(2, start=10)).stores) == 2
+
+
+def test_a_storing_entry_is_never_evicted():
+    index = SlotIndex(2)
+    first = index.prepare_store(chain(2))
+    second = index.prepare_store(chain(2, start=10))
+    assert second.stores == [] and second.num_skipped == 2
+    index.complete_store(first.stores, True)
+
+
+def test_loads_pin_only_the_leading_verified_hits():
+    index = SlotIndex(8)
+    metas = chain(4)
+    store(index, metas)
+    token_bytes = b"".join(m.token_ids for m in metas)
+    assert index.lookup(hashes(metas), parent=b"\x00" * 32, token_bytes=token_bytes, block_size=4) == 4
+    forged = bytearray(token_bytes)
+    forged[2 * 16] ^= 1
+    assert index.lookup(hashes(metas), token_bytes=bytes(forged), block_size=4) == 2
+    assert index.lookup(hashes(metas), parent=b"\x01" * 32) == 0
+    assert index.lookup([metas[0].block_hash, metas[2].block_hash]) == 1  # block 2's parent is block 1
+    assert len(index.prepare_load(hashes(metas), parent=b"\x00" * 32)) == 4
+
+
+def test_remove_drops_ready_unpinned_entries_only():
+    index = SlotIndex(4)
+    metas = chain(3)
+    store(index, metas)
+    pinned = index.prepare_load(hashes(metas[:1]))
+    removed = index.remove(hashes(metas) + [b"\x09" * 32])
+    assert [e.block_hash for e in removed] == hashes(metas[1:])
+    assert index.lookup(hashes(metas)) == 1 and index.num_used_slots == 1
+    index.complete_load(pinned)
+
+
+def test_restore_rebuilds_entries_and_free_slots():
+    index = SlotIndex(4)
+    metas = chain(2)
+    index.restore([(metas[0], 3, 5.0), (metas[1], 1, 2.0)])
+    assert index.lookup(hashes(metas)) == 2 and index.num_used_slots == 2
+    plan = index.prepare_store(chain(3, start=10))
+    assert [e.slot for e in plan.stores] == [0, 2, 1]  # the two free slots, then the evicted one
+    assert [e.block_hash for e in plan.evicted] == [metas[1].block_hash]  # the older one goes first
+    assert plan.evicted[0].block_hash == metas[1].block_hash  # the older one goes first
+    with pytest.raises(InvalidArgument):
+        SlotIndex(2).restore([(metas[0], 0, 0.0), (metas[1], 0, 0.0)])
+
+
+def test_evict_lru_drops_oldest_unpinned_first():
+    clock = FakeClock()
+    index = SlotIndex(4, clock)
+    metas = chain(4)
+    for meta in metas:
+        store(index, [meta])
+        clock.advance(1)
+    pinned = index.prepare_load(hashes(metas[:1]))
+    evicted = index.evict_lru(2)
+    assert [e.block_hash for e in evicted] == hashes(metas[1:3])
+    assert index.num_used_slots == 2 and index.num_evictions == 2
+    index.complete_load(pinned)
+
+
+def test_pin_present_pins_unchained_entries_and_skips_missing():
+    index = SlotIndex(4)
+    metas = chain(4)
+    store(index, metas)
+    pinned = index.pin_present([metas[3].block_hash, b"\x09" * 32, metas[1].block_hash])
+    assert [e.block_hash for e in pinned] == [metas[3].block_hash, metas[1].block_hash]
+    assert [e.block_hash for e in index.evict_lru(4)] == [metas[0].block_hash, metas[2].block_hash]
+    index.complete_load(pinned)
+    assert index.num_used_slots == 2
+
+
+def test_metas_returns_the_stored_keys_of_the_leading_entries():
+    index = SlotIndex(4)
+    metas = chain(3)
+    store(index, metas[:2])
+    assert index.metas(hashes(metas)) == metas[:2]
+    assert index.metas([metas[1].block_hash]) == [metas[1]]
+
+
+def owned(owner: bytes, metas: list[BlockMeta]) -> list[BlockMeta]:
+    """The same chain under keys that start with `owner` (a tenant tag)."""
+    return [BlockMeta(owner + m.block_hash, owner + m.parent_hash, m.token_ids) for m in metas]
+
+
+def test_an_owner_at_its_limit_recycles_its_own_oldest_slot_not_another_owners():
+    """Owner a may hold 2 slots: its third block evicts a's least recently used, never b's."""
+    clock = FakeClock()
+    index = SlotIndex(6, clock=clock)
+    index.set_owner_quota(lambda key: key[:1], {b"a": 2}.get)
+    a, b = owned(b"a", chain(3)), owned(b"b", chain(3, start=10))
+    store(index, b[:1])
+    clock.advance(1)
+    store(index, a[:2])
+    clock.advance(1)
+    store(index, b[1:])
+    clock.advance(1)
+    plan = store(index, a[2:])
+    assert [e.block_hash for e in plan.evicted] == [a[0].block_hash]  # a's oldest, though b[0] is older
+    assert index.num_slots_of(b"a") == 2 and index.num_slots_of(b"b") == 3
+    assert index.lookup(hashes(b)) == 3
+    assert all(m.block_hash in index for m in a[1:]) and a[0].block_hash not in index
+
+
+def test_an_owner_at_its_limit_with_every_slot_pinned_stores_nothing():
+    index = SlotIndex(6)
+    index.set_owner_quota(lambda key: key[:1], lambda owner: 1 if owner == b"a" else None)
+    a = owned(b"a", chain(2))
+    store(index, a[:1])
+    pinned = index.prepare_load([a[0].block_hash])
+    plan = store(index, a[1:])
+    assert plan.stores == [] and plan.num_skipped == 1 and index.num_quota_skips == 1
+    index.complete_load(pinned)
+    assert [e.block_hash for e in store(index, a[1:]).evicted] == [a[0].block_hash]
+
+
+def test_owner_counts_follow_every_removal_and_a_zero_limit_stores_nothing():
+    index = SlotIndex(8)
+    a = owned(b"a", chain(4))
+    store(index, a)
+    index.set_owner_quota(lambda key: key[:1], {b"a": 8, b"z": 0}.get)  # counts what is already there
+    assert index.num_slots_of(b"a") == 4
+    index.remove([a[0].block_hash])
+    index.evict_lru(1)
+    failed = index.prepare_store(owned(b"a", chain(1, start=20)))
+    index.complete_store(failed.stores, success=False)
+    assert index.num_slots_of(b"a") == 2
+    assert store(index, owned(b"z", chain(1))).stores == []

@@ -1,0 +1,218 @@
+"""End to end: a real `kvtierd serve`, client processes and the client library."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import urllib.request
+
+import grpc
+import pytest
+
+from kvtierd.block_hash import pack_token_ids
+from kvtierd.client import KvtierClient
+from kvtierd.server.daemon_process import DaemonProcess, python_module_command, small_daemon_args, wait_until
+from tests.server.e2e_runner import LAYOUT, expected_block, prompt
+
+RUNNER = os.path.join(os.path.dirname(__file__), "e2e_runner.py")
+WRITE_THROUGH = ["--set", "policy.t0_to_t1=write_through", "--set", "policy.t1_to_t2=write_through"]
+
+
+def run_runner(address: str, *args, token: str | None = None) -> dict:
+    env = dict(os.environ, KVTIERD_ADDRESS=address, PYTHONPATH=os.path.dirname(RUNNER) + "/..")
+    if token:
+        env["KVTIERD_TOKEN"] = token
+    done = subprocess.run([sys.executable, RUNNER, *map(str, args)], env=env, capture_output=True, text=True,
+                          timeout=120)
+    assert done.returncode == 0, done.stderr
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+def t0_stats(client: KvtierClient):
+    pools = [p for p in client.stats().pools if p.layout.model_id == LAYOUT.model_id]
+    assert len(pools) == 1
+    return pools[0]
+
+
+@pytest.fixture
+def daemon(tmp_path):
+    with DaemonProcess(small_daemon_args(str(tmp_path), extra=["--lease-s", "30"])) as process:
+        yield process
+
+
+def test_two_processes_share_a_prefix_through_the_mapped_pool(daemon):
+    """The second process's prompt hits the first's blocks and reads the first's bytes."""
+    first = run_runner(daemon.address, "compute", 1, 96, 64)
+    second = run_runner(daemon.address, "compute", 2, 96, 64)
+    assert first["num_hits"] == 0 and first["num_blocks"] == 24
+    assert second["num_t0_hits"] == 16  # the 64 shared tokens
+    assert second["num_mismatched"] == 0
+
+
+def test_a_client_killed_with_sigkill_leaks_nothing(daemon):
+    """Every reference a SIGKILLed runner held is reclaimed once: free blocks return to the total."""
+    env = dict(os.environ, KVTIERD_ADDRESS=daemon.address, PYTHONPATH=os.path.dirname(RUNNER) + "/..")
+    runner = subprocess.Popen([sys.executable, RUNNER, "hold", "5", "40"], env=env, stdout=subprocess.PIPE, text=True)
+    num_held = json.loads(runner.stdout.readline())["num_held"]
+    with KvtierClient(daemon.address) as client:
+        before = t0_stats(client)
+        assert before.num_blocks - before.num_free_blocks == num_held == 5 * 11
+        runner.send_signal(signal.SIGKILL)
+        runner.wait(10)
+        assert wait_until(lambda: client.stats().num_sessions == 0, timeout_s=10)
+        after = t0_stats(client)
+        stats = client.stats()
+    assert after.num_free_blocks == after.num_blocks
+    assert stats.num_reclaimed_refs == num_held
+
+
+def test_a_session_whose_lease_runs_out_is_reclaimed(tmp_path):
+    """A session that never opens KeepAlive and stops calling is reclaimed after lease_s."""
+    with DaemonProcess(small_daemon_args(str(tmp_path), extra=["--lease-s", "0.5"])) as daemon:
+        with KvtierClient(daemon.address) as client:
+            session = client.attach(LAYOUT, keepalive=False)
+            session.acquire("r", [], num_extra_blocks=3)
+            assert wait_until(lambda: client.stats().num_reclaimed_refs == 3, timeout_s=10)
+            assert t0_stats(client).num_free_blocks == t0_stats(client).num_blocks
+
+
+def test_put_survives_a_restart_in_t2_and_get_returns_the_bytes(tmp_path):
+    """Blocks put before a SIGTERM come back from T2 after a restart, byte for byte."""
+    args = small_daemon_args(str(tmp_path), extra=WRITE_THROUGH)
+    tokens = prompt(3, 32)
+    with DaemonProcess(args) as daemon, KvtierClient(daemon.address) as client:
+        hashes = client.attach(LAYOUT).namespace.hash_blocks(tokens)
+        blocks = [(h, tokens[4 * i:4 * i + 4], expected_block(h, LAYOUT.bytes_per_block)) for i, h in enumerate(hashes)]
+        assert client.put(LAYOUT, blocks).num_blocks == 8
+        assert wait_until(lambda: [t.num_cached_blocks for t in t0_stats(client).tiers if t.tier == "t2"] == [8])
+    assert daemon.process.returncode == 0
+    with DaemonProcess(args) as daemon, KvtierClient(daemon.address) as client:
+        session = client.attach(LAYOUT)
+        lookup = session.lookup(hashes, token_ids=tokens)
+        assert (lookup.num_t0_blocks, lookup.num_t2_blocks) == (0, 8)
+        got = client.get(LAYOUT, hashes, token_ids=tokens)
+    assert [h for h, _ in got] == hashes
+    assert all(data == expected_block(h, LAYOUT.bytes_per_block) for h, data in got)
+
+
+def test_two_tenants_with_identical_prompts_never_hit_each_other(tmp_path):
+    """Tenant B sees none of tenant A's blocks (lookup, acquire, get, events), A sees its own."""
+    tokens_file = tmp_path / "tokens"
+    tokens_file.write_text("acme a-token\nglobex g-token\n")
+    with DaemonProcess(small_daemon_args(str(tmp_path), extra=["--tokens-file", str(tokens_file)])) as daemon:
+        with KvtierClient(daemon.address, token="a-token") as a, KvtierClient(daemon.address, token="g-token") as b:
+            events_b = b.events(LAYOUT)
+            first = run_runner(daemon.address, "compute", 9, 64, 64, token="a-token")
+            assert first["num_blocks"] == 16
+            tokens = prompt(9, 64, 64)
+            session_a, session_b = a.attach(LAYOUT), b.attach(LAYOUT)
+            hashes = session_b.namespace.hash_blocks(tokens)
+            assert session_a.tenant == "acme" and session_b.tenant == "globex"
+            assert session_a.lookup(hashes).num_t0_blocks == 16
+            assert session_b.lookup(hashes).num_hit_blocks == 0
+            assert session_b.acquire("r", hashes).num_t0_hit_blocks == 0
+            assert b.get(LAYOUT, hashes) == []
+            session_b.release("r")
+            events_b.cancel()
+            assert not [e for e in events_b if e.kind == e.STORED]
+
+
+def test_events_stream_reports_stored_blocks_with_client_hashes(daemon):
+    with KvtierClient(daemon.address) as client:
+        events = client.events(LAYOUT)
+        session = client.attach(LAYOUT)
+        tokens = prompt(4, 8)
+        hashes = session.namespace.hash_blocks(tokens)
+        acquired = session.acquire("r", hashes)
+        session.commit("r", acquired.block_ids, hashes, tokens, None)
+        stored = []
+        for event in events:
+            stored.append(event)
+            if len(stored) == 2:
+                break
+        events.cancel()
+    assert [(e.kind, e.block_hash, e.parent_hash) for e in stored] == [
+        (stored[0].STORED, hashes[0], session.root_hash), (stored[0].STORED, hashes[1], hashes[0])]
+    assert [e.block_id for e in stored] == acquired.block_ids
+
+
+def test_tcp_with_tokens_on_an_ephemeral_port(tmp_path):
+    """127.0.0.1:0: the printed port serves attach, put and get; a caller without token is refused."""
+    tokens_file = tmp_path / "tokens"
+    tokens_file.write_text("acme a-token\n")
+    args = small_daemon_args(str(tmp_path), extra=["--tcp", "127.0.0.1:0", "--insecure-tcp",
+                                                   "--tokens-file", str(tokens_file)])
+    with DaemonProcess(args) as daemon:
+        assert daemon.tcp_address.startswith("127.0.0.1:") and not daemon.tcp_address.endswith(":0")
+        with KvtierClient(daemon.tcp_address, token="a-token") as client:
+            session = client.attach(LAYOUT)
+            tokens = prompt(5, 8)
+            hashes = session.namespace.hash_blocks(tokens)
+            data = [expected_block(h, LAYOUT.bytes_per_block) for h in hashes]
+            client.put(LAYOUT, [(hashes[0], tokens[:4], data[0]), (hashes[1], tokens[4:], data[1])])
+            assert client.get(LAYOUT, hashes, token_ids=pack_token_ids(tokens)) == list(zip(hashes, data))
+        from kvtierd.errors import Unauthenticated
+        with KvtierClient(daemon.tcp_address) as anonymous, pytest.raises(Unauthenticated):
+            anonymous.stats()
+
+
+def test_sigterm_with_clients_attached_exits_zero_and_removes_the_socket(tmp_path):
+    """Open KeepAlive and Events streams end at SIGTERM instead of holding the exit for the
+    whole grace period (600 s here); the sessions' blocks are released."""
+    daemon = DaemonProcess(small_daemon_args(str(tmp_path), extra=["--set", "server.grace_s=600"]))
+    socket_path = daemon.unix_address[len("unix://"):]
+    assert oct(os.stat(socket_path).st_mode & 0o777) == "0o600"
+    with KvtierClient(daemon.address) as client:
+        events = client.events(LAYOUT)
+        client.attach(LAYOUT).acquire("held", [], num_extra_blocks=2)
+        assert daemon.stop(signal.SIGTERM, timeout_s=120) == 0
+        events.cancel()
+    assert not os.path.exists(socket_path)
+    assert "kvtierd: stopped" in daemon.output()
+    assert "released 2 block references of sessions open at shutdown" in daemon.output() or \
+        "reclaimed 2 block references" in daemon.output()
+
+
+def test_live_metrics_scrape_passes_promtool(daemon, promtool):
+    run_runner(daemon.address, "compute", 1, 64, 0)
+    with KvtierClient(daemon.address) as client:
+        free = t0_stats(client).num_free_blocks
+    scrape = urllib.request.urlopen(daemon.metrics_url, timeout=10).read()
+    checked = subprocess.run([promtool, "check", "metrics"], input=scrape, capture_output=True, timeout=60)
+    assert checked.returncode == 0, checked.stdout + checked.stderr
+    text = scrape.decode()
+    assert f'kvtierd_t0_free_blocks{{model="{LAYOUT.model_id}"}} {float(free)}' in text
+    assert 'kvtierd_rpc_total{code="OK",method="Acquire"} 1.0' in text
+
+
+def test_a_busy_metrics_port_is_a_clear_error_and_leaves_no_socket(daemon, tmp_path):
+    port = daemon.metrics_url.rsplit(":", 1)[1].split("/")[0]
+    other = tmp_path / "other"
+    other.mkdir()
+    args = small_daemon_args(str(other), extra=["--metrics-port", port])
+    done = subprocess.run(python_module_command("kvtierd.cli.kvtierd_main", "serve", *args), capture_output=True, text=True,
+                          timeout=120)
+    assert done.returncode == 2, done.stdout + done.stderr
+    assert f"kvtierd: error: cannot serve metrics on 127.0.0.1:{port}" in done.stderr
+    assert "Traceback" not in done.stderr
+    assert not (other / "kvtierd.sock").exists()
+
+
+def test_health_listener_serves_health_only_in_the_clear(tmp_path):
+    """server.health_tcp: Kubernetes' gRPC probes get SERVING there; the KvTier API is not
+    reachable through it (UNIMPLEMENTED), so plaintext reveals nothing but health."""
+    from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+    with DaemonProcess(small_daemon_args(str(tmp_path), extra=["--health-tcp", "127.0.0.1:0"])) as daemon:
+        assert daemon.health_address and daemon.health_address.startswith("127.0.0.1:")
+        with grpc.insecure_channel(daemon.health_address) as channel:
+            check = health_pb2_grpc.HealthStub(channel).Check
+            for service in ("", "kvtierd.v1.KvTier"):
+                status = check(health_pb2.HealthCheckRequest(service=service), timeout=5).status
+                assert status == health_pb2.HealthCheckResponse.SERVING
+            with pytest.raises(grpc.RpcError) as refused:
+                channel.unary_unary("/kvtierd.v1.KvTier/Stats")(b"", timeout=5)
+            assert refused.value.code() == grpc.StatusCode.UNIMPLEMENTED

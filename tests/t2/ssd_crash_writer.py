@@ -1,0 +1,106 @@
+"""Processes for the SSD tier's reliability tests (run in a child process, killed or capped).
+
+Block bytes and token ids are a function of the block hash (`expected_bytes`, `expected_tokens`),
+so a checker that never saw the writer knows what every index entry must return.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import resource
+import signal
+
+import numpy as np
+import torch
+
+from kvtierd.layout import Layout
+from kvtierd.index.slot_index import BlockMeta
+from kvtierd.t2.ssd_tier import SsdTier, SsdTierConfig
+
+# 3 × 2 × 16 × 5 × 24 × 2 = 23,040 bytes a block: not a multiple of 4096, so slots are padded
+# and O_DIRECT goes through the staging buffers.
+CRASH_LAYOUT = Layout("crash-test", num_layers=3, num_kv_heads=5, head_dim=24, block_size=16)
+CRASH_STRIDE = 24576
+CRASH_CAPACITY_SLOTS = 40
+ROOT = b"\x00" * 32
+
+# 4 KiB blocks of 1,024 tokens: 4 KiB of token ids per index record, so the index grows fast.
+FAT_INDEX_LAYOUT = Layout("disk-full-test", num_layers=1, num_kv_heads=1, head_dim=1, block_size=1024)
+
+
+def expected_bytes(block_hash: bytes, nbytes: int) -> bytes:
+    return np.random.default_rng(int.from_bytes(block_hash[:16], "little")).bytes(nbytes)
+
+
+def expected_tokens(block_hash: bytes, block_size: int) -> bytes:
+    return (block_hash * (4 * block_size // len(block_hash) + 1))[:4 * block_size]
+
+
+def block(block_hash: bytes, parent: bytes, layout: Layout) -> tuple[BlockMeta, bytes]:
+    meta = BlockMeta(block_hash, parent, expected_tokens(block_hash, layout.block_size))
+    return meta, expected_bytes(block_hash, layout.bytes_per_block)
+
+
+def crash_config(directory: str) -> SsdTierConfig:
+    """Two slot files (striping), 40 slots, watermarks that evict every few batches."""
+    return SsdTierConfig([os.path.join(directory, "a"), os.path.join(directory, "b")],
+                         capacity_bytes=CRASH_CAPACITY_SLOTS * CRASH_STRIDE, num_io_threads=2,
+                         high_watermark=0.9, low_watermark=0.7, lmdb_map_bytes=64 << 20)
+
+
+def _log(fd: int, verb: str, hashes: list[bytes]) -> None:
+    os.write(fd, f"{verb} {' '.join(h.hex() for h in hashes)}\n".encode())  # one write: whole or absent
+
+
+def run_writer(directory: str, seed: int, log_path: str) -> None:
+    """Store chains of random blocks (and now and then remove some) until killed. Logs `opened`
+    once the tier is open, `removing ...` before a remove and `stored ...` after a store returns."""
+    rng = random.Random(seed)
+    log_fd = os.open(log_path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o600)
+    tier = SsdTier.open(crash_config(directory), CRASH_LAYOUT)
+    _log(log_fd, "opened", [])
+    stored: list[bytes] = []
+    while True:
+        if stored and rng.random() < 0.15:
+            victims = rng.sample(stored, min(len(stored), rng.randint(1, 3)))
+            _log(log_fd, "removing", victims)
+            tier.remove(victims)
+        parent = rng.choice(stored[-8:]) if stored and rng.random() < 0.5 else ROOT
+        items = []
+        for _ in range(rng.randint(1, 6)):
+            block_hash = rng.randbytes(32)
+            items.append(block(block_hash, parent, CRASH_LAYOUT))
+            parent = block_hash
+        if tier.store(items) == len(items):
+            hashes = [meta.block_hash for meta, _ in items]
+            _log(log_fd, "stored", hashes)
+            stored = (stored + hashes)[-64:]
+
+
+def run_capped_writer(directory: str, result_path: str, max_file_bytes: int) -> None:
+    """Under RLIMIT_FSIZE (SIGXFSZ ignored): open a tier asking for more than the cap, store until
+    it stops admitting, check the blocks it holds, and report as JSON."""
+    signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+    resource.setrlimit(resource.RLIMIT_FSIZE, (max_file_bytes, max_file_bytes))
+    config = SsdTierConfig([directory], capacity_bytes=4 * max_file_bytes, lmdb_map_bytes=64 << 20)
+    tier = SsdTier.open(config, FAT_INDEX_LAYOUT)
+    opened = tier.stats()
+    stored, refused, num_attempts = [], [], 0
+    while tier.admitting and num_attempts < 400:
+        num_attempts += 1
+        items = [block(os.urandom(32), ROOT, FAT_INDEX_LAYOUT) for _ in range(4)]
+        if tier.store(items) == len(items):
+            stored += [meta.block_hash for meta, _ in items]
+        else:
+            refused += [meta.block_hash for meta, _ in items]
+    out = torch.empty(1, FAT_INDEX_LAYOUT.bytes_per_block, dtype=torch.uint8)
+    held = tier.block_hashes()
+    exact = all(tier.load([h], out) == 1 and bytes(out[0].numpy()) == expected_bytes(h, out.shape[1]) for h in held)
+    result = dict(opened=opened, stats=tier.stats(), num_stored=len(stored), num_held=len(held), exact=exact,
+                  refused_held=sum(tier.lookup([h]) for h in refused),
+                  store_after_stop=tier.store([block(os.urandom(32), ROOT, FAT_INDEX_LAYOUT)]))
+    tier.close()
+    with open(result_path, "w") as f:
+        json.dump(result, f)

@@ -1,0 +1,164 @@
+"""T0 ↔ T1: offload by policy, promotion of hits, cost-aware skipping, failures as misses."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kvtierd.tiering.tier_config import EdgePolicy
+from tests.factories import BLOCK_SIZE, NAMESPACE, tokens
+from tests.tiering.tier_factories import content_for, make_manager, prefill, promote_exactly
+
+PROMPT = tokens(100, 4 * BLOCK_SIZE)
+
+
+@pytest.fixture
+def manager():
+    manager = make_manager()
+    yield manager
+    manager.close()
+
+
+def push_out(manager, num_prompts: int = 3) -> None:
+    """Run other prompts through the 8-block pool so that PROMPT's blocks are evicted."""
+    for i in range(num_prompts):
+        manager.drain()  # write-through holds blocks until their copy lands
+        prefill(manager, f"other-{i}", tokens(10_000 * (i + 1), 4 * BLOCK_SIZE))
+        manager.release(f"other-{i}")
+    manager.drain()
+
+
+def only_in_t1(manager) -> list[bytes]:
+    """Run PROMPT once, then push its blocks out of T0 (into T1 under on_evict); its chain."""
+    prefill(manager, "a", PROMPT)
+    manager.release("a")
+    push_out(manager)
+    return NAMESPACE.hash_blocks(PROMPT)
+
+
+def test_evicted_blocks_are_offloaded_and_promoted_back_with_their_bytes(manager):
+    chain = only_in_t1(manager)
+    assert manager.index.lookup(chain) == 0
+    assert manager.lookup(chain, PROMPT).t1 == 4
+    acquisition = promote_exactly(manager, "b", PROMPT)
+    assert (acquisition.num_t0_hit_blocks, acquisition.num_t1_blocks) == (0, 4)
+    assert manager.index.lookup(chain, PROMPT) == 4  # promoted blocks are committed in T0
+    assert manager.stats()["hit_blocks"]["t1"] == 4
+    manager.release("b")
+
+
+def test_a_t1_load_that_lands_before_acquire_returns_still_resolves_the_ticket(manager, monkeypatch):
+    """The load may finish on the finalizer thread before the acquiring thread moves on; the
+    ticket must resolve anyway (it once waited forever, and SIGTERM then hung on the release)."""
+    chain = only_in_t1(manager)
+    promoter = manager.promoter
+    load_t1 = promoter._load_t1
+
+    def load_and_land(*args):
+        load_t1(*args)
+        manager.tiers.wait_quiet()  # the copy and its finalizer have run
+
+    monkeypatch.setattr(promoter, "_load_t1", load_and_land)
+    acquisition = manager.acquire("b", chain, 0, PROMPT)
+    assert acquisition.num_t1_blocks == 4
+    assert acquisition.ticket.wait(10) == 4
+    manager.release("b")
+
+
+def test_write_through_copies_committed_blocks_at_once():
+    manager = make_manager(t0_to_t1=EdgePolicy.WRITE_THROUGH)
+    try:
+        prefill(manager, "a", PROMPT)
+        manager.drain()
+        chain = NAMESPACE.hash_blocks(PROMPT)
+        assert manager.tiers.host.index.lookup(chain) == 4  # while still in T0 (inclusive)
+        assert manager.stats()["offloaded_blocks"]["t0_t1"] == 4
+        slots = {e.block_hash: e.slot for e in manager.tiers.host.index.entries()}
+        for block_hash in chain:
+            row = manager.tiers.host.slots[slots[block_hash]]
+            assert torch.equal(row.view(torch.float16).view(content_for(block_hash).shape), content_for(block_hash))
+        manager.release("a")
+        push_out(manager)
+        assert manager.stats()["offloaded_blocks"]["t0_t1"] == 4 + 12  # evictions cost no copy
+    finally:
+        manager.close()
+
+
+def test_off_policy_moves_nothing():
+    manager = make_manager(t0_to_t1=EdgePolicy.OFF)
+    try:
+        prefill(manager, "a", PROMPT)
+        manager.release("a")
+        push_out(manager)
+        assert manager.lookup(NAMESPACE.hash_blocks(PROMPT)).t1 == 0
+        assert manager.stats()["t1"]["used_bytes"] == 0
+    finally:
+        manager.close()
+
+
+def test_a_tier_slower_than_recompute_is_skipped(manager):
+    chain = only_in_t1(manager)
+    slow = manager.acquire("b", chain, 0, PROMPT, recompute_s_per_token=1e-15)
+    assert slow.num_t1_blocks == 0 and slow.ticket.wait(1) == 0
+    assert manager.stats()["skipped_slow_blocks"] == 4
+    manager.release("b")
+    fast = manager.acquire("c", chain, 0, PROMPT, recompute_s_per_token=1.0)
+    assert fast.num_t1_blocks == 4 and fast.ticket.wait(10) == 4
+    manager.release("c")
+
+
+def test_a_failed_load_is_a_miss_and_leaves_the_blocks_writable(manager, monkeypatch):
+    chain = only_in_t1(manager)
+
+    def broken_decode(*args):
+        raise RuntimeError("DMA error")
+
+    monkeypatch.setattr(manager.tiers.host.codec, "decode", broken_decode)
+    acquisition = manager.acquire("b", chain, 0, PROMPT)
+    assert acquisition.num_t1_blocks == 4 and acquisition.ticket.wait(10) == 0
+    assert manager.index.lookup(chain) == 0  # nothing committed from a failed load
+    assert manager.stats()["failed_load_blocks"] == 4
+    assert manager.index.prepare_write("b", 0).copied_from is None  # the runner recomputes in place
+    assert manager.tiers.host.index.lookup(chain) == 4  # T1 still holds them, unpinned
+    manager.release("b")
+
+
+def test_a_failed_offload_leaves_no_entry(manager, monkeypatch):
+    def broken_encode(*args):
+        raise RuntimeError("DMA error")
+
+    monkeypatch.setattr(manager.tiers.host.codec, "encode", broken_encode)
+    prefill(manager, "a", PROMPT)
+    manager.release("a")
+    push_out(manager)
+    assert manager.tiers.host.index.entries() == []
+    assert manager.stats()["failed_offload_blocks"] > 0
+
+
+def test_release_waits_for_a_promotion_in_flight(manager):
+    prefill(manager, "a", PROMPT)
+    manager.release("a")
+    push_out(manager)
+    acquisition = manager.acquire("b", NAMESPACE.hash_blocks(PROMPT), 0, PROMPT)
+    manager.release("b")
+    assert acquisition.ticket.done()
+    assert manager.index.num_free_blocks == 8
+
+
+def test_fp8_host_tier_halves_the_bytes_and_bounds_the_error():
+    manager = make_manager(host_codec="fp8")
+    try:
+        assert manager.tiers.host.codec.slot_nbytes < manager.tiers.layout.bytes_per_block * 0.6
+        prefill(manager, "a", PROMPT)
+        manager.release("a")
+        push_out(manager)
+        chain = NAMESPACE.hash_blocks(PROMPT)
+        acquisition = manager.acquire("b", chain, 0, PROMPT)
+        assert acquisition.ticket.wait(10) == 4
+        for block_id, block_hash in zip(acquisition.block_ids, chain):
+            expected = content_for(block_hash).float()
+            error = (manager.pool.tensor[block_id].float() - expected).abs()
+            assert float(error.max()) <= float(expected.abs().max()) * 2**-4  # e4m3: 3 mantissa bits
+        manager.release("b")
+    finally:
+        manager.close()
