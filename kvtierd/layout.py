@@ -11,18 +11,16 @@ from __future__ import annotations
 
 import dataclasses
 import struct
-
-import torch
+from typing import TYPE_CHECKING
 
 from kvtierd.errors import InvalidArgument
 
-# Name → (bytes per element, torch dtype). The names are part of the key encoding: never rename.
-DTYPES: dict[str, tuple[int, torch.dtype]] = {
-    "float32": (4, torch.float32),
-    "float16": (2, torch.float16),
-    "bfloat16": (2, torch.bfloat16),
-    "float8_e4m3fn": (1, torch.float8_e4m3fn),
-}
+if TYPE_CHECKING:
+    import torch
+
+# Name → bytes per element; each name is also torch's (`torch.<name>`). The names are part of
+# the key encoding: never rename. No torch at import: the client and kvtierctl read layouts too.
+DTYPES: dict[str, int] = {"float32": 4, "float16": 2, "bfloat16": 2, "float8_e4m3fn": 1}
 
 # The order of a block's bytes; part of the key encoding, changed only with a new version.
 BLOCK_MAJOR_ORDER = "layers,kv,tokens,heads,dim"
@@ -57,11 +55,13 @@ class Layout:
 
     @property
     def dtype_bytes(self) -> int:
-        return DTYPES[self.dtype][0]
+        return DTYPES[self.dtype]
 
     @property
     def torch_dtype(self) -> torch.dtype:
-        return DTYPES[self.dtype][1]
+        import torch
+
+        return getattr(torch, self.dtype)
 
     @property
     def bytes_per_token(self) -> int:

@@ -16,7 +16,8 @@ import torch.nn.functional as F
 from kvtierd.connectors.reference.forward_batch import ForwardBatch
 from kvtierd.connectors.reference.llama_config import LlamaConfig
 from kvtierd.connectors.reference.llama_weights import check_weights
-from kvtierd.connectors.reference.paged_attention import paged_attention, write_kv
+from kvtierd.connectors.reference.paged_attention import paged_attention
+from kvtierd.connectors.reference.paged_kv_cache import write_kv
 from kvtierd.errors import InvalidArgument
 
 

@@ -12,7 +12,7 @@ in the cache, the new ones included, so the queries of sequence `s` sit at posit
 to its own (causal, bottom-right aligned). Prefill, prefill of an uncached suffix and decode are
 one case.
 
-`write_kv` stores new K and V into their slots; `paged_attention` reads them back. On CUDA with
+`paged_kv_cache.write_kv` stores new K and V into their slots; `paged_attention` reads them back. On CUDA with
 CuPy, kernels/paged_attention.cu computes the same thing in one launch (tested against this
 torch code under the gpu marker); everywhere else this module's torch code runs.
 """
@@ -24,27 +24,10 @@ import math
 import torch
 import torch.nn.functional as F
 
+from kvtierd.connectors.reference.paged_attention_cuda import paged_attention_cuda, uses_paged_kernel
+from kvtierd.connectors.reference.paged_kv_cache import check_cache_pair
 from kvtierd.errors import InvalidArgument
 from kvtierd.units import ceil_div
-
-
-def check_cache_pair(key_cache: torch.Tensor, value_cache: torch.Tensor) -> None:
-    if key_cache.dim() != 4 or key_cache.shape != value_cache.shape:
-        raise InvalidArgument(f"key and value caches must be [num_blocks, block_size, kv_heads, head_dim] of one "
-                              f"shape, got {tuple(key_cache.shape)} and {tuple(value_cache.shape)}")
-
-
-def write_kv(key_cache: torch.Tensor, value_cache: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
-             slot_block_ids: torch.Tensor, slot_offsets: torch.Tensor) -> None:
-    """Store `key[i]`, `value[i]` (each `[kv_heads, head_dim]`) at block `slot_block_ids[i]`,
-    row `slot_offsets[i]`, writing through the (strided) cache views into the pool."""
-    check_cache_pair(key_cache, value_cache)
-    if key.shape[0] != slot_block_ids.shape[0] or slot_offsets.shape != slot_block_ids.shape:
-        raise InvalidArgument(f"{key.shape[0]} tokens but {slot_block_ids.shape[0]} slots")
-    if key.shape[0] == 0:
-        return
-    key_cache[slot_block_ids, slot_offsets] = key.to(key_cache.dtype)
-    value_cache[slot_block_ids, slot_offsets] = value.to(value_cache.dtype)
 
 
 def paged_attention(query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
@@ -66,7 +49,6 @@ def paged_attention(query: torch.Tensor, key_cache: torch.Tensor, value_cache: t
         raise InvalidArgument("query_start_loc must hold num_seqs + 1 offsets ending at num_tokens")
     if scale is None:
         scale = 1.0 / math.sqrt(head_dim)
-    from kvtierd.connectors.reference.paged_attention_cuda import paged_attention_cuda, uses_paged_kernel
     if uses_paged_kernel(query, key_cache):
         return paged_attention_cuda(query, key_cache, value_cache, block_tables, context_lens, query_start_loc,
                                     scale)

@@ -25,7 +25,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from kvtierd.connectors.reference.paged_attention import check_cache_pair
+from kvtierd.connectors.reference.paged_kv_cache import check_cache_pair
 from kvtierd.movers.cuda_kernels import launch_kernel, load_kernel, uses_cuda_kernel
 from kvtierd.errors import InvalidArgument
 

@@ -1,7 +1,7 @@
 """`KvtierdConnector`: kvtierd as a vLLM KV connector (KVConnectorBase_V1, vLLM 0.32), loaded out of tree.
 
     vllm serve MODEL --kv-transfer-config '{"kv_connector": "KvtierdConnector",
-        "kv_connector_module_path": "kvtierd.connectors.vllm.connector", "kv_role": "kv_both",
+        "kv_connector_module_path": "kvtierd.connectors.vllm_connector", "kv_role": "kv_both",
         "kv_load_failure_policy": "recompute",
         "kv_connector_extra_config": {"address": "unix:///run/kvtierd/kvtierd.sock"}}'
 
@@ -9,8 +9,8 @@ vLLM's KVConnectorFactory imports `kv_connector_module_path` and takes the attri
 `kv_connector` (vllm/distributed/kv_transfer/kv_connector/factory.py, `get_connector_class`),
 then builds it once per role, each in its own process: `cls(vllm_config, role,
 kv_cache_config)` (a class without `kv_cache_config` is refused). This class is a thin
-adapter: the scheduler role delegates to vllm_scheduler.SchedulerSide, the worker role to
-vllm_worker.WorkerSide; method names and signatures are those of vLLM 0.32's
+adapter: the scheduler role delegates to scheduler.SchedulerSide, the worker role to
+worker.WorkerSide; method names and signatures are those of vLLM 0.32's
 vllm/distributed/kv_transfer/kv_connector/v1/base.py.
 
 vLLM is imported only here, and only if installed: without it `KVConnectorBase_V1` is `object`
@@ -20,7 +20,7 @@ metadata binding that the base class would otherwise provide.
 kv_connector_extra_config keys (all optional): `address` (else KVTIERD_ADDRESS, else the
 default socket), `token` (else KVTIERD_TOKEN), `model_id` (the key namespace; default the
 model name vLLM was given), `lookup_wait_s` (0.005), `lookup_ttl_s` (2), `async_loads` (true:
-hits with blocks in T1 or T2 load in the background, vllm_scheduler.py), `wait_timeout_s`
+hits with blocks in T1 or T2 load in the background, scheduler.py), `wait_timeout_s`
 (30: promotion wait per load), `timeout_s` (5: per RPC), `retry_after_s` (5: between attach
 attempts), `prefetch` (true: a Lookup that finds blocks in T2 starts their promotion to T1, so
 the load that follows waits less; off, a Lookup has no side effect). kv_role: `kv_both` loads and stores, `kv_consumer` only loads, `kv_producer` only
@@ -30,7 +30,7 @@ the request instead.
 
 The layout: vLLM picks one `KVCacheLayout` for the engine (`kv_cache_config.kv_cache_layout`,
 e.g. LBHNC on the CPU, LBNHC by default with FlashAttention); a block's bytes are stored in
-that layout's physical page order (vllm_engine_blocks.py), so the layout name joins the model
+that layout's physical page order (engine_blocks.py), so the layout name joins the model
 id in the key namespace ("MODEL@vllm-LBHNC"): engines share blocks with engines of the same
 model, dtype, geometry and layout, never a misread one.
 
@@ -103,7 +103,8 @@ def layout_from_vllm_config(vllm_config: Any, tp_rank: int, model_id: str | None
         raise ValueError("the kvtierd connector does not support pipeline parallelism")
     cache_dtype = getattr(cache_config, "cache_dtype", "auto")
     if cache_dtype == "auto":
-        dtype_name = next((name for name, (_, dtype) in DTYPES.items() if dtype == model_config.dtype), None)
+        model_dtype = str(model_config.dtype).removeprefix("torch.")  # torch.float16 -> "float16"
+        dtype_name = model_dtype if model_dtype in DTYPES else None
     else:
         dtype_name = _CACHE_DTYPES.get(cache_dtype)
     if dtype_name is None:

@@ -8,7 +8,7 @@ engine's `KVCacheLayout` (vllm/v1/kv_cache_layout.py: a permutation of [layer, b
 token, content]; CPU_ATTN reads only LBHNC, FlashAttention defaults to LBNHC). What the
 content dimension means is the backend's (FlashAttention: K then V per token; CPU_ATTN: a
 (block, head)'s N K-rows then its N V-rows), so a page is moved as opaque values, in its
-physical order, and the layout name is part of the key namespace (vllm_connector.py): engines
+physical order, and the layout name is part of the key namespace (connector.py): engines
 share blocks only with engines of the same layout.
 
 `PagedLayers` moves block b of every layer into one pool slot: layer l's page goes to

@@ -4,7 +4,7 @@ vLLM builds one connector metadata object per step on the scheduler
 (`KVConnectorBase_V1.build_connector_meta`, vllm/distributed/kv_transfer/kv_connector/v1/base.py)
 and binds it on every worker before the forward (`bind_connector_metadata`); with a
 multiprocess executor it is pickled on the way. So these are plain, picklable dataclasses of
-ints, bytes and tuples, and import neither vllm nor grpc. vllm_connector.py registers
+ints, bytes and tuples, and import neither vllm nor grpc. connector.py registers
 `StepMetadata` as a virtual subclass of vLLM's `KVConnectorMetadata` where vLLM is installed.
 
 Keys are vLLM's own `Request.block_hashes` (one per full block, chained from vLLM's NONE_HASH;

@@ -14,7 +14,7 @@ def kv_transfer_config(address: str | None = None, kv_role: str = "kv_both", **e
     extra = dict(extra_config)
     if address is not None:
         extra["address"] = address
-    return {"kv_connector": "KvtierdConnector", "kv_connector_module_path": "kvtierd.connectors.vllm.connector",
+    return {"kv_connector": "KvtierdConnector", "kv_connector_module_path": "kvtierd.connectors.vllm_connector",
             "kv_role": kv_role, "kv_load_failure_policy": "recompute", "kv_connector_extra_config": extra}
 
 

@@ -48,7 +48,7 @@ log = logging.getLogger(__name__)
 
 
 class EngineBlocks(Protocol):
-    """The engine's KV blocks as the worker moves them (vllm_engine_blocks.PagedLayers)."""
+    """The engine's KV blocks as the worker moves them (engine_blocks.PagedLayers)."""
 
     device: torch.device
 

@@ -118,6 +118,7 @@ def run_against_daemon(args: argparse.Namespace) -> int:
     from kvtierd.client import KvtierClient
     from kvtierd.client.client_calls import OPERATION_TIMEOUT_S
     from kvtierd.cli.kvtierctl_report import StatsView, health_problems, tenant_lines
+    from kvtierd.wire.conversions import pool_layout
 
     with (KvtierClient(args.address, token=args.token, timeout_s=args.timeout, max_attempts=1) as client,
           answered_within(client.target, args.timeout)):
@@ -139,7 +140,7 @@ def run_against_daemon(args: argparse.Namespace) -> int:
         if args.command in ("evict", "flush"):
             # Stats first: a daemon that does not answer is found within --timeout, not Evict's deadline.
             pools = client.stats().pools
-            layout = _pool_layout(pools, args.model_id) if args.model_id else None
+            layout = pool_layout(pools, args.model_id) if args.model_id else None
             tiers = getattr(args, "tier", None) or (["t0"] if args.command == "evict" else [])
             with answered_within(client.target, OPERATION_TIMEOUT_S):
                 result = client.evict(args.tenant, all_tenants=args.all, tiers=tiers, layout=layout)
@@ -202,18 +203,6 @@ def wait_for_sessions(client, timeout_s: float) -> int:
         return EXIT_PROBLEMS
     print("no sessions attached: safe to stop the daemon")
     return 0
-
-
-def _pool_layout(pools, model_id: str):
-    """The layout of the pool (of Stats' `pools`) for `model_id`; InvalidArgument naming the pools if none."""
-    from kvtierd.wire.conversions import layout_from_proto
-
-    matches = [p.layout for p in pools if p.layout.model_id == model_id]
-    if len(matches) != 1:
-        known = ", ".join(sorted({p.layout.model_id for p in pools})) or "none"
-        raise InvalidArgument(f"{'no' if not matches else 'more than one'} pool of model id {model_id!r} "
-                              f"(pools: {known})")
-    return layout_from_proto(matches[0])
 
 
 if __name__ == "__main__":

@@ -130,9 +130,9 @@ def parse_token_ids(text: str) -> list[int]:
 def run_inspect(client, args: argparse.Namespace) -> int:
     """Look the prompt up as the caller's tenant (Lookup: no block is taken or changed)."""
     from kvtierd.block_hash import PromptExtras
-    from kvtierd.cli.kvtierctl import _pool_layout
+    from kvtierd.wire.conversions import pool_layout
 
-    layout = _pool_layout(client.stats().pools, args.model_id)
+    layout = pool_layout(client.stats().pools, args.model_id)
     session = client.attach(layout, map_pool=False)  # closing ends the session
     try:
         token_ids = None

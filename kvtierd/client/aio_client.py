@@ -18,7 +18,6 @@ from kvtierd.client.client_calls import (
     Acquired, BlockData, Call, ClientBase, EventStreamBase, PutResult, PutStream, Retry, SessionBase,
     TlsOptions, TokenIds, attach_request, drain_call, events_request, evict_call, get_request, map_rpc_error,
     tenant_stats_call)
-from kvtierd.t0.device_pool import attach_device_pool
 from kvtierd.layout import Layout
 from kvtierd.v1 import kvtier_pb2 as pb
 
@@ -58,6 +57,8 @@ class AsyncKvtierClient(ClientBase):
         session = AsyncSession(self, layout, response, hash_algo)
         try:
             if map_pool:
+                from kvtierd.t0.factory import attach_device_pool  # torch, only where a pool is mapped
+
                 session.pool = attach_device_pool(session.handle)
             if keepalive:
                 session._keepalive = AsyncKeepAlive(self, session)

@@ -16,17 +16,17 @@ from __future__ import annotations
 import dataclasses
 import os
 import random
+import sys
 import time
 from collections.abc import Callable, Iterable, Iterator, Sequence
-from typing import Any, Union
+from typing import TYPE_CHECKING, Any, Union
 
 import grpc
 import numpy as np
-import torch
 
 from kvtierd.wire.block_frames import decode_get_response, encode_put_request
 from kvtierd.block_hash import Namespace, pack_token_ids
-from kvtierd.t0.device_pool import DevicePool
+from kvtierd.endpoints import default_socket_path
 from kvtierd.errors import (
     DRAINING_DETAILS, ERRORS_BY_CODE, FailedPrecondition, InvalidArgument, KvtierError, Unavailable)
 from kvtierd.layout import Layout
@@ -34,8 +34,20 @@ from kvtierd.v1 import kvtier_pb2 as pb
 from kvtierd.v1 import kvtier_pb2_grpc
 from kvtierd.wire.conversions import READ_CHUNK_OPTIONS, handle_from_proto, layout_to_proto
 
-TokenIds = Union[Sequence[int], np.ndarray, torch.Tensor, bytes]
-BlockData = Union[bytes, bytearray, memoryview, torch.Tensor]
+if TYPE_CHECKING:
+    import torch
+
+    from kvtierd.t0.device_pool import DevicePool
+
+TokenIds = Union[Sequence[int], np.ndarray, "torch.Tensor", bytes]
+BlockData = Union[bytes, bytearray, memoryview, "torch.Tensor"]
+
+
+def is_tensor(value: object) -> bool:
+    """Whether `value` is a torch.Tensor, without importing torch: a caller holding a tensor has
+    imported torch already, so the client never pulls it in itself."""
+    torch = sys.modules.get("torch")
+    return torch is not None and isinstance(value, torch.Tensor)
 
 PUT_METHOD = "/kvtierd.v1.KvTier/Put"
 GET_METHOD = "/kvtierd.v1.KvTier/Get"
@@ -80,11 +92,7 @@ def default_target() -> str:
     address = os.environ.get("KVTIERD_ADDRESS")
     if address:
         return address
-    try:
-        from kvtierd.node.daemon_config import default_socket_path
-    except ImportError:
-        return f"unix:///tmp/kvtierd-{os.getuid()}/kvtierd.sock"
-    return "unix://" + str(default_socket_path())
+    return "unix://" + default_socket_path()
 
 
 def unix_socket_path(target: str) -> str | None:
@@ -178,7 +186,7 @@ class Call:
 def optional_tokens(token_ids: TokenIds | None) -> bytes:
     if token_ids is None:
         return b""
-    if isinstance(token_ids, torch.Tensor):
+    if is_tensor(token_ids):
         token_ids = token_ids.detach().cpu().numpy()
     return pack_token_ids(token_ids)
 
@@ -191,7 +199,7 @@ def hash_list(block_hashes: Iterable[bytes]) -> list[bytes]:
 
 
 def check_block_size(data: BlockData, layout: Layout) -> None:
-    nbytes = data.numel() * data.element_size() if isinstance(data, torch.Tensor) else memoryview(data).nbytes
+    nbytes = data.numel() * data.element_size() if is_tensor(data) else memoryview(data).nbytes
     if nbytes != layout.bytes_per_block:
         raise InvalidArgument(f"a block of this layout is {layout.bytes_per_block} bytes, got {nbytes}")
 
@@ -200,8 +208,8 @@ def block_buffer(data: BlockData, layout: Layout) -> BlockData | np.ndarray:
     """A block's bytes in block-major order, as a buffer (a tensor's host bytes, not copied
     when it is already a contiguous CPU tensor)."""
     check_block_size(data, layout)
-    if isinstance(data, torch.Tensor):
-        return data.detach().contiguous().cpu().reshape(-1).view(torch.uint8).numpy()
+    if is_tensor(data):
+        return data.detach().contiguous().cpu().reshape(-1).view(sys.modules["torch"].uint8).numpy()
     return data
 
 

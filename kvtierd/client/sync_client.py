@@ -26,7 +26,6 @@ from kvtierd.client.client_calls import (
     Acquired, BlockData, Call, ClientBase, EventStreamBase, PutResult, PutStream, Retry, SessionBase,
     TlsOptions, TokenIds, attach_request, drain_call, events_request, evict_call, get_request, map_rpc_error,
     tenant_stats_call)
-from kvtierd.t0.device_pool import attach_device_pool
 from kvtierd.errors import FailedPrecondition
 from kvtierd.layout import Layout
 from kvtierd.v1 import kvtier_pb2 as pb
@@ -71,6 +70,8 @@ class KvtierClient(ClientBase):
         session = Session(self, layout, response, hash_algo)
         try:
             if map_pool:
+                from kvtierd.t0.factory import attach_device_pool  # torch, only where a pool is mapped
+
                 session.pool = attach_device_pool(session.handle)
             if keepalive:
                 session._keepalive = KeepAlive(self, session)

@@ -167,12 +167,3 @@ def run_on_pool(pool: concurrent.futures.Executor, transfer: Transfer, job: Job,
         transfer.future.set_result(None)
 
     pool.submit(run)
-
-
-def create_copy_engine(device: str = "cpu", **kwargs) -> CopyEngine:
-    """ThreadCopyEngine for a CPU pool, CudaCopyEngine for a CUDA one."""
-    if device.startswith("cuda"):
-        from kvtierd.movers.cuda_copy_engine import CudaCopyEngine
-
-        return CudaCopyEngine(device, **kwargs)
-    return ThreadCopyEngine(**kwargs)

@@ -15,8 +15,9 @@ import torch
 
 # Where kernels/*.cu lives: kvtierd/_kernels/ in a wheel (package data mapped from kernels/),
 # else the repository's top-level kernels/ (a checkout or an editable install).
-KERNEL_DIRS = (Path(__file__).resolve().parent / "_kernels",
-               Path(__file__).resolve().parent.parent / "kernels")
+PACKAGE_DIR = Path(__file__).resolve().parents[1]  # kvtierd/
+KERNEL_DIRS = (PACKAGE_DIR / "_kernels",  # installed: kernels/*.cu ship as kvtierd._kernels
+               PACKAGE_DIR.parent / "kernels")  # a source checkout
 
 
 def kernel_source_path(filename: str) -> Path:

@@ -11,7 +11,7 @@ is KVTIERD_LOG_LEVEL). Per-tenant quotas are file tables `[quotas."tenant-a"]`, 
 a typo must not pass silently. A key ending in `_bytes` is a size (`units.parse_bytes`: "40GB" is
 40·10⁹ bytes, "40GiB" 40·2³⁰).
 
-No torch here: the client imports `default_socket_path` from this module.
+No torch here; the default socket path is kvtierd/endpoints.py's, shared with the client.
 """
 
 from __future__ import annotations
@@ -25,6 +25,7 @@ import tomllib
 import functools
 from collections.abc import Iterable, Iterator, Mapping
 
+from kvtierd.endpoints import default_socket_path
 from kvtierd.errors import InvalidArgument
 from kvtierd.units import GiB, MiB, parse_bytes
 
@@ -38,14 +39,6 @@ CHOICES = {"pool.hash_algo": HASH_ALGOS, "host.codec": CODECS, "ssd.codec": CODE
            "policy.t1_to_t2": EDGE_POLICIES, "log_level": LOG_LEVELS}
 CONFIG_ENV = "KVTIERD_CONFIG"  # names the config file when load_config gets no path
 FOREIGN_ENV_PREFIXES = ("KVTIERD_BENCH_", "KVTIERD_TOKEN", "KVTIERD_ADDRESS")  # of the client and benchmarks; serve ignores them
-
-
-def default_socket_path(environ: Mapping[str, str] = os.environ) -> str:
-    """$XDG_RUNTIME_DIR/kvtierd.sock where that directory exists, else /tmp/kvtierd-<uid>/kvtierd.sock."""
-    runtime_dir = environ.get("XDG_RUNTIME_DIR", "")
-    if runtime_dir and os.path.isdir(runtime_dir):
-        return os.path.join(runtime_dir, "kvtierd.sock")
-    return f"/tmp/kvtierd-{os.getuid()}/kvtierd.sock"
 
 
 def default_ssd_dir(environ: Mapping[str, str] = os.environ) -> str:

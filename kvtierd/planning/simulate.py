@@ -21,7 +21,8 @@ from kvtierd.block_hash import BlockHash, Namespace
 from kvtierd.index.block_index import BlockIndex
 from kvtierd.planning.capacity import PoolCapacity, layout_lines
 from kvtierd.planning.chat_workload import ChatWorkload, Conversations, Turn
-from kvtierd.t0.device_pool import DevicePool, create_device_pool
+from kvtierd.t0.device_pool import DevicePool
+from kvtierd.t0.factory import create_device_pool
 from kvtierd.errors import InvalidArgument, ResourceExhausted
 from kvtierd.planning.fragmentation import Fragmentation, fragmentation
 from kvtierd.index.index_metrics import IndexStats

@@ -13,7 +13,8 @@ from typing import Any, Callable
 
 import torch
 
-from kvtierd.t0.device_pool import DevicePool, PoolHandle, _check_num_blocks
+from kvtierd.t0.device_pool import DevicePool
+from kvtierd.t0.pool_handle import PoolHandle, check_num_blocks
 from kvtierd.errors import FailedPrecondition, InvalidArgument, ResourceExhausted
 from kvtierd.layout import Layout
 
@@ -85,7 +86,7 @@ class CudaDevicePool(DevicePool):
 
     @classmethod
     def create(cls, layout: Layout, num_blocks: int, device_index: int = 0) -> CudaDevicePool:
-        num_blocks = _check_num_blocks(num_blocks)
+        num_blocks = check_num_blocks(num_blocks)
         cupy = _import_cupy()
         runtime = cupy.cuda.runtime
         nbytes = num_blocks * layout.bytes_per_block

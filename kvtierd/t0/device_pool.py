@@ -8,7 +8,8 @@ block stride.
 
 Two implementations share this interface: `CudaDevicePool` (GPU memory, shared through a CUDA
 IPC handle; cuda_pool.py) and `ShmDevicePool` (host POSIX shared memory, shared by name;
-shm_pool.py). Another process maps a pool from its `PoolHandle` with `attach_device_pool`.
+shm_pool.py). factory.py creates one (`create_device_pool`); another process maps it from its
+`PoolHandle` (pool_handle.py) with `attach_device_pool`.
 """
 
 from __future__ import annotations
@@ -16,55 +17,13 @@ from __future__ import annotations
 import abc
 import dataclasses
 import operator
-from typing import Literal
 
 import numpy as np
 import torch
 
 from kvtierd.errors import FailedPrecondition, InvalidArgument
 from kvtierd.layout import Layout
-
-PoolKind = Literal["shm", "cuda_ipc"]
-
-
-@dataclasses.dataclass(frozen=True, slots=True)
-class PoolHandle:
-    """Everything another process needs to map a pool and rebuild its view.
-
-    `kind == "shm"`: `name` is the segment name under /dev/shm, `device_index` is None.
-    `kind == "cuda_ipc"`: `ipc_handle` is the 64-byte cudaIpcMemHandle of an allocation that
-    starts at offset 0, `device_index` the CUDA device it lives on (as the creator numbers it).
-    """
-
-    kind: PoolKind
-    layout: Layout
-    num_blocks: int
-    nbytes: int
-    name: str | None = None
-    ipc_handle: bytes | None = None
-    device_index: int | None = None
-
-    def __post_init__(self) -> None:
-        if self.kind not in ("shm", "cuda_ipc"):
-            raise InvalidArgument(f"pool handle kind must be 'shm' or 'cuda_ipc', got {self.kind!r}")
-        _check_num_blocks(self.num_blocks)
-        if not isinstance(self.layout, Layout):
-            raise InvalidArgument(f"pool handle layout must be a Layout, got {type(self.layout)}")
-        if self.nbytes != self.num_blocks * self.layout.bytes_per_block:
-            raise InvalidArgument(
-                f"pool handle nbytes={self.nbytes} != num_blocks={self.num_blocks} × "
-                f"bytes_per_block={self.layout.bytes_per_block}")
-        if self.kind == "shm" and not self.name:
-            raise InvalidArgument("an shm pool handle needs a segment name")
-        if self.kind == "cuda_ipc" and (not self.ipc_handle or self.device_index is None):
-            raise InvalidArgument("a cuda_ipc pool handle needs ipc_handle bytes and a device_index")
-
-
-def _check_num_blocks(num_blocks: object) -> int:
-    if not isinstance(num_blocks, int) or isinstance(num_blocks, bool) or num_blocks <= 0:
-        raise InvalidArgument(f"num_blocks must be a positive integer, got {num_blocks!r}")
-    return num_blocks
-
+from kvtierd.t0.pool_handle import PoolHandle
 
 def _check_index(value: object, limit: int, what: str) -> int:
     """`value` as an int in [0, limit), or InvalidArgument (bools and floats are refused)."""
@@ -168,55 +127,3 @@ class DevicePool(abc.ABC):
         state = "closed" if self.closed else str(self.device)
         return (f"{type(self).__name__}({self.layout.model_id!r}, num_blocks={self.num_blocks}, "
                 f"nbytes={self.nbytes}, {state})")
-
-
-def _resolve_device(device: str | torch.device) -> tuple[PoolKind, int | None]:
-    """'auto' → cuda:0 if CUDA is available, else shm; 'cpu'/'shm' → shm; 'cuda[:N]' → CUDA."""
-    text = str(device)
-    if text == "auto":
-        return ("cuda_ipc", 0) if torch.cuda.is_available() else ("shm", None)
-    if text in ("cpu", "shm"):
-        return "shm", None
-    if text == "cuda" or text.startswith("cuda:"):
-        index_text = text.partition(":")[2] or "0"
-        if not index_text.isdigit():
-            raise InvalidArgument(f"bad CUDA device {text!r}: expected 'cuda' or 'cuda:N'")
-        if not torch.cuda.is_available():
-            raise InvalidArgument(
-                f"device {text!r} asked for, but CUDA is not available on this machine "
-                "(torch.cuda.is_available() is False); use device='auto' or 'shm'")
-        index = int(index_text)
-        if index >= torch.cuda.device_count():
-            raise InvalidArgument(
-                f"device {text!r} out of range: {torch.cuda.device_count()} CUDA device(s)")
-        return "cuda_ipc", index
-    raise InvalidArgument(f"device must be 'auto', 'cpu', 'shm', 'cuda' or 'cuda:N', got {text!r}")
-
-
-def create_device_pool(layout: Layout, num_blocks: int, device: str | torch.device = "auto",
-                       name: str | None = None) -> DevicePool:
-    """Create a zeroed pool of `num_blocks` blocks that other processes can attach to.
-
-    `name` picks the shm segment name (shm pools only; default: unique per process).
-    """
-    num_blocks = _check_num_blocks(num_blocks)
-    kind, device_index = _resolve_device(device)
-    if kind == "shm":
-        from kvtierd.t0.shm_pool import ShmDevicePool
-        return ShmDevicePool.create(layout, num_blocks, name=name)
-    if name is not None:
-        raise InvalidArgument("name applies to shm pools only; a CUDA pool is shared by IPC handle")
-    assert device_index is not None
-    from kvtierd.t0.cuda_pool import CudaDevicePool
-    return CudaDevicePool.create(layout, num_blocks, device_index=device_index)
-
-
-def attach_device_pool(handle: PoolHandle) -> DevicePool:
-    """Map a pool that another process created. Closing it never releases the creator's memory."""
-    if not isinstance(handle, PoolHandle):
-        raise InvalidArgument(f"expected a PoolHandle, got {type(handle).__name__}")
-    if handle.kind == "shm":
-        from kvtierd.t0.shm_pool import ShmDevicePool
-        return ShmDevicePool.attach(handle)
-    from kvtierd.t0.cuda_pool import CudaDevicePool
-    return CudaDevicePool.attach(handle)

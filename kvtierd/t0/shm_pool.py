@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 
-from kvtierd.t0.device_pool import DevicePool, PoolHandle, _check_num_blocks
+from kvtierd.t0.device_pool import DevicePool
+from kvtierd.t0.pool_handle import PoolHandle, check_num_blocks
 from kvtierd.errors import InvalidArgument
 from kvtierd.layout import Layout
 from kvtierd.t0.shm_segment import ShmSegment, default_segment_name
@@ -26,7 +27,7 @@ class ShmDevicePool(DevicePool):
 
     @classmethod
     def create(cls, layout: Layout, num_blocks: int, name: str | None = None) -> ShmDevicePool:
-        num_blocks = _check_num_blocks(num_blocks)
+        num_blocks = check_num_blocks(num_blocks)
         nbytes = num_blocks * layout.bytes_per_block
         segment = ShmSegment.create(nbytes, name if name is not None else default_segment_name("pool"),
                                     what="device pool")

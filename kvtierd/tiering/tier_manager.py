@@ -13,8 +13,8 @@ import logging
 from kvtierd.movers.block_codec import make_codec
 from kvtierd.block_hash import BlockHash, pack_token_ids
 from kvtierd.index.block_index import BlockIndex
-from kvtierd.movers.copy_engine import create_copy_engine
-from kvtierd.t0.device_pool import create_device_pool
+from kvtierd.movers.factory import create_copy_engine
+from kvtierd.t0.factory import create_device_pool
 from kvtierd.t1.host_tier import HostTier
 from kvtierd.index.index_metrics import IndexObserver
 from kvtierd.layout import Layout

@@ -4,7 +4,9 @@ pool handle is an InvalidArgument, never a half-built object."""
 
 from __future__ import annotations
 
-from kvtierd.t0.device_pool import PoolHandle
+from collections.abc import Iterable
+
+from kvtierd.t0.pool_handle import PoolHandle
 from kvtierd.errors import InvalidArgument
 from kvtierd.layout import Layout
 from kvtierd.v1 import kvtier_pb2 as pb
@@ -45,3 +47,14 @@ READ_CHUNK_OPTIONS = [
     ("grpc.experimental.tcp_min_read_chunk_size", 256 << 10),
     ("grpc.experimental.tcp_max_read_chunk_size", 4 << 20),
 ]
+
+
+def pool_layout(pools: Iterable[pb.PoolStats], model_id: str) -> Layout:
+    """The layout of the one pool (of Stats' `pools`) for `model_id`; InvalidArgument naming the
+    pools when there is none or more than one."""
+    matches = [pool.layout for pool in pools if pool.layout.model_id == model_id]
+    if len(matches) != 1:
+        known = ", ".join(sorted({pool.layout.model_id for pool in pools})) or "none"
+        raise InvalidArgument(f"{'no' if not matches else 'more than one'} pool of model id {model_id!r} "
+                              f"(pools: {known})")
+    return layout_from_proto(matches[0])

@@ -11,12 +11,8 @@ from pathlib import Path
 
 import pytest
 
-from kvtierd.movers import cuda_kernels
-
-from kvtierd.movers import fp8_codec
-
-from kvtierd.movers import layout_kernels
 from kvtierd.connectors.reference import paged_attention_cuda
+from kvtierd.movers import cuda_kernels, fp8_codec, layout_kernels
 
 KERNEL_DIR = Path(__file__).resolve().parents[2] / "kernels"
 ARCHS = ("sm_80", "sm_90")

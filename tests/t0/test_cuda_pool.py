@@ -16,7 +16,8 @@ import torch
 
 from tests.factories import check_copy_block_copies_exactly_one, fill_pattern, small_layout
 from kvtierd.t0.cuda_pool import CudaDevicePool
-from kvtierd.t0.device_pool import PoolHandle, attach_device_pool, create_device_pool
+from kvtierd.t0.factory import attach_device_pool, create_device_pool
+from kvtierd.t0.pool_handle import PoolHandle
 from kvtierd.errors import FailedPrecondition, InvalidArgument
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
@@ -26,7 +27,7 @@ requires_cuda = pytest.mark.skipif(not torch.cuda.is_available(),
 
 CHILD = textwrap.dedent("""
     import json, pickle, sys, torch
-    from kvtierd.t0.device_pool import attach_device_pool
+    from kvtierd.t0.factory import attach_device_pool
     handle = pickle.loads(sys.stdin.buffer.read())
     with attach_device_pool(handle) as pool:
         assert pool.device == torch.device("cuda", handle.device_index), pool.device

@@ -18,7 +18,8 @@ import pytest
 import torch
 
 from tests.factories import check_copy_block_copies_exactly_one, fill_pattern, small_layout
-from kvtierd.t0.device_pool import PoolHandle, attach_device_pool, create_device_pool
+from kvtierd.t0.factory import attach_device_pool, create_device_pool
+from kvtierd.t0.pool_handle import PoolHandle
 from kvtierd.errors import FailedPrecondition, InvalidArgument, NotFound
 from kvtierd.t0.shm_pool import ShmDevicePool
 
@@ -138,7 +139,7 @@ def test_attacher_close_does_not_unlink(pool):
 
 CHILD = textwrap.dedent("""
     import json, pickle, sys, torch
-    from kvtierd.t0.device_pool import attach_device_pool
+    from kvtierd.t0.factory import attach_device_pool
     handle = pickle.loads(sys.stdin.buffer.read())
     with attach_device_pool(handle) as pool:
         sys.stdout.write(json.dumps(pool.tensor.float().flatten().tolist()))

@@ -1,0 +1,110 @@
+"""The package's layering, read from its source: no import cycles, grpc only at the edges, and no
+torch in the client library or kvtierctl unless a pool is mapped."""
+
+from __future__ import annotations
+
+import ast
+import subprocess
+import sys
+
+from tests.conftest import REPO
+
+# The folders that talk gRPC: the server, the client library and the CLI built on it, the generated stubs.
+GRPC_PACKAGES = ("kvtierd.server", "kvtierd.client", "kvtierd.cli", "kvtierd.v1")
+
+
+def module_name(path) -> str:
+    parts = list(path.relative_to(REPO).with_suffix("").parts)
+    if parts[0] == "connectors":
+        parts.insert(0, "kvtierd")
+    if parts[-1] == "__init__":
+        parts.pop()
+    return ".".join(parts)
+
+
+def source_modules() -> dict[str, set[str]]:
+    """Each module of kvtierd/ and connectors/ and every name it imports, function-level imports included."""
+    paths = [*(REPO / "kvtierd").rglob("*.py"), *(REPO / "connectors").rglob("*.py")]
+    modules = {}
+    for path in paths:
+        if path.relative_to(REPO).parts[:2] == ("kvtierd", "connectors"):
+            continue  # the symlink to connectors/, walked once under its own name
+        imported = set()
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Import):
+                imported |= {alias.name for alias in node.names}
+            elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+                imported |= {node.module} | {f"{node.module}.{alias.name}" for alias in node.names}
+        modules[module_name(path)] = imported
+    return modules
+
+
+def import_cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """The strongly connected components of more than one module (Tarjan)."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    cycles = []
+
+    def visit(module: str) -> None:
+        index[module] = low[module] = len(index)
+        stack.append(module)
+        for other in graph[module]:
+            if other not in index:
+                visit(other)
+                low[module] = min(low[module], low[other])
+            elif other in stack:
+                low[module] = min(low[module], index[other])
+        if low[module] == index[module]:
+            component = []
+            while True:
+                member = stack.pop()
+                component.append(member)
+                if member == module:
+                    break
+            if len(component) > 1:
+                cycles.append(sorted(component))
+
+    for module in graph:
+        if module not in index:
+            visit(module)
+    return cycles
+
+
+def test_no_module_imports_itself_through_others():
+    """No cycle among kvtierd's modules, counting imports inside functions (a factory in a base module)."""
+    modules = source_modules()
+    assert len(modules) > 100, sorted(modules)  # the walk found the tree
+    graph = {name: {other for other in imported if other in modules and other != name}
+             for name, imported in modules.items()}
+    assert import_cycles(graph) == []
+
+
+def test_cycle_finder_finds_a_planted_cycle():
+    graph = {"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}
+    assert import_cycles(graph) == [["a", "b", "c"]]
+
+
+def test_only_the_edges_import_grpc():
+    """Nothing below the server imports grpc: the core is driven by the servicer, not the reverse."""
+    offenders = sorted(name for name, imported in source_modules().items()
+                       if any(n == "grpc" or n.startswith("grpc.") for n in imported)
+                       and not name.startswith(GRPC_PACKAGES))
+    assert offenders == []
+
+
+def test_client_and_kvtierctl_run_without_torch(tmp_path):
+    """Importing the client and running kvtierctl against an absent daemon loads no torch module."""
+    code = (
+        "import sys\n"
+        "import kvtierd.client\n"
+        "from kvtierd.cli.kvtierctl import main\n"
+        f"sys.argv = ['kvtierctl', '--address', 'unix://{tmp_path}/absent.sock', '--timeout', '1', 'stats']\n"
+        "try:\n"
+        "    main()\n"
+        "except SystemExit as stop:\n"
+        "    print('exit', stop.code)\n"
+        "print('torch modules:', sorted(m for m in sys.modules if m == 'torch' or m.startswith('torch.')))\n")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, cwd=tmp_path)
+    assert "torch modules: []" in done.stdout, done.stdout + done.stderr
+    assert "exit 0" not in done.stdout  # the daemon is absent: kvtierctl said so with a failing code
