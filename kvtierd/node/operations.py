@@ -16,9 +16,9 @@ import collections
 import dataclasses
 from collections.abc import Iterable
 
+from kvtierd.daemon_key import tenant_tag_of
 from kvtierd.errors import InvalidArgument, PermissionDenied
 from kvtierd.node.pools import Pool, PoolRegistry
-from kvtierd.node.quotas import owner_of
 from kvtierd.node.sessions import SessionTable
 from kvtierd.node.tenants import Tenant
 
@@ -110,7 +110,7 @@ class Operations:
         tags = self._target_tags(caller, tenant, all_tenants, "evict")
 
         def mine(keys: Iterable[bytes]) -> list[bytes]:
-            return [k for k in keys if tags is None or owner_of(k) in tags]
+            return [k for k in keys if tags is None or tenant_tag_of(k) in tags]
 
         counts = EvictCounts()
         for pool in self.registry.pools() if pools is None else pools:
@@ -137,10 +137,10 @@ class Operations:
 def _pool_counts(pool: Pool) -> dict[str, collections.Counter]:
     """Blocks per tenant tag in each tier of one pool."""
     tiers = pool.manager.tiers
-    counts = {"t0": collections.Counter(map(owner_of, tiers.index.cached_hashes())),
+    counts = {"t0": collections.Counter(map(tenant_tag_of, tiers.index.cached_hashes())),
               "t1": collections.Counter(), "t2": collections.Counter()}
     if tiers.host is not None:
-        counts["t1"].update(owner_of(e.block_hash) for e in tiers.host.index.entries())
+        counts["t1"].update(tenant_tag_of(e.block_hash) for e in tiers.host.index.entries())
     if tiers.ssd is not None:
-        counts["t2"].update(map(owner_of, tiers.ssd.block_hashes()))
+        counts["t2"].update(map(tenant_tag_of, tiers.ssd.block_hashes()))
     return counts

@@ -17,11 +17,11 @@ import os
 import threading
 
 from kvtierd.block_hash import HASH_FUNCTIONS, Namespace
+from kvtierd.daemon_key import daemon_key_size, tenant_tag_of
 from kvtierd.planning.capacity import PoolCapacity, layout_lines
 from kvtierd.errors import FailedPrecondition, ResourceExhausted
 from kvtierd.layout import Layout
-from kvtierd.node.quotas import QuotaBook, owner_of
-from kvtierd.node.tenants import TAG_BYTES
+from kvtierd.node.quotas import QuotaBook
 from kvtierd.tiering.tier_config import TierConfig
 from kvtierd.tiering.tier_manager import TierManager
 
@@ -65,13 +65,13 @@ class Pool:
                                        settings.ssd_capacity_bytes, durability=settings.ssd_durability,
                                        o_direct=settings.ssd_o_direct)
         self.manager = TierManager(layout, num_blocks, settings.tier_config, ssd_config=ssd_config,
-                                   device=settings.device, hash_size=TAG_BYTES + self.digest_size,
+                                   device=settings.device, hash_size=daemon_key_size(self.digest_size),
                                    observer=observer, max_pending_events=MAX_PENDING_EVENTS)
         tiers = self.manager.tiers
         if quotas is not None and quotas.limits_lower_tiers:
             for tier, store in (("t1", tiers.host), ("t2", tiers.ssd)):
                 if store is not None:
-                    store.set_owner_quota(owner_of, quotas.lower_tier_limit(tier))
+                    store.set_owner_quota(tenant_tag_of, quotas.lower_tier_limit(tier))
 
     @property
     def num_blocks(self) -> int:

@@ -20,7 +20,7 @@ from collections.abc import Mapping
 from kvtierd.planning.capacity import format_bytes
 from kvtierd.node.daemon_config import Quota
 from kvtierd.errors import ResourceExhausted
-from kvtierd.node.tenants import TAG_BYTES, Tenant
+from kvtierd.node.tenants import Tenant
 
 DEFAULT_TENANT = "*"
 
@@ -69,6 +69,4 @@ class QuotaBook:
         return lambda tag: by_tag.get(tag, default)
 
 
-def owner_of(key: bytes) -> bytes:
-    """The tenant tag a daemon key starts with."""
-    return key[:TAG_BYTES]
+

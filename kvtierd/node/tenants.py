@@ -3,8 +3,9 @@
 A client hashes its blocks with tenant "" (kvtierd.block_hash.Namespace(layout, "")); the
 daemon never trusts a client to name its tenant. It prefixes every key with the caller's
 `Tenant.tag`, a fixed digest of the tenant's name, so the daemon's key of a block is
-`tag (16 bytes) + client hash`. Another tenant's cached prefix therefore has other keys: it is
-a plain dictionary miss, on the same code path as any miss (design §4).
+`tag (16 bytes) + client hash`, a `DaemonKey`. Another tenant's cached prefix therefore has other keys: it is
+a plain dictionary miss, on the same code path as any miss (design §4). The key's layout and its
+pack/unpack helpers are kvtierd/daemon_key.py's.
 
 Where the tenant comes from, first match wins:
 1. a bearer token (`authorization: Bearer <token>` metadata), when a tokens file is
@@ -25,11 +26,11 @@ import os
 import stat
 from collections.abc import Callable
 
+from kvtierd.daemon_key import TAG_BYTES, DaemonKey, TenantTag, make_daemon_key, make_daemon_keys
 from kvtierd.errors import InvalidArgument, Unauthenticated
 
 log = logging.getLogger(__name__)
 
-TAG_BYTES = 16
 _TAG_DOMAIN = b"kvtierd-tenant\x00"
 
 
@@ -38,17 +39,17 @@ class Tenant:
     """A tenant and the prefix of every key it owns. `tag` is a fixed function of `name`."""
 
     name: str
-    tag: bytes
+    tag: TenantTag
 
     @classmethod
     def named(cls, name: str) -> Tenant:
-        return cls(name, hashlib.sha256(_TAG_DOMAIN + name.encode()).digest()[:TAG_BYTES])
+        return cls(name, TenantTag(hashlib.sha256(_TAG_DOMAIN + name.encode()).digest()[:TAG_BYTES]))
 
-    def key(self, client_hash: bytes) -> bytes:
-        return self.tag + client_hash
+    def key(self, client_hash: bytes) -> DaemonKey:
+        return make_daemon_key(self.tag, client_hash)
 
-    def keys(self, client_hashes) -> list[bytes]:
-        return list(map(self.tag.__add__, client_hashes))
+    def keys(self, client_hashes) -> list[DaemonKey]:
+        return make_daemon_keys(self.tag, client_hashes)
 
 
 class TokenBook:

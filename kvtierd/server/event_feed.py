@@ -15,7 +15,8 @@ import logging
 from kvtierd.index.index_events import AllBlocksCleared, BlockRemoved, BlockStored
 from kvtierd.layout import Layout
 from kvtierd.node.pools import PoolRegistry
-from kvtierd.node.tenants import TAG_BYTES, Tenant
+from kvtierd.daemon_key import client_hash_of, tenant_tag_of
+from kvtierd.node.tenants import Tenant
 from kvtierd.v1 import kvtier_pb2 as pb
 
 log = logging.getLogger(__name__)
@@ -67,7 +68,7 @@ class EventFeed:
                     for subscriber in subscribers:
                         subscriber.offer(message)
                     continue
-                tag = event.block_hash[:TAG_BYTES]
+                tag = tenant_tag_of(event.block_hash)
                 for subscriber in subscribers:
                     if subscriber.tenant.tag == tag:
                         subscriber.offer(to_message(event, model_id))
@@ -84,7 +85,7 @@ class EventFeed:
 
 def to_message(event: BlockStored | BlockRemoved, model_id: str) -> pb.Event:
     if isinstance(event, BlockStored):
-        parent = event.parent_hash[TAG_BYTES:] if event.parent_hash is not None else b""
-        return pb.Event(kind=pb.Event.STORED, block_hash=event.block_hash[TAG_BYTES:], parent_hash=parent,
+        parent = client_hash_of(event.parent_hash) if event.parent_hash is not None else b""
+        return pb.Event(kind=pb.Event.STORED, block_hash=client_hash_of(event.block_hash), parent_hash=parent,
                         block_id=event.block_id, model_id=model_id)
-    return pb.Event(kind=pb.Event.REMOVED, block_hash=event.block_hash[TAG_BYTES:], model_id=model_id)
+    return pb.Event(kind=pb.Event.REMOVED, block_hash=client_hash_of(event.block_hash), model_id=model_id)
