@@ -116,7 +116,7 @@ def main(argv: list[str] | None = None) -> int:
 
 def run_against_daemon(args: argparse.Namespace) -> int:
     from kvtierd.client import KvtierClient
-    from kvtierd.client.client_calls import OPERATION_TIMEOUT_S
+    from kvtierd.client.base import OPERATION_TIMEOUT_S
     from kvtierd.cli.kvtierctl_report import StatsView, health_problems, tenant_lines
     from kvtierd.wire.conversions import pool_layout
 

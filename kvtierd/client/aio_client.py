@@ -1,7 +1,7 @@
 """The asyncio client of kvtierd: `AsyncKvtierClient` and `AsyncSession`, the surface of
 KvtierClient and Session (client.py) as coroutines on a grpc.aio channel. Events is an async
 iterator; a session's keepalive is an asyncio task. Retries, deadlines, error mapping and
-request building are client_calls.py's, shared with the blocking client.
+request building are base.py's, shared with the blocking client.
 """
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ from typing import TypeVar
 import grpc
 import grpc.aio
 
-from kvtierd.client.client_calls import (
+from kvtierd.client.base import (
     Acquired, BlockData, Call, ClientBase, EventStreamBase, PutResult, PutStream, Retry, SessionBase,
     TlsOptions, TokenIds, attach_request, drain_call, events_request, evict_call, get_request, map_rpc_error,
     tenant_stats_call)
@@ -34,7 +34,7 @@ class AsyncKvtierClient(ClientBase):
         super().__init__(grpc.aio, target, token, tls, timeout_s, max_attempts, max_message_bytes)
 
     async def _retrying(self, attempt: Callable[[float], Awaitable[T]], timeout_s: float | None) -> T:
-        """Await `attempt(seconds_left)`, retrying UNAVAILABLE per the policy of client_calls.Retry."""
+        """Await `attempt(seconds_left)`, retrying UNAVAILABLE per the policy of base.Retry."""
         self._check_open()
         retry = Retry(self.max_attempts, self.timeout_s if timeout_s is None else timeout_s)
         while True:

@@ -9,7 +9,7 @@ aio_client.py) with the same surface.
 
 Every call has a deadline and fails with a kvtierd.errors.KvtierError (the original
 grpc.RpcError as its __cause__); a daemon that is down gives Unavailable at once. Retries,
-deadlines and request building are shared with the async client in client_calls.py.
+deadlines and request building are shared with the async client in base.py.
 """
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ from typing import TypeVar
 
 import grpc
 
-from kvtierd.client.client_calls import (
+from kvtierd.client.base import (
     Acquired, BlockData, Call, ClientBase, EventStreamBase, PutResult, PutStream, Retry, SessionBase,
     TlsOptions, TokenIds, attach_request, drain_call, events_request, evict_call, get_request, map_rpc_error,
     tenant_stats_call)
@@ -46,7 +46,7 @@ class KvtierClient(ClientBase):
         super().__init__(grpc, target, token, tls, timeout_s, max_attempts, max_message_bytes)
 
     def _retrying(self, attempt: Callable[[float], T], timeout_s: float | None) -> T:
-        """Run `attempt(seconds_left)`, retrying UNAVAILABLE per the policy of client_calls.Retry."""
+        """Run `attempt(seconds_left)`, retrying UNAVAILABLE per the policy of base.Retry."""
         self._check_open()
         retry = Retry(self.max_attempts, self.timeout_s if timeout_s is None else timeout_s)
         while True:
