@@ -136,7 +136,7 @@ def main(argv=None) -> None:
         config = SsdTierConfig([os.path.join(directory, "t2")], capacity_bytes=2 * TOTAL_NBYTES,
                                lmdb_map_bytes=64 << 20)
         tier = SsdTier.open(config, LAYOUT)
-        o_direct = tier.stats()["o_direct"]
+        o_direct = tier.stats().o_direct
         raw = RawFile(os.path.join(directory, "raw.bin"), o_direct)
         rng = np.random.default_rng(0)
         aligned_source, aligned_out = aligned_slab(), aligned_slab()

@@ -16,11 +16,15 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from wsgiref.simple_server import WSGIServer
+from typing import TYPE_CHECKING
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest, start_http_server
 
 from kvtierd.metrics.bucket_histogram import BucketHistogram
 from kvtierd.metrics.metrics_collector import PoolSource, TierCollector
+
+if TYPE_CHECKING:
+    from kvtierd.tiering.tiering_stats import TieringStats
 
 # Block ages: 1 ms (a block reused within one batch) to 1 h; older ones land in +Inf.
 BLOCK_AGE_BUCKETS_S = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0,
@@ -113,7 +117,7 @@ class DaemonMetrics:
     # ------------------------------------------------------------------------ pools
 
     def add_pool_source(self, model_id: str, block_size_tokens: int, bytes_per_block: int,
-                        stats: Callable[[], dict]) -> None:
+                        stats: Callable[[], TieringStats]) -> None:
         """Report a pool's tiers at every scrape from `stats()` (TierManager.stats()); replaces
         an earlier source of the same model."""
         assert block_size_tokens > 0 and bytes_per_block > 0, (block_size_tokens, bytes_per_block)  # from a Layout

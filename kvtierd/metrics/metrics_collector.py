@@ -14,11 +14,14 @@ import dataclasses
 import logging
 import threading
 from collections.abc import Callable, Iterator
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
 
 from prometheus_client.metrics_core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily, Metric
 
 from kvtierd.metrics.bucket_histogram import BucketHistogram
+
+if TYPE_CHECKING:
+    from kvtierd.tiering.tiering_stats import TieringStats
 
 log = logging.getLogger(__name__)
 
@@ -48,7 +51,7 @@ _AGE_HISTOGRAMS = {
 class PoolSource:
     block_size_tokens: int
     bytes_per_block: int
-    stats: Callable[[], dict]  # TierManager.stats(); called on the scrape thread
+    stats: Callable[[], TieringStats]  # TierManager.stats(); called on the scrape thread
 
 
 # attribute → (family kind, name without _total, help, labels after "model")
@@ -147,38 +150,30 @@ def _new_families() -> dict[str, Metric]:
     return families
 
 
-def _add_pool(families: dict[str, Metric], model: str, source: PoolSource, stats: dict) -> None:
+def _add_pool(families: dict[str, Metric], model: str, source: PoolSource, stats: TieringStats) -> None:
     def add(key: str, value, *labels: str) -> None:
         families[key].add_metric([model, *labels], value)
 
-    t0 = stats["t0"]
-    add("capacity", t0["capacity_bytes"], "t0")
-    add("used", (t0["num_blocks"] - t0["num_free_blocks"]) * source.bytes_per_block, "t0")
-    add("t0_free_blocks", t0["num_free_blocks"])
-    add("t0_blocks", t0["num_blocks"])
-    add("cached_blocks", t0["num_cached_blocks"], "t0")
-    for tier, num_blocks in stats["hit_blocks"].items():
-        add("hit_blocks", num_blocks, tier)
-        if tier != "t0":  # t0 hit tokens come from the index observer
-            add("hit_tokens", num_blocks * source.block_size_tokens, tier)
-    if (t1 := stats.get("t1")) is not None:
-        add("capacity", t1["capacity_bytes"], "t1")
-        add("used", t1["used_bytes"], "t1")
-        add("evictions", t1["evictions"], "t1")
-    if (t2 := stats.get("t2")) is not None:
-        add("capacity", t2["capacity_bytes"], "t2")
-        add("used", t2["used_bytes"], "t2")
-        add("cached_blocks", t2["num_entries"], "t2")
-        add("evictions", t2["num_evictions"], "t2")
-        add("ssd_dropped", t2["num_corrupted"] + t2["num_dropped_on_open"])
-        add("ssd_io_errors", t2["num_io_errors"])
-        add("ssd_admitting", 1 if t2["admitting"] else 0)
-    for direction, nbytes in stats["bytes_moved"].items():
+    add("t0_free_blocks", stats.num_free_blocks)
+    add("t0_blocks", stats.num_blocks)
+    for usage in stats.tiers:
+        add("capacity", usage.capacity_bytes, usage.tier)
+        add("used", usage.used_bytes, usage.tier)
+        add("cached_blocks", usage.num_cached_blocks, usage.tier)
+        add("hit_blocks", usage.num_hit_blocks, usage.tier)
+        if usage.tier != "t0":  # t0 hit tokens and evictions come from the index observer
+            add("hit_tokens", usage.num_hit_blocks * source.block_size_tokens, usage.tier)
+            add("evictions", usage.num_evictions, usage.tier)
+    if (ssd := stats.ssd) is not None:
+        add("ssd_dropped", ssd.num_corrupted_blocks + ssd.num_dropped_on_open)
+        add("ssd_io_errors", ssd.num_io_errors)
+        add("ssd_admitting", 1 if ssd.admitting else 0)
+    for direction, nbytes in stats.bytes_moved.items():
         add("transfer_bytes", nbytes, direction)
-    for direction, bytes_per_s in stats["bandwidth_bytes_per_s"].items():
+    for direction, bytes_per_s in stats.bandwidth_bytes_per_s.items():
         add("bandwidth", bytes_per_s, direction)
-    for edge, num_blocks in stats["offloaded_blocks"].items():
+    for edge, num_blocks in stats.num_offloaded_blocks.items():
         add("offloaded_blocks", num_blocks, edge)
-    add("failed_loads", stats["failed_load_blocks"])
-    add("failed_offloads", stats["failed_offload_blocks"])
-    add("skipped_slow", stats["skipped_slow_blocks"])
+    add("failed_loads", stats.num_failed_load_blocks)
+    add("failed_offloads", stats.num_failed_offload_blocks)
+    add("skipped_slow", stats.num_skipped_slow_blocks)

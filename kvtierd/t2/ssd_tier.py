@@ -39,6 +39,7 @@ from kvtierd.layout import Layout
 from kvtierd.index.slot_index import BlockMeta, SlotEntry, SlotIndex, slots_within
 from kvtierd.t2.ssd_files import SlotFiles
 from kvtierd.t2.ssd_config import SsdTierConfig, describe_error, lock_directory
+from kvtierd.t2.ssd_stats import SsdStats
 from kvtierd.t2.ssd_index import Record, SsdIndex
 
 log = logging.getLogger(__name__)
@@ -154,17 +155,17 @@ class SsdTier:
         """Per-owner byte limits (None = none), enforced in slots; see SlotIndex.set_owner_quota."""
         self._index.set_owner_quota(owner_of, lambda owner: slots_within(limit_bytes(owner), self.stride))
 
-    def stats(self) -> dict:
+    def stats(self) -> SsdStats:
         with self._stats_lock:
-            return dict(
+            return SsdStats(
                 capacity_bytes=self.num_slots * self.stride, requested_capacity_bytes=self.config.capacity_bytes,
-                used_bytes=self._index.num_used_slots * self.stride, num_entries=self._index.num_ready,
-                num_slots=self.num_slots, slot_nbytes=self.slot_nbytes, num_corrupted=self.num_corrupted,
-                num_io_errors=self.num_io_errors, num_evictions=self._index.num_evictions,
-                num_recovered=self.num_recovered, num_dropped_on_open=self.num_dropped_on_open,
-                admitting=self._admitting, reason=self._reason, bytes_written=self.bytes_written,
-                bytes_read=self.bytes_read, o_direct=self._files.o_direct, durability=self.config.durability,
-                quota_skips=self._index.num_quota_skips)
+                used_bytes=self._index.num_used_slots * self.stride, num_cached_blocks=self._index.num_ready,
+                num_slots=self.num_slots, slot_nbytes=self.slot_nbytes, num_evictions=self._index.num_evictions,
+                num_quota_skips=self._index.num_quota_skips, num_corrupted_blocks=self.num_corrupted,
+                num_io_errors=self.num_io_errors, num_recovered_blocks=self.num_recovered,
+                num_dropped_on_open=self.num_dropped_on_open, admitting=self._admitting, reason=self._reason or "",
+                bytes_written=self.bytes_written, bytes_read=self.bytes_read, o_direct=self._files.o_direct,
+                durability=self.config.durability)
 
     @property
     def admitting(self) -> bool:

@@ -21,6 +21,7 @@ from kvtierd.layout import Layout
 from kvtierd.tiering.offload import Offloader
 from kvtierd.tiering.promotion import Acquisition, Promoter, TierHits
 from kvtierd.tiering.tier_config import TierConfig
+from kvtierd.tiering.tiering_stats import TieringStats, tiering_stats
 from kvtierd.tiering.tiers import Tiers
 
 log = logging.getLogger(__name__)
@@ -94,29 +95,8 @@ class TierManager:
         """Wait until every copy in flight has landed and been finalized."""
         self.tiers.wait_quiet()
 
-    def stats(self) -> dict:
-        tiers = self.tiers
-        counters = tiers.counters
-        stats = {
-            "t0": {"capacity_bytes": tiers.pool.nbytes, "num_blocks": tiers.index.num_blocks,
-                   "num_free_blocks": tiers.index.num_free_blocks, "num_cached_blocks": tiers.index.num_cached_blocks,
-                   "evictions": tiers.index.num_evictions},
-            "query_blocks": counters.num_query_blocks,
-            "hit_blocks": dict(counters.num_hit_blocks),
-            "skipped_slow_blocks": counters.num_skipped_slow_blocks,
-            "failed_load_blocks": counters.num_failed_load_blocks,
-            "offloaded_blocks": dict(counters.num_offloaded_blocks),
-            "failed_offload_blocks": counters.num_failed_offload_blocks,
-            "bandwidth_bytes_per_s": {d.value: b.bytes_per_s for d, b in tiers.engine.bandwidth.items()},
-            "bytes_moved": {d.value: b.total_bytes for d, b in tiers.engine.bandwidth.items()},
-        }
-        if tiers.host is not None:
-            stats["t1"] = {"capacity_bytes": tiers.host.capacity_bytes, "used_bytes": tiers.host.used_bytes,
-                           "codec": tiers.host.codec.name, "evictions": tiers.host.index.num_evictions,
-                           "quota_skips": tiers.host.index.num_quota_skips}
-        if tiers.ssd is not None:
-            stats["t2"] = dict(tiers.ssd.stats(), codec=tiers.ssd_codec.name)
-        return stats
+    def stats(self) -> TieringStats:
+        return tiering_stats(self.tiers)
 
     def close(self) -> None:
         """Finish in-flight moves, flush the SSD index, release memory."""

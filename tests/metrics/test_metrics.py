@@ -99,43 +99,36 @@ def test_scrape_reports_what_the_tier_manager_reports(pool):
     metrics, manager, _ = pool
     scraped = samples(metrics.render())
     stats = manager.stats()
-    t0, t1, t2 = stats["t0"], stats["t1"], stats["t2"]
-    assert t0["num_free_blocks"] == 16 - 3 and t1["evictions"] > 0 and stats["hit_blocks"]["t2"] == 4
+    t0, t1, t2, ssd = stats.t0, stats.t1, stats.t2, stats.ssd
+    assert stats.num_free_blocks == 16 - 3 and t1.num_evictions > 0 and t2.num_hit_blocks == 4
     m = {"model": "m"}
-    expected = {
-        ("kvtierd_tier_capacity_bytes", "t0"): t0["capacity_bytes"],
-        ("kvtierd_tier_capacity_bytes", "t1"): t1["capacity_bytes"],
-        ("kvtierd_tier_capacity_bytes", "t2"): t2["capacity_bytes"],
-        ("kvtierd_tier_used_bytes", "t0"): 3 * LAYOUT.bytes_per_block,
-        ("kvtierd_tier_used_bytes", "t1"): t1["used_bytes"],
-        ("kvtierd_tier_used_bytes", "t2"): t2["used_bytes"],
-        ("kvtierd_cached_blocks", "t0"): t0["num_cached_blocks"],
-        ("kvtierd_cached_blocks", "t2"): t2["num_entries"],
-        ("kvtierd_evictions_total", "t1"): t1["evictions"],
-        ("kvtierd_evictions_total", "t2"): t2["num_evictions"],
-    }
-    for tier, num_blocks in stats["hit_blocks"].items():
-        expected[("kvtierd_prefix_hit_blocks_total", tier)] = num_blocks
+    expected = {("kvtierd_tier_used_bytes", "t0"): 3 * LAYOUT.bytes_per_block}
+    for usage in (t0, t1, t2):
+        expected[("kvtierd_tier_capacity_bytes", usage.tier)] = usage.capacity_bytes
+        expected[("kvtierd_tier_used_bytes", usage.tier)] = usage.used_bytes
+        expected[("kvtierd_cached_blocks", usage.tier)] = usage.num_cached_blocks
+        expected[("kvtierd_prefix_hit_blocks_total", usage.tier)] = usage.num_hit_blocks
+    for usage in (t1, t2):
+        expected[("kvtierd_evictions_total", usage.tier)] = usage.num_evictions
+        expected[("kvtierd_prefix_hit_tokens_total", usage.tier)] = usage.num_hit_blocks * LAYOUT.block_size
+    assert t0.used_bytes == 3 * LAYOUT.bytes_per_block and t1.num_cached_blocks > 0
     for (name, tier), want in expected.items():
         assert value(scraped, name, tier=tier, **m) == want, (name, tier)
-    for tier in ("t1", "t2"):
-        assert value(scraped, "kvtierd_prefix_hit_tokens_total", tier=tier, **m) == \
-            stats["hit_blocks"][tier] * LAYOUT.block_size
     for direction in ("d2h", "h2d", "h2h"):
         assert value(scraped, "kvtierd_transfer_bytes_total", direction=direction, **m) == \
-            stats["bytes_moved"][direction]
+            stats.bytes_moved[direction]
         assert value(scraped, "kvtierd_transfer_bandwidth_bytes_per_second", direction=direction, **m) == \
-            pytest.approx(stats["bandwidth_bytes_per_s"][direction])
+            pytest.approx(stats.bandwidth_bytes_per_s[direction])
     for edge in ("t0_t1", "t1_t2"):
-        assert value(scraped, "kvtierd_offloaded_blocks_total", edge=edge, **m) == stats["offloaded_blocks"][edge]
+        assert value(scraped, "kvtierd_offloaded_blocks_total", edge=edge, **m) == stats.num_offloaded_blocks[edge]
     assert value(scraped, "kvtierd_t0_free_blocks", **m) == 13
     assert value(scraped, "kvtierd_t0_blocks", **m) == 16
-    assert value(scraped, "kvtierd_failed_loads_total", **m) == stats["failed_load_blocks"]
-    assert value(scraped, "kvtierd_failed_offloads_total", **m) == stats["failed_offload_blocks"]
-    assert value(scraped, "kvtierd_skipped_slow_blocks_total", **m) == stats["skipped_slow_blocks"]
+    assert value(scraped, "kvtierd_failed_loads_total", **m) == stats.num_failed_load_blocks
+    assert value(scraped, "kvtierd_failed_offloads_total", **m) == stats.num_failed_offload_blocks
+    assert value(scraped, "kvtierd_skipped_slow_blocks_total", **m) == stats.num_skipped_slow_blocks
     assert value(scraped, "kvtierd_ssd_corrupted_blocks_dropped_total", **m) == \
-        t2["num_corrupted"] + t2["num_dropped_on_open"]
-    assert value(scraped, "kvtierd_ssd_io_errors_total", **m) == t2["num_io_errors"]
+        ssd.num_corrupted_blocks + ssd.num_dropped_on_open
+    assert value(scraped, "kvtierd_ssd_io_errors_total", **m) == ssd.num_io_errors
     assert value(scraped, "kvtierd_ssd_admitting", **m) == 1
 
 
@@ -147,7 +140,7 @@ def test_index_observer_counts_queries_t0_hits_and_evictions(pool):
     m = {"model": "m"}
     assert value(scraped, "kvtierd_prefix_query_tokens_total", **m) == traffic.num_query_tokens
     assert value(scraped, "kvtierd_prefix_hit_tokens_total", tier="t0", **m) == \
-        manager.stats()["hit_blocks"]["t0"] * LAYOUT.block_size == 4 * LAYOUT.block_size
+        manager.stats().t0.num_hit_blocks * LAYOUT.block_size == 4 * LAYOUT.block_size
     num_evictions = value(scraped, "kvtierd_evictions_total", tier="t0", **m)
     assert num_evictions >= 24 * 12 - 16  # the pushes alone evict all but the pool's worth
     assert value(scraped, "kvtierd_block_lifetime_seconds_count", **m) == num_evictions

@@ -54,7 +54,7 @@ def check_recovered(directory: str, lines) -> int:
     """Open after a kill: every index entry verifies and returns exactly its bytes."""
     tier = SsdTier.open(crash_config(directory), CRASH_LAYOUT)
     try:
-        assert tier.stats()["num_dropped_on_open"] == 0
+        assert tier.stats().num_dropped_on_open == 0
         held = tier.block_hashes()
         out = torch.empty(1, CRASH_LAYOUT.bytes_per_block, dtype=torch.uint8)
         for block_hash in held:
@@ -62,7 +62,7 @@ def check_recovered(directory: str, lines) -> int:
             assert tier.lookup([block_hash], token_bytes=tokens, block_size=CRASH_LAYOUT.block_size) == 1
             assert tier.load([block_hash], out) == 1, "an index entry did not verify"
             assert bytes(out[0].numpy()) == expected_bytes(block_hash, out.shape[1]), "other bytes"
-        assert tier.stats()["num_corrupted"] == 0
+        assert tier.stats().num_corrupted_blocks == 0
         assert must_survive(lines) <= set(held), "a store that returned was lost"
         return len(held)
     finally:
@@ -124,7 +124,7 @@ def test_flipped_bits_are_a_counted_miss_and_the_entry_goes(tmp_path, while_open
         assert tier.load(hashes(items), out) == 1
         assert bytes(out[0].numpy()) == items[0][1]
         assert not out[1].any(), "the corrupt block's bytes must not be handed out"
-        assert tier.stats()["num_corrupted"] == 1
+        assert tier.stats().num_corrupted_blocks == 1
         assert hashes(items)[1] not in tier.block_hashes() and tier.lookup(hashes(items)) == 1
         assert load_bytes(tier, hashes(items)[2:])[1] == [data for _, data in items[2:]]
     finally:
@@ -152,7 +152,7 @@ def test_a_truncated_slot_file_is_a_counted_miss(tmp_path, while_open):
         num_loaded, loaded = load_bytes(tier, hashes(items))
         assert num_loaded == 2 and loaded == [data for _, data in items[:2]]
         assert load_bytes(tier, hashes(items)[3:])[0] == 0
-        assert tier.stats()["num_corrupted"] == 2
+        assert tier.stats().num_corrupted_blocks == 2
         assert sorted(tier.block_hashes()) == sorted(hashes(items)[:2])
         assert tier.store(chain(2, start=40)) == 2  # the freed slots take new blocks again
         assert load_bytes(tier, hashes(chain(2, start=40)))[0] == 2
@@ -198,8 +198,8 @@ def test_a_full_disk_stops_admission_and_keeps_serving(small_tmpfs):
     cfg = SsdTierConfig([str(small_tmpfs)], capacity_bytes=8 << 20, lmdb_map_bytes=64 << 20)
     tier = SsdTier.open(cfg, layout)
     opened = tier.stats()
-    assert 0 < opened["capacity_bytes"] < 2 << 20 and opened["admitting"]
-    assert "disk" in opened["reason"] and "preallocated" in opened["reason"]
+    assert 0 < opened.capacity_bytes < 2 << 20 and opened.admitting
+    assert "disk" in opened.reason and "preallocated" in opened.reason
     host_tier: dict[bytes, bytes] = {}  # stands for T1: the daemon writes through it first
     old = chain(8, layout=layout)
     host_tier.update((meta.block_hash, data) for meta, data in old)
@@ -209,8 +209,8 @@ def test_a_full_disk_stops_admission_and_keeps_serving(small_tmpfs):
     host_tier.update((meta.block_hash, data) for meta, data in new)
     assert tier.store(new) == 0  # no exception into the caller
     stats = tier.stats()
-    assert stats["admitting"] is False and stats["reason"].startswith("disk full")
-    assert tier.lookup(hashes(new)[:1]) == 0 and stats["num_entries"] == 8
+    assert stats.admitting is False and stats.reason.startswith("disk full")
+    assert tier.lookup(hashes(new)[:1]) == 0 and stats.num_cached_blocks == 8
     assert tier.store(chain(1, start=900, layout=layout)) == 0
     assert load_bytes(tier, hashes(old), nbytes) == (8, [data for _, data in old])
     assert all(host_tier[meta.block_hash] == data for meta, data in new)  # the other tier serves
@@ -219,7 +219,7 @@ def test_a_full_disk_stops_admission_and_keeps_serving(small_tmpfs):
     tier = SsdTier.open(cfg, layout)  # space again: admitting, old blocks still there
     try:
         assert tier.admitting and load_bytes(tier, hashes(old), nbytes)[0] == 8
-        assert tier.stats()["capacity_bytes"] == opened["capacity_bytes"]
+        assert tier.stats().capacity_bytes == opened.capacity_bytes
     finally:
         tier.close()
 
@@ -282,7 +282,7 @@ def test_many_threads_never_see_another_blocks_bytes(tmp_path):
     try:
         assert failures == []
         stats = tier.stats()
-        assert stats["num_corrupted"] == 0 and stats["num_evictions"] > 0 and num_loaded[0] > 0
+        assert stats.num_corrupted_blocks == 0 and stats.num_evictions > 0 and num_loaded[0] > 0
         held = tier.block_hashes()
         assert [load_bytes(tier, [h], nbytes)[1] for h in held] == [[expected_bytes(h, nbytes)] for h in held]
     finally:

@@ -77,7 +77,7 @@ def test_store_then_load_returns_the_exact_bytes(tmp_path, open_tiers, nbytes, o
     assert num_loaded == 10
     assert loaded == [expected_bytes(h, nbytes) for h in hashes(items)]
     stats = tier.stats()
-    assert (stats["bytes_written"], stats["bytes_read"], stats["num_entries"]) == (10 * nbytes, 10 * nbytes, 10)
+    assert (stats.bytes_written, stats.bytes_read, stats.num_cached_blocks) == (10 * nbytes, 10 * nbytes, 10)
 
 
 def test_load_returns_the_leading_hits_only(tmp_path, open_tiers):
@@ -115,7 +115,7 @@ def test_restart_keeps_hits_bytes_and_lru_order(tmp_path):
     tier.close()
     tier = SsdTier.open(cfg, LAYOUT)
     try:
-        assert tier.stats()["num_recovered"] == 8 and tier.lookup(hashes(items)) == 8
+        assert tier.stats().num_recovered_blocks == 8 and tier.lookup(hashes(items)) == 8
         tier.store(chain(1, start=100))  # full: evicts the least recently used, which is block 1
         held = set(tier.block_hashes())
         assert hashes(items)[0] in held and hashes(items)[1] not in held
@@ -137,11 +137,11 @@ def test_another_layouts_entries_are_dropped_on_open(tmp_path):
     tier.close()
     other = small_layout(model_id="another-model")
     tier = SsdTier.open(cfg, other)
-    assert tier.stats()["num_dropped_on_open"] == 5 and tier.lookup(hashes(chain(5))) == 0
+    assert tier.stats().num_dropped_on_open == 5 and tier.lookup(hashes(chain(5))) == 0
     tier.store(chain(3, start=50, layout=other))
     tier.close()
     tier = SsdTier.open(cfg, LAYOUT)  # back to the first layout: its entries are gone
-    assert tier.block_hashes() == [] and tier.stats()["num_dropped_on_open"] == 3
+    assert tier.block_hashes() == [] and tier.stats().num_dropped_on_open == 3
     tier.close()
     tier = SsdTier.open(cfg, other, slot_nbytes=256)  # same layout, half the bytes: another format
     assert tier.block_hashes() == []
@@ -157,7 +157,7 @@ def test_entries_outside_the_files_are_dropped_when_capacity_shrinks(tmp_path):
     tier = SsdTier.open(config(tmp_path, 6), LAYOUT)
     try:
         held = tier.block_hashes()
-        assert len(held) == 6 and tier.stats()["num_dropped_on_open"] == 10
+        assert len(held) == 6 and tier.stats().num_dropped_on_open == 10
         assert [load_bytes(tier, [h])[1] for h in held] == [[expected_bytes(h, 512)] for h in held]
     finally:
         tier.close()
@@ -170,10 +170,10 @@ def test_watermarks_evict_least_recently_used_down_to_low(tmp_path, open_tiers):
     tier = SsdTier.open(cfg, LAYOUT)
     items = chain(19)
     assert tier.store(items[:18]) == 18
-    assert tier.stats()["num_entries"] == 18  # at high, not above
+    assert tier.stats().num_cached_blocks == 18  # at high, not above
     assert tier.store(items[18:]) == 1
     stats = tier.stats()
-    assert stats["num_entries"] == 10 and stats["used_bytes"] == 10 * 4096 and stats["num_evictions"] == 9
+    assert stats.num_cached_blocks == 10 and stats.used_bytes == 10 * 4096 and stats.num_evictions == 9
     assert set(tier.block_hashes()) == set(hashes(items)[9:])
     tier.close()
     reopened = open_tiers(cfg)
@@ -196,21 +196,21 @@ def test_stats_report_capacity_usage_and_flags(tmp_path, open_tiers):
     tier = open_tiers(config(tmp_path, 10, num_dirs=2, durability="none"))
     tier.store(chain(3))
     stats = tier.stats()
-    assert stats["capacity_bytes"] == 10 * 4096 and stats["used_bytes"] == 3 * 4096
-    assert (stats["num_entries"], stats["num_corrupted"], stats["num_io_errors"]) == (3, 0, 0)
-    assert stats["admitting"] is True and stats["reason"] == "" and stats["durability"] == "none"
+    assert stats.capacity_bytes == 10 * 4096 and stats.used_bytes == 3 * 4096
+    assert (stats.num_cached_blocks, stats.num_corrupted_blocks, stats.num_io_errors) == (3, 0, 0)
+    assert stats.admitting is True and stats.reason == "" and stats.durability == "none"
     assert os.path.getsize(tmp_path / "nvme0" / ssd_files.SLOT_FILE_NAME) == 5 * 4096  # preallocated
     assert os.path.getsize(tmp_path / "nvme1" / ssd_files.SLOT_FILE_NAME) == 5 * 4096
 
 
 def test_o_direct_is_used_where_the_filesystem_takes_it(tmp_path, open_tiers):
     tier = open_tiers(config(tmp_path, 8))
-    assert tier.stats()["o_direct"] is True
+    assert tier.stats().o_direct is True
     assert all(fcntl.fcntl(f.fd, fcntl.F_GETFL) & os.O_DIRECT for f in tier._files.files)
     tier.store(chain(2))
     assert load_bytes(tier, hashes(chain(2)))[0] == 2
     buffered = open_tiers(config(tmp_path / "b", 8, o_direct=False))
-    assert buffered.stats()["o_direct"] is False
+    assert buffered.stats().o_direct is False
     assert not any(fcntl.fcntl(f.fd, fcntl.F_GETFL) & os.O_DIRECT for f in buffered._files.files)
 
 
@@ -229,7 +229,7 @@ def test_a_filesystem_refusing_o_direct_falls_back_to_buffered_logged_once(tmp_p
         items = chain(6)
         assert tier.store(items) == 6
         assert load_bytes(tier, hashes(items))[1] == [expected_bytes(h, 512) for h in hashes(items)]
-    assert tier.stats()["o_direct"] is False
+    assert tier.stats().o_direct is False
     assert len([r for r in caplog.records if "O_DIRECT" in r.getMessage()]) == 2
 
 
@@ -242,7 +242,7 @@ def test_malformed_items_raise_and_change_nothing(tmp_path, open_tiers):
         tier.store([(good[0][0], torch.zeros(512, dtype=torch.float32))])
     with pytest.raises(InvalidArgument):
         tier.load(hashes(good), torch.zeros(2, 100, dtype=torch.uint8))
-    assert tier.block_hashes() == [] and tier.stats()["used_bytes"] == 0
+    assert tier.block_hashes() == [] and tier.stats().used_bytes == 0
 
 
 def test_a_write_error_stops_admission_and_leaves_no_entry(tmp_path, monkeypatch):
@@ -260,9 +260,9 @@ def test_a_write_error_stops_admission_and_leaves_no_entry(tmp_path, monkeypatch
         patch.setattr(ssd_files.os, "pwritev", failing_pwritev)
         assert tier.store(new) == 0
     stats = tier.stats()
-    assert stats["admitting"] is False and "disk I/O error" in stats["reason"] and stats["num_io_errors"] == 1
+    assert stats.admitting is False and "disk I/O error" in stats.reason and stats.num_io_errors == 1
     assert tier.store(chain(2, start=20)) == 0  # stays stopped, even though writes would work again
-    assert tier.lookup(hashes(new)) == 0 and stats["used_bytes"] == 3 * 4096
+    assert tier.lookup(hashes(new)) == 0 and stats.used_bytes == 3 * 4096
     assert load_bytes(tier, hashes(old))[1] == [expected_bytes(h, 512) for h in hashes(old)]
     tier.close()
     tier = SsdTier.open(cfg, LAYOUT)
@@ -281,7 +281,7 @@ def test_an_index_commit_failure_leaves_no_entry(tmp_path, open_tiers, monkeypat
     monkeypatch.setattr(tier._db, "commit", full_disk_commit)
     assert tier.store(chain(2)) == 0
     stats = tier.stats()
-    assert stats["admitting"] is False and stats["reason"].startswith("disk full") and stats["used_bytes"] == 0
+    assert stats.admitting is False and stats.reason.startswith("disk full") and stats.used_bytes == 0
 
 
 def test_a_directory_serves_one_tier_at_a_time(tmp_path, open_tiers):
@@ -308,7 +308,7 @@ def test_o_direct_refused_at_io_time_falls_back_to_buffered(tmp_path, open_tiers
 
     monkeypatch.setattr(ssd_files.os, "preadv", preadv_refusing_direct)
     tier = open_tiers(config(tmp_path, 8))
-    assert tier.stats()["o_direct"] is False
+    assert tier.stats().o_direct is False
     items = chain(3)
     assert tier.store(items) == 3
     assert load_bytes(tier, hashes(items))[1] == [data for _, data in items]
@@ -321,6 +321,6 @@ def test_an_index_that_cannot_open_leaves_an_inert_tier_that_says_why(tmp_path, 
     (directory / "kvtierd-index.lmdb").write_bytes(b"not an lmdb directory")
     tier = open_tiers(config(tmp_path, 8))
     stats = tier.stats()
-    assert stats["admitting"] is False and "index open" in stats["reason"] and stats["capacity_bytes"] == 0
+    assert stats.admitting is False and "index open" in stats.reason and stats.capacity_bytes == 0
     assert tier.store(chain(2)) == 0 and tier.lookup(hashes(chain(2))) == 0
     assert not (directory / ssd_files.SLOT_FILE_NAME).exists()

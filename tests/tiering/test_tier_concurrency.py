@@ -71,7 +71,7 @@ def test_concurrent_requests_on_evict():
         check_every_slot_holds_its_own_block(manager)
         assert manager.index.num_free_blocks == 24 and manager.index.tables == {}
         stats = manager.stats()
-        assert stats["hit_blocks"]["t1"] > 0 and stats["t1"]["evictions"] > 0
+        assert stats.t1.num_hit_blocks > 0 and stats.t1.num_evictions > 0
     finally:
         manager.close()
 

@@ -43,7 +43,7 @@ def test_evicted_blocks_are_offloaded_and_promoted_back_with_their_bytes(manager
     acquisition = promote_exactly(manager, "b", PROMPT)
     assert (acquisition.num_t0_hit_blocks, acquisition.num_t1_blocks) == (0, 4)
     assert manager.index.lookup(chain, PROMPT) == 4  # promoted blocks are committed in T0
-    assert manager.stats()["hit_blocks"]["t1"] == 4
+    assert manager.stats().t1.num_hit_blocks == 4
     manager.release("b")
 
 
@@ -72,14 +72,14 @@ def test_write_through_copies_committed_blocks_at_once():
         manager.drain()
         chain = NAMESPACE.hash_blocks(PROMPT)
         assert manager.tiers.host.index.lookup(chain) == 4  # while still in T0 (inclusive)
-        assert manager.stats()["offloaded_blocks"]["t0_t1"] == 4
+        assert manager.stats().num_offloaded_blocks["t0_t1"] == 4
         slots = {e.block_hash: e.slot for e in manager.tiers.host.index.entries()}
         for block_hash in chain:
             row = manager.tiers.host.slots[slots[block_hash]]
             assert torch.equal(row.view(torch.float16).view(content_for(block_hash).shape), content_for(block_hash))
         manager.release("a")
         push_out(manager)
-        assert manager.stats()["offloaded_blocks"]["t0_t1"] == 4 + 12  # evictions cost no copy
+        assert manager.stats().num_offloaded_blocks["t0_t1"] == 4 + 12  # evictions cost no copy
     finally:
         manager.close()
 
@@ -91,7 +91,7 @@ def test_off_policy_moves_nothing():
         manager.release("a")
         push_out(manager)
         assert manager.lookup(NAMESPACE.hash_blocks(PROMPT)).t1 == 0
-        assert manager.stats()["t1"]["used_bytes"] == 0
+        assert manager.stats().t1.used_bytes == 0
     finally:
         manager.close()
 
@@ -100,7 +100,7 @@ def test_a_tier_slower_than_recompute_is_skipped(manager):
     chain = only_in_t1(manager)
     slow = manager.acquire("b", chain, 0, PROMPT, recompute_s_per_token=1e-15)
     assert slow.num_t1_blocks == 0 and slow.ticket.wait(1) == 0
-    assert manager.stats()["skipped_slow_blocks"] == 4
+    assert manager.stats().num_skipped_slow_blocks == 4
     manager.release("b")
     fast = manager.acquire("c", chain, 0, PROMPT, recompute_s_per_token=1.0)
     assert fast.num_t1_blocks == 4 and fast.ticket.wait(10) == 4
@@ -117,7 +117,7 @@ def test_a_failed_load_is_a_miss_and_leaves_the_blocks_writable(manager, monkeyp
     acquisition = manager.acquire("b", chain, 0, PROMPT)
     assert acquisition.num_t1_blocks == 4 and acquisition.ticket.wait(10) == 0
     assert manager.index.lookup(chain) == 0  # nothing committed from a failed load
-    assert manager.stats()["failed_load_blocks"] == 4
+    assert manager.stats().num_failed_load_blocks == 4
     assert manager.index.prepare_write("b", 0).copied_from is None  # the runner recomputes in place
     assert manager.tiers.host.index.lookup(chain) == 4  # T1 still holds them, unpinned
     manager.release("b")
@@ -132,7 +132,7 @@ def test_a_failed_offload_leaves_no_entry(manager, monkeypatch):
     manager.release("a")
     push_out(manager)
     assert manager.tiers.host.index.entries() == []
-    assert manager.stats()["failed_offload_blocks"] > 0
+    assert manager.stats().num_failed_offload_blocks > 0
 
 
 def test_release_waits_for_a_promotion_in_flight(manager):

@@ -45,7 +45,7 @@ def test_blocks_flow_down_to_t2_and_promote_back_through_t1(manager):
     manager.drain()
     assert manager.tiers.host.index.lookup(CHAIN) == 4  # landed in T1 on the way up
     assert manager.index.lookup(CHAIN, PROMPT) == 4
-    assert manager.stats()["hit_blocks"]["t2"] == 4
+    assert manager.stats().t2.num_hit_blocks == 4
     manager.release("b")
 
 
@@ -80,7 +80,7 @@ def test_a_slow_ssd_is_skipped_when_recompute_is_faster(manager):
     manager.tiers.ssd_read.bytes_per_s = 1e3  # as slow as a failing disk
     acquisition = manager.acquire("b", CHAIN, 0, PROMPT, recompute_s_per_token=1e-3)
     assert acquisition.num_t2_blocks == 0 and acquisition.ticket.wait(1) == 0
-    assert manager.stats()["skipped_slow_blocks"] == 4
+    assert manager.stats().num_skipped_slow_blocks == 4
     manager.release("b")
 
 
@@ -119,7 +119,7 @@ def test_a_corrupt_ssd_block_is_a_miss_never_wrong_bytes(manager, tmp_path):
     num_ready = acquisition.ticket.wait(10)
     assert num_ready < 4
     assert_holds(manager, acquisition.block_ids[:num_ready], CHAIN[:num_ready])
-    assert manager.stats()["t2"]["num_corrupted"] >= 1
+    assert manager.stats().ssd.num_corrupted_blocks >= 1
     assert manager.index.lookup(CHAIN) == num_ready  # nothing past the failure is committed
     manager.release("b")
 

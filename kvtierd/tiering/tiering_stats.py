@@ -1,0 +1,78 @@
+"""The statistics of one layout's tiers, as one typed object built in one place.
+
+`tiering_stats(tiers)` is what `TierManager.stats()` returns. The Stats RPC
+(server/pool_stats.py) and the Prometheus collector (metrics/metrics_collector.py) read it;
+kvtierctl reads the Stats RPC. Nothing else derives tier figures, so the three agree.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Mapping
+
+from kvtierd.t2.ssd_stats import SsdStats
+from kvtierd.tiering.tiers import Tiers
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class TierUsage:
+    """One tier's occupancy and traffic: the same fields for T0, T1 and T2."""
+
+    tier: str  # "t0", "t1" or "t2"
+    capacity_bytes: int
+    used_bytes: int
+    num_cached_blocks: int  # blocks a lookup can hit
+    num_hit_blocks: int  # prefix hits served from this tier, since start
+    num_evictions: int  # cached blocks dropped to make room, since start
+    codec: str  # how a slot holds a block ("raw", "fp8"); T0 holds the layout's dtype: "raw"
+    num_quota_skips: int = 0  # T1/T2 stores refused because the tenant was at its quota
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class TieringStats:
+    """Counters of one layout's tiers since the daemon started; absent tiers are None."""
+
+    num_blocks: int  # of the T0 pool
+    num_free_blocks: int  # of the T0 pool: no request holds them (cached or empty)
+    t0: TierUsage
+    t1: TierUsage | None
+    t2: TierUsage | None
+    ssd: SsdStats | None  # T2's health and I/O, when T2 is configured
+    num_query_blocks: int  # blocks asked for by Lookup, Acquire and Get
+    num_skipped_slow_blocks: int  # lower-tier hits recomputed because loading was slower
+    num_failed_load_blocks: int
+    num_failed_offload_blocks: int
+    num_offloaded_blocks: Mapping[str, int]  # by edge: "t0_t1", "t1_t2", ...
+    bytes_moved: Mapping[str, int]  # by copy direction (movers.copy_engine.Direction values)
+    bandwidth_bytes_per_s: Mapping[str, float]  # by copy direction, the copy engine's estimate
+
+    @property
+    def tiers(self) -> tuple[TierUsage, ...]:
+        """The tiers present, top down."""
+        return tuple(usage for usage in (self.t0, self.t1, self.t2) if usage is not None)
+
+
+def tiering_stats(tiers: Tiers) -> TieringStats:
+    counters, index = tiers.counters, tiers.index
+    hits = counters.num_hit_blocks
+    t0 = TierUsage("t0", tiers.pool.nbytes, (index.num_blocks - index.num_free_blocks) * tiers.layout.bytes_per_block,
+                   index.num_cached_blocks, hits["t0"], index.num_evictions, "raw")
+    t1 = None
+    if tiers.host is not None:
+        host = tiers.host
+        t1 = TierUsage("t1", host.capacity_bytes, host.used_bytes, host.index.num_ready, hits["t1"],
+                       host.index.num_evictions, host.codec.name, host.index.num_quota_skips)
+    ssd = tiers.ssd.stats() if tiers.ssd is not None else None
+    t2 = None
+    if ssd is not None:
+        t2 = TierUsage("t2", ssd.capacity_bytes, ssd.used_bytes, ssd.num_cached_blocks, hits["t2"], ssd.num_evictions,
+                       tiers.ssd_codec.name, ssd.num_quota_skips)
+    bandwidth = tiers.engine.bandwidth
+    return TieringStats(
+        num_blocks=index.num_blocks, num_free_blocks=index.num_free_blocks, t0=t0, t1=t1, t2=t2, ssd=ssd,
+        num_query_blocks=counters.num_query_blocks, num_skipped_slow_blocks=counters.num_skipped_slow_blocks,
+        num_failed_load_blocks=counters.num_failed_load_blocks,
+        num_failed_offload_blocks=counters.num_failed_offload_blocks,
+        num_offloaded_blocks=dict(counters.num_offloaded_blocks),
+        bytes_moved={d.value: b.total_bytes for d, b in bandwidth.items()},
+        bandwidth_bytes_per_s={d.value: b.bytes_per_s for d, b in bandwidth.items()})
