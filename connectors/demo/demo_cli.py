@@ -12,8 +12,8 @@ import json
 import sys
 
 from kvtierd.cli.arg_types import positive
-from kvtierd.connectors.demo.demo import CHAT_T0_BLOCKS, CHAT_T1_BLOCKS, CHAT_WORKLOAD, RANDOM_MODEL, RANDOM_T0_BLOCKS, \
-    RANDOM_T1_BLOCKS, DemoOptions, run_demo as run, summary_lines, turn_line
+from kvtierd.connectors.demo.demo import CHAT_T0_BLOCKS, CHAT_T1_BLOCKS, CHAT_WORKLOAD, RANDOM_MODEL, \
+    RANDOM_T0_BLOCKS, RANDOM_T1_BLOCKS, DemoOptions, run_demo as run, summary_lines, turn_line
 from kvtierd.connectors.demo.demo_workload import DemoWorkload
 from kvtierd.errors import InvalidArgument
 
@@ -25,8 +25,9 @@ def add_demo_flags(parser: argparse.ArgumentParser) -> None:
     model = parser.add_argument_group("model")
     model.add_argument("--model", metavar="PATH", help="a Llama GGUF file or Hugging Face directory (config.json, "
                                                        "*.safetensors, tokenizer) instead of SmolLM2-135M-Instruct")
-    model.add_argument("--model-cache", metavar="DIR", help="where SmolLM2 is fetched to (default "
-                                                            "$XDG_CACHE_HOME/kvtierd/models or ~/.cache/kvtierd/models)")
+    model.add_argument("--model-cache", metavar="DIR",
+                       help="where SmolLM2 is fetched to (default "
+                            "$XDG_CACHE_HOME/kvtierd/models or ~/.cache/kvtierd/models)")
     model.add_argument("--random-weights", action="store_true",
                        help="a small random-weight Llama instead, with messages of random token ids (fast; no fetch)")
     model.add_argument("--layers", type=positive, default=RANDOM_MODEL.num_hidden_layers,
@@ -65,8 +66,9 @@ def demo_options(args: argparse.Namespace) -> DemoOptions:
         random_model = dataclasses.replace(RANDOM_MODEL, num_hidden_layers=args.layers, hidden_size=args.hidden,
                                            intermediate_size=args.hidden * 11 // 4, num_attention_heads=heads,
                                            num_key_value_heads=max(1, heads // 2), head_dim=0)
-        workload = DemoWorkload(system_prompt_tokens=args.system_prompt_tokens, first_turn_tokens=args.first_turn_tokens,
-                                vocab_size=random_model.vocab_size, seed=args.seed)
+        workload = DemoWorkload(system_prompt_tokens=args.system_prompt_tokens,
+                                first_turn_tokens=args.first_turn_tokens, vocab_size=random_model.vocab_size,
+                                seed=args.seed)
         base = dataclasses.replace(base, random_weights=True, random_model=random_model, t0_blocks=RANDOM_T0_BLOCKS,
                                    t1_blocks=RANDOM_T1_BLOCKS)
     else:

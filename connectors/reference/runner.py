@@ -108,7 +108,8 @@ class ReferenceRunner:
                 results.append(GenerationResult(
                     request.request_id, [], 0.0, len(prompt), len(prompt) - started.num_cached_tokens,
                     started.num_t0_hit_tokens, started.num_t1_hit_tokens, started.num_t2_hit_tokens))
-            logits = self.model.forward(ForwardBatch.build(chunks, self.block_size, self.model.device), self.backend.pool)
+            logits = self.model.forward(ForwardBatch.build(chunks, self.block_size, self.model.device),
+                                        self.backend.pool)
             for request, chunk, row, result in zip(requests, chunks, logits, results):
                 family = self._after_prefill(request, chunk, row, result, started_s)
                 admitted.extend(s.request_id for s in family[1:])
@@ -148,7 +149,8 @@ class ReferenceRunner:
     def _decode(self, active: list[_Sequence]) -> None:
         while active:
             chunks = [self._decode_chunk(s) for s in active]
-            logits = self.model.forward(ForwardBatch.build(chunks, self.block_size, self.model.device), self.backend.pool)
+            logits = self.model.forward(ForwardBatch.build(chunks, self.block_size, self.model.device),
+                                        self.backend.pool)
             for sequence, row in zip(active, logits):
                 sequence.num_tokens_with_kv += 1
                 self.backend.blocks_filled(sequence.request_id, sequence.token_ids, sequence.num_tokens_with_kv)

@@ -23,10 +23,10 @@ model name vLLM was given), `lookup_wait_s` (0.005), `lookup_ttl_s` (2), `async_
 hits with blocks in T1 or T2 load in the background, scheduler.py), `wait_timeout_s`
 (30: promotion wait per load), `timeout_s` (5: per RPC), `retry_after_s` (5: between attach
 attempts), `prefetch` (true: a Lookup that finds blocks in T2 starts their promotion to T1, so
-the load that follows waits less; off, a Lookup has no side effect). kv_role: `kv_both` loads and stores, `kv_consumer` only loads, `kv_producer` only
-stores. `kv_load_failure_policy` must be "recompute" for a failed load (a block evicted or
-corrupted after the lookup, the daemon gone) to be recomputed; vLLM's default "fail" fails
-the request instead.
+the load that follows waits less; off, a Lookup has no side effect). kv_role: `kv_both` loads
+and stores, `kv_consumer` only loads, `kv_producer` only stores. `kv_load_failure_policy` must
+be "recompute" for a failed load (a block evicted or corrupted after the lookup, the daemon
+gone) to be recomputed; vLLM's default "fail" fails the request instead.
 
 The layout: vLLM picks one `KVCacheLayout` for the engine (`kv_cache_config.kv_cache_layout`,
 e.g. LBHNC on the CPU, LBNHC by default with FlashAttention); a block's bytes are stored in

@@ -80,7 +80,8 @@ class PagedLayers:
                                                    for cache in caches):
             raise ValueError(
                 f"the engine's KV caches are {len(caches)} layers of {shapes[:1]}, but the kvtierd layout "
-                f"{layout.model_id!r} needs {layout.num_layers} layers of [num_blocks, {', '.join(map(str, expected))}] "
+                f"{layout.model_id!r} needs {layout.num_layers} layers of "
+                f"[num_blocks, {', '.join(map(str, expected))}] "
                 "(kv heads, block size, K and V of head_dim): models with MLA, hybrid or per-layer-different "
                 "caches, or kernel blocks smaller than the scheduler's block, are not supported")
         if any(cache.dtype != layout.torch_dtype for cache in caches):

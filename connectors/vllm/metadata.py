@@ -71,9 +71,9 @@ class StoreSpec:
 @dataclasses.dataclass(slots=True)
 class StepMetadata:
     """One step's work: loads (synchronous ones before the forward, asynchronous ones started
-    then), stores (started after the forward, finished in the background), and the requests vLLM preempted this step (their blocks are
-    about to be reused: `handle_preemptions` waits for their stores). A request appears at most
-    once in each list."""
+    then), stores (started after the forward, finished in the background), and the requests vLLM
+    preempted this step (their blocks are about to be reused: `handle_preemptions` waits for their
+    stores). A request appears at most once in each list."""
 
     loads: list[LoadSpec] = dataclasses.field(default_factory=list)
     stores: list[StoreSpec] = dataclasses.field(default_factory=list)

@@ -145,7 +145,8 @@ def run_against_daemon(args: argparse.Namespace) -> int:
             with answered_within(client.target, OPERATION_TIMEOUT_S):
                 result = client.evict(args.tenant, all_tenants=args.all, tiers=tiers, layout=layout)
             if args.json:
-                print(json.dumps(MessageToDict(result, preserving_proto_field_name=True, always_print_fields_with_no_presence=True)))
+                print(json.dumps(MessageToDict(result, preserving_proto_field_name=True,
+                                               always_print_fields_with_no_presence=True)))
             else:
                 print(f"dropped {result.num_t0_blocks:,} T0, {result.num_t1_blocks:,} T1, {result.num_t2_blocks:,} T2 "
                       f"blocks; {result.num_t0_held_blocks:,} T0 blocks skipped (in use)")

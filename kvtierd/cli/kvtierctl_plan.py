@@ -97,7 +97,8 @@ def run_plan(args: argparse.Namespace) -> int:
     try:
         block_sizes = [int(b) for b in args.block_sizes.split(",")]
     except ValueError:
-        raise InvalidArgument(f"--block-sizes is a comma-separated list of integers, got {args.block_sizes!r}") from None
+        raise InvalidArgument("--block-sizes is a comma-separated list of integers, "
+                              f"got {args.block_sizes!r}") from None
     result = plan(kv_bytes_per_token(args), budgets, request_lengths(args), args.utilization, block_sizes)
     if args.json:
         print(json.dumps(dataclasses.asdict(result), indent=2, default=str))
@@ -161,7 +162,8 @@ def run_inspect(client, args: argparse.Namespace) -> int:
         print(f"{found.num_hit_blocks} of {len(hashes)} full blocks cached ({found.num_hit_blocks * block_size:,} of "
               f"{len(hashes) * block_size:,} tokens): blocks 0-{found.num_t0_blocks - 1} in T0, then "
               f"{found.num_t1_blocks} in T1, then {found.num_t2_blocks} in T2"
-              if found.num_hit_blocks else f"none of the {len(hashes)} full blocks is cached (as tenant {session.tenant})")
+              if found.num_hit_blocks
+              else f"none of the {len(hashes)} full blocks is cached (as tenant {session.tenant})")
     return 0
 
 

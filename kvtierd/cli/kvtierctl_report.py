@@ -68,7 +68,8 @@ class StatsView:
         for transfer in pool.transfers:
             text = f"{DIRECTIONS.get(transfer.direction, transfer.direction)} {format_bytes(transfer.bytes_moved)}"
             if before:
-                text += f" ({format_bytes((transfer.bytes_moved - before_moved.get(transfer.direction, 0)) / self.interval_s)}/s)"
+                delta = transfer.bytes_moved - before_moved.get(transfer.direction, 0)
+                text += f" ({format_bytes(delta / self.interval_s)}/s)"
             moved.append(text)
         lines.append("  moved: " + (", ".join(moved) if moved else "nothing yet"))
         lines.append(f"  errors: {pool.num_corrupted_blocks:,} corrupted T2 blocks dropped, "

@@ -50,4 +50,5 @@ class BucketHistogram:
     def cumulative(self) -> list[tuple[str, int]]:
         """(le, cumulative count) pairs as Prometheus exposes them, +Inf last."""
         totals = np.cumsum(self.counts).tolist()
-        return [(floatToGoString(bound), total) for bound, total in zip(self.upper_bounds, totals)] + [("+Inf", totals[-1])]
+        return [(floatToGoString(bound), total)
+                for bound, total in zip(self.upper_bounds, totals)] + [("+Inf", totals[-1])]

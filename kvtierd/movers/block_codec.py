@@ -47,11 +47,13 @@ class RawCodec(BlockCodec):
 
     def encode(self, pool, block_ids, slots, slot_ids):
         for block_start, slot_start, n in _runs(block_ids, slot_ids, slots):
-            self._as_blocks(slots[slot_start:slot_start + n]).copy_(pool[block_start:block_start + n], non_blocking=True)
+            self._as_blocks(slots[slot_start:slot_start + n]).copy_(pool[block_start:block_start + n],
+                                                                    non_blocking=True)
 
     def decode(self, slots, slot_ids, pool, block_ids):
         for block_start, slot_start, n in _runs(block_ids, slot_ids, slots):
-            pool[block_start:block_start + n].copy_(self._as_blocks(slots[slot_start:slot_start + n]), non_blocking=True)
+            pool[block_start:block_start + n].copy_(self._as_blocks(slots[slot_start:slot_start + n]),
+                                                    non_blocking=True)
 
 
 def _runs(block_ids: list[int], slot_ids: list[int], slots: torch.Tensor) -> list[tuple[int, int, int]]:

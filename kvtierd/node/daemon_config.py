@@ -38,7 +38,8 @@ CHOICES = {"pool.hash_algo": HASH_ALGOS, "host.codec": CODECS, "ssd.codec": CODE
            "ssd.durability": DURABILITY_POLICIES, "policy.t0_to_t1": EDGE_POLICIES,
            "policy.t1_to_t2": EDGE_POLICIES, "log_level": LOG_LEVELS}
 CONFIG_ENV = "KVTIERD_CONFIG"  # names the config file when load_config gets no path
-FOREIGN_ENV_PREFIXES = ("KVTIERD_BENCH_", "KVTIERD_TOKEN", "KVTIERD_ADDRESS")  # of the client and benchmarks; serve ignores them
+FOREIGN_ENV_PREFIXES = ("KVTIERD_BENCH_", "KVTIERD_TOKEN",
+                        "KVTIERD_ADDRESS")  # of the client and benchmarks; serve ignores them
 
 
 def default_ssd_dir(environ: Mapping[str, str] = os.environ) -> str:
@@ -224,7 +225,8 @@ def _validate(config: DaemonConfig) -> None:
         (bool(server.tls_cert) == bool(server.tls_key),
          "server.tls_cert and server.tls_key go together: set both or neither"),
         (server.socket or server.tcp, "nothing to listen on: set server.socket or server.tcp"),
-        (not server.tcp or _is_host_port(server.tcp), f"server.tcp must be HOST:PORT (port 0 to 65535), got {server.tcp!r}"),
+        (not server.tcp or _is_host_port(server.tcp),
+         f"server.tcp must be HOST:PORT (port 0 to 65535), got {server.tcp!r}"),
         (not server.health_tcp or _is_host_port(server.health_tcp),
          f"server.health_tcp must be HOST:PORT (port 0 to 65535), got {server.health_tcp!r}"),
         (not server.tcp or tls or server.insecure_tcp, "server.tcp needs TLS (server.tls_cert and server.tls_key), "

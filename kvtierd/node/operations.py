@@ -121,7 +121,8 @@ class Operations:
                 counts.t0 += num_evicted
                 counts.t0_held += len(keys) - num_evicted
             if "t1" in tiers and tier_state.host is not None:
-                counts.t1 += len(tier_state.host.index.remove(mine(e.block_hash for e in tier_state.host.index.entries())))
+                counts.t1 += len(tier_state.host.index.remove(mine(e.block_hash
+                                                                   for e in tier_state.host.index.entries())))
             if "t2" in tiers and tier_state.ssd is not None:
                 counts.t2 += tier_state.ssd.remove(mine(tier_state.ssd.block_hashes()))
         return counts

@@ -141,8 +141,8 @@ class ChatSimulator:
                     heapq.heappush(pending, (follow_up.arrival_s, next(order), follow_up))
         return SimulationReport(
             self.workload, self.index.num_blocks, self._per_turn, self._num_verified, self._num_mismatched,
-            self._num_copies, self._num_preemptions, self.stats.num_evictions, self.index.num_free_blocks, self.now_s, self.stats,
-            fragmentation(self._lengths, self.layout.block_size))
+            self._num_copies, self._num_preemptions, self.stats.num_evictions, self.index.num_free_blocks, self.now_s,
+            self.stats, fragmentation(self._lengths, self.layout.block_size))
 
     def _admit(self, turn: Turn) -> list[Sample]:
         """Acquire, verify hits, prefill the misses; fork when the turn samples n=2."""
@@ -250,7 +250,8 @@ def report_lines(report: SimulationReport, layout: Layout = SIM_LAYOUT) -> list[
     ]
     for turn, t in enumerate(report.per_turn, start=1):
         rate = t.num_hit_tokens / t.num_prompt_tokens if t.num_prompt_tokens else 0.0
-        lines.append(f"{turn:>4}  {t.num_requests:>8}  {t.num_prompt_tokens:>13,}  {t.num_hit_tokens:>10,}  {rate:>8.1%}")
+        lines.append(f"{turn:>4}  {t.num_requests:>8}  {t.num_prompt_tokens:>13,}  {t.num_hit_tokens:>10,}  "
+                     f"{rate:>8.1%}")
     total_rate = report.num_hit_tokens / report.num_prompt_tokens if report.num_prompt_tokens else 0.0
     gap_p90, idle_p50 = stats.reuse_gap_s.percentile(90), stats.idle_before_evict_s.percentile(50)
     seconds = lambda value: "n/a" if math.isnan(value) else f"{value:.1f} s"  # noqa: E731

@@ -226,8 +226,10 @@ def kvtier_handlers(servicer: KvTierServicer) -> grpc.GenericRpcHandler:
     return grpc.method_handlers_generic_handler(service.full_name, handlers)
 
 
-_HANDLER_KINDS = {(False, False): grpc.unary_unary_rpc_method_handler, (True, False): grpc.stream_unary_rpc_method_handler,
-                  (False, True): grpc.unary_stream_rpc_method_handler, (True, True): grpc.stream_stream_rpc_method_handler}
+_HANDLER_KINDS = {(False, False): grpc.unary_unary_rpc_method_handler,
+                  (True, False): grpc.stream_unary_rpc_method_handler,
+                  (False, True): grpc.unary_stream_rpc_method_handler,
+                  (True, True): grpc.stream_stream_rpc_method_handler}
 
 
 def prepare_socket_path(path: str) -> None:

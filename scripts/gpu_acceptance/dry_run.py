@@ -20,7 +20,8 @@ from . import travel
 from .parts import PARTS
 
 AS_GPU_MACHINE = str(Path(__file__).with_name("as_gpu_machine.py"))
-DAEMON_MODULES = "import kvtierd.cli.kvtierd_main, kvtierd.server.serve, kvtierd.client, kvtierd.tiering.tier_manager, kvtierd.v1.kvtier_pb2_grpc"
+DAEMON_MODULES = ("import kvtierd.cli.kvtierd_main, kvtierd.server.serve, kvtierd.client, "
+                  "kvtierd.tiering.tier_manager, kvtierd.v1.kvtier_pb2_grpc")
 TIMEOUT_S = 300
 
 
@@ -41,8 +42,8 @@ def last_line(done: subprocess.CompletedProcess) -> str:
 
 
 def collect_gpu_tests(paths: list[str], as_gpu_machine: bool) -> list[str]:
-    done = run(["-m", "pytest", "--collect-only", "-q", "-m", "gpu", "-p", "no:cacheprovider", "--timeout", "1", *paths],
-               as_gpu_machine)  # --timeout: pytest-timeout loads, as the parts need
+    done = run(["-m", "pytest", "--collect-only", "-q", "-m", "gpu", "-p", "no:cacheprovider", "--timeout", "1",
+                *paths], as_gpu_machine)  # --timeout: pytest-timeout loads, as the parts need
     if done.returncode != 0:
         raise DryRunError(f"pytest --collect-only -m gpu {' '.join(paths)} failed: {last_line(done)}")
     return [line.strip() for line in done.stdout.splitlines() if "::" in line]

@@ -43,7 +43,8 @@ class Part:
 PARTS = (
     Part("tests-kernels", "kv_layout, fp8_codec and paged_attention kernels against their torch references, "
          "small shapes and Llama-3-8B sizes", 180,
-         ("tests/movers/test_layout_kernels.py", "tests/movers/test_fp8_codec.py", "tests/connectors/reference/test_paged_attention_cuda.py"),
+         ("tests/movers/test_layout_kernels.py", "tests/movers/test_fp8_codec.py",
+          "tests/connectors/reference/test_paged_attention_cuda.py"),
          (Check("kv_layout gather/scatter bit for bit, Llama-3-8B size",
                 "tests/movers/test_layout_kernels.py::test_cuda_gather_and_scatter_match_reference_at_llama3_8b_size"),
           Check("fp8 codec bit for bit, Llama-3-8B size",

@@ -28,7 +28,8 @@ def md_table(headers, rows) -> list[str]:
 
 def machine_line(machine: dict) -> str:
     return (f"{machine.get('device', 'no CUDA device')}; Python {machine.get('python', '?')}, torch "
-            f"{machine.get('torch', '?')} (CUDA {machine.get('torch_cuda', '?')}), CuPy {machine.get('cupy', 'missing')}, "
+            f"{machine.get('torch', '?')} (CUDA {machine.get('torch_cuda', '?')}), "
+            f"CuPy {machine.get('cupy', 'missing')}, "
             f"grpcio {machine.get('grpcio', '?')}, protobuf {machine.get('protobuf', '?')}")
 
 

@@ -25,8 +25,9 @@ def install_redis_server() -> None:
     assert done.returncode == 0, f"scripts/install-redis-server failed:\n{done.stdout}{done.stderr}"
 
 
-@pytest.mark.parametrize("script, num_rows", [("bench_block_index.py", 7), ("bench_hashing.py", 8), ("bench_ssd_tier.py", 4),
-                                              ("bench_tier_copy.py", 2), ("bench_daemon_rpc.py", 6),
+@pytest.mark.parametrize("script, num_rows", [("bench_block_index.py", 7), ("bench_hashing.py", 8),
+                                              ("bench_ssd_tier.py", 4), ("bench_tier_copy.py", 2),
+                                              ("bench_daemon_rpc.py", 6),
                                               ("bench_put_get.py", 4), ("bench_ttft.py", 2),
                                               ("bench_chat_throughput.py", 1),
                                               pytest.param("bench_vllm.py", 4, marks=pytest.mark.timeout(1800))])

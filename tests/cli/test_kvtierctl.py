@@ -204,7 +204,8 @@ def test_stats_table_json_and_tenant_usage(daemon):
     assert [row["tenant"] for row in own] == ["acme"] and int(own[0]["num_t0_cached_blocks"]) >= 8
     refused = kvtierctl("stats", "--tenant", "*", address=daemon.address, token=TOKENS["acme"])
     assert refused.returncode == 4 and "admin" in refused.stderr
-    every = json.loads(kvtierctl("stats", "--tenant", "*", "--json", address=daemon.address, token=TOKENS["ops"]).stdout)
+    every = json.loads(kvtierctl("stats", "--tenant", "*", "--json", address=daemon.address,
+                                 token=TOKENS["ops"]).stdout)
     assert "acme" in {row["tenant"] for row in every}
 
 

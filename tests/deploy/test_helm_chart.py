@@ -192,8 +192,8 @@ def test_lint_catches_a_broken_render(helm: str, chart: Path) -> None:
 
 
 def kubernetes_validate(manifest: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([sys.executable, "-P", "-m", "kubernetes_validate", "--strict", "-k", KUBERNETES_VERSION, "-"],
-                          input=manifest, capture_output=True, text=True, timeout=300)
+    return subprocess.run([sys.executable, "-P", "-m", "kubernetes_validate", "--strict", "-k", KUBERNETES_VERSION,
+                           "-"], input=manifest, capture_output=True, text=True, timeout=300)
 
 
 @pytest.mark.parametrize("ci", CI_FILES, ids=CI_IDS)

@@ -253,7 +253,8 @@ def test_tenant_usage_and_quota_gauges_from_a_live_daemon(tmp_path):
         families = {f.name: f for f in text_string_to_metric_families(
             urllib.request.urlopen(daemon.metrics_url, timeout=10).read().decode())}
         used = {(s.labels["tenant"], s.labels["tier"]): s.value for s in families["kvtierd_tenant_used_bytes"].samples}
-        quota = {(s.labels["tenant"], s.labels["tier"]): s.value for s in families["kvtierd_tenant_quota_bytes"].samples}
+        quota = {(s.labels["tenant"], s.labels["tier"]): s.value
+                 for s in families["kvtierd_tenant_quota_bytes"].samples}
         tenant = f"uid:{os.getuid()}"
         assert used[(tenant, "t0")] == 8 * LAYOUT.bytes_per_block
         assert (quota[(tenant, "t0")], quota[(tenant, "t1")], quota[(tenant, "t2")]) == (65536, 1 << 20, 0)

@@ -96,8 +96,8 @@ def test_cli_errors_are_readable(capsys):
 
 
 def test_module_runs_as_a_command():
-    out = subprocess.run([*python_module_command("kvtierd.cli.kvtierd_main", "simulate"), "--conversations", "2", "--turns", "2",
-                          "--system-prompt-tokens", "32", "--pool-blocks", "64"],
+    out = subprocess.run([*python_module_command("kvtierd.cli.kvtierd_main", "simulate"), "--conversations", "2",
+                          "--turns", "2", "--system-prompt-tokens", "32", "--pool-blocks", "64"],
                          capture_output=True, text=True, check=True).stdout
     assert "prefix hit rate:" in out and "free blocks after all requests finished: 64 of 64" in out
 

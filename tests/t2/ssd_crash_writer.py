@@ -99,8 +99,8 @@ def run_capped_writer(directory: str, result_path: str, max_file_bytes: int) -> 
     out = torch.empty(1, FAT_INDEX_LAYOUT.bytes_per_block, dtype=torch.uint8)
     held = tier.block_hashes()
     exact = all(tier.load([h], out) == 1 and bytes(out[0].numpy()) == expected_bytes(h, out.shape[1]) for h in held)
-    result = dict(opened=dataclasses.asdict(opened), stats=dataclasses.asdict(tier.stats()), num_stored=len(stored), num_held=len(held), exact=exact,
-                  refused_held=sum(tier.lookup([h]) for h in refused),
+    result = dict(opened=dataclasses.asdict(opened), stats=dataclasses.asdict(tier.stats()), num_stored=len(stored),
+                  num_held=len(held), exact=exact, refused_held=sum(tier.lookup([h]) for h in refused),
                   store_after_stop=tier.store([block(os.urandom(32), ROOT, FAT_INDEX_LAYOUT)]))
     tier.close()
     with open(result_path, "w") as f:

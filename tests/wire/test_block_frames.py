@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from kvtierd.wire.block_frames import PutFrame, decode_fields, decode_get_response, encode_get_response, encode_put_request
+from kvtierd.wire.block_frames import (PutFrame, decode_fields, decode_get_response, encode_get_response,
+                                       encode_put_request)
 from kvtierd.errors import InvalidArgument
 from kvtierd.v1 import kvtier_pb2 as pb
 

@@ -8,14 +8,14 @@ import subprocess
 
 from kvtierd.server.daemon_process import DaemonProcess, python_module_command, small_daemon_args
 
-SMALL = ["--random-weights", "--layers", "2", "--hidden", "128", "--conversations", "3", "--turns", "3", "--shared-requests", "2",
-         "--system-prompt-tokens", "256", "--first-turn-tokens", "128", "--reply-tokens", "8",
+SMALL = ["--random-weights", "--layers", "2", "--hidden", "128", "--conversations", "3", "--turns", "3",
+         "--shared-requests", "2", "--system-prompt-tokens", "256", "--first-turn-tokens", "128", "--reply-tokens", "8",
          "--t0-blocks", "24", "--t1-blocks", "24"]
 
 
 def run_demo(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run(python_module_command("kvtierd.cli.kvtierd_main", "demo", *args), capture_output=True, text=True,
-                          timeout=600)
+    return subprocess.run(python_module_command("kvtierd.cli.kvtierd_main", "demo", *args), capture_output=True,
+                          text=True, timeout=600)
 
 
 def test_demo_serves_hits_from_every_tier_and_matches_recompute():
@@ -31,7 +31,8 @@ def test_demo_serves_hits_from_every_tier_and_matches_recompute():
     assert first["num_computed_tokens"] == first["num_prompt_tokens"] == 256 + 48  # cold
     assert turns[1]["num_t0_hit_tokens"] == 256  # the shared system prompt
     for t in turns:  # what was not restored was computed
-        assert t["num_computed_tokens"] == t["num_prompt_tokens"] - sum(t[f"num_{x}_hit_tokens"] for x in ("t0", "t1", "t2"))
+        assert t["num_computed_tokens"] == t["num_prompt_tokens"] - sum(t[f"num_{x}_hit_tokens"]
+                                                                        for x in ("t0", "t1", "t2"))
     assert report["num_leaked_blocks"] == 0
     tiers = {t["tier"]: t for t in report["tiers"]}
     assert tiers["t1"]["num_evictions"] > 0 and tiers["t0"]["num_evictions"] > 0
@@ -59,7 +60,8 @@ def test_demo_uses_a_running_daemon_with_address(tmp_path):
 
 def test_demo_refuses_conflicting_model_flags_and_a_down_daemon_clearly(tmp_path):
     done = run_demo("--random-weights", "--model", str(tmp_path / "m.gguf"))
-    assert done.returncode == 2 and done.stderr.strip() == "kvtierd: error: --model and --random-weights exclude each other"
+    assert done.returncode == 2 and done.stderr.strip() == ("kvtierd: error: --model and --random-weights "
+                                                            "exclude each other")
     done = run_demo("--model", str(tmp_path / "missing.gguf"))
     assert done.returncode == 2 and "is neither a .gguf file nor a model directory" in done.stderr
     assert "Traceback" not in done.stderr

@@ -135,7 +135,8 @@ def test_cache_salt_and_lora_id_separate_the_key_space(tmp_path, runner_on):
         hits = {}
         for name, kwargs in (("same salt", dict(cache_salt="user-1")), ("other salt", dict(cache_salt="user-2")),
                              ("no salt", {}), ("lora", dict(cache_salt="user-1", lora_id="adapter-7"))):
-            hits[name] = runner.generate([GenerationRequest(name, PROMPT, max_new_tokens=2, **kwargs)])[0].num_hit_tokens
+            hits[name] = runner.generate([GenerationRequest(name, PROMPT, max_new_tokens=2,
+                                                            **kwargs)])[0].num_hit_tokens
         assert hits == {"same salt": 40, "other salt": 0, "no salt": 0, "lora": 0}
 
 
@@ -155,7 +156,8 @@ def test_n_samples_fork_and_copy_on_write_matches_independent_runs(tmp_path, run
 
 def test_a_batch_of_requests_with_their_own_tables_matches_recompute(tmp_path, runner_on):
     """Three requests in one generate call, one of them a cache hit, decode together."""
-    requests = [GenerationRequest("a", PROMPT, max_new_tokens=7), GenerationRequest("b", prompt(5, 17), max_new_tokens=9),
+    requests = [GenerationRequest("a", PROMPT, max_new_tokens=7),
+                GenerationRequest("b", prompt(5, 17), max_new_tokens=9),
                 GenerationRequest("c", prompt(6, 30), max_new_tokens=5)]
     with DaemonProcess(daemon_args(tmp_path, t0_bytes="256KiB")) as daemon:
         runner, client = runner_on(daemon)

@@ -86,7 +86,8 @@ def test_tokenizer_round_trips_and_renders_the_chat_template(tokenizer):
     assert prompt == tokenizer.encode(rendered)
     assert prompt[0] == 1 and tokenizer.eos_token_id == 2  # <|im_start|>, <|im_end|>
     # no system message: the template brings SmolLM2's own
-    assert tokenizer.decode(tokenizer.prompt(QUESTION)).startswith("system\nYou are a helpful AI assistant named SmolLM")
+    assert tokenizer.decode(tokenizer.prompt(QUESTION)).startswith("system\nYou are a helpful AI assistant "
+                                                                   "named SmolLM")
 
 
 def test_prefill_logits_match_transformers_at_every_position(ours, theirs, tokenizer):

@@ -222,7 +222,8 @@ def test_a_hit_in_t1_loads_in_the_background_and_is_reported_in_finished_recving
         assert [spec.is_async for spec in step_b.metadata.loads] == [True]
         assert "async-b" in engine.finished_recving and step_b.load_error_block_ids == set()
         for i in range(4):
-            assert torch.equal(as_bits(engine.block(step_b.engine_block_ids[i])), as_bits(block_value(a.block_hashes[i])))
+            assert torch.equal(as_bits(engine.block(step_b.engine_block_ids[i])),
+                               as_bits(block_value(a.block_hashes[i])))
         sources = engine.scheduler.get_external_cache_hit_sources(b, 4 * BLOCK_SIZE)
         assert {str(getattr(k, "value", k)): v for k, v in sources.items()} == {"host": 4 * BLOCK_SIZE}
         engine.close()

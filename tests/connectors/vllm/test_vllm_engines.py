@@ -373,7 +373,8 @@ def test_smollm2_through_vllm_answers_the_same_with_the_prefix_from_kvtierd(vllm
 
     tokenizer = ChatTokenizer.from_directory(smollm2_hf)
     system = {"role": "system", "content": demo_texts.SYSTEM_PROMPT}
-    prompts = [tokenizer.prompt([system, {"role": "user", "content": question}]) for question in demo_texts.QUESTIONS[:2]]
+    prompts = [tokenizer.prompt([system, {"role": "user", "content": question}])
+               for question in demo_texts.QUESTIONS[:2]]
     prompts.append(tokenizer.prompt([{"role": "user", "content": "What is the capital of France?"}]))
     layout_bytes = 30 * 2 * BLOCK_SIZE * 3 * 64 * 4  # SmolLM2: 30 layers, 3 KV heads of 64, fp32
     flags = ("--max-model-len", "1536")

@@ -1,10 +1,11 @@
 """The connector's logic on the installed vLLM's own objects: its base class, config, Request and
 block hasher, KVCacheBlocks, SchedulerOutput, KV cache allocation and stats classes.
 
-Runs in the vLLM venv (`.venv-vllm/bin/python -m pytest tests/connectors/vllm/on_vllm`; the main suite does that
-in tests/connectors/vllm/test_on_installed_vllm.py). Also checks that tests/connectors/vllm/vllm_fakes.py, which the main suite's
-fast connector tests use, names only fields these classes have and builds the KV cache views
-vLLM builds, so that the fakes cannot drift from the installed vLLM unnoticed.
+Runs in the vLLM venv (`.venv-vllm/bin/python -m pytest tests/connectors/vllm/on_vllm`; the main
+suite does that in tests/connectors/vllm/test_on_installed_vllm.py). Also checks that
+tests/connectors/vllm/vllm_fakes.py, which the main suite's fast connector tests use, names only
+fields these classes have and builds the KV cache views vLLM builds, so that the fakes cannot drift
+from the installed vLLM unnoticed.
 """
 
 from __future__ import annotations
