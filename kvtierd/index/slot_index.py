@@ -61,9 +61,17 @@ class StorePlan:
 class SlotIndex:
     """hash → slot for `num_slots` slots, least recently used first.
 
-    Invariants: every slot is either free or held by exactly one entry; `_lru` holds exactly the
-    READY entries with no load in flight (the evictable ones), oldest first; an entry that is
-    STORING or pinned is never evicted and its slot never handed out.
+    Invariants (tests/index/test_slot_index_stateful.py checks each after every step):
+    - every slot is either free or held by exactly one entry, so at most `num_slots` entries;
+    - each entry is either STORING or READY, and only READY entries are pinned;
+    - `_lru` holds exactly the READY entries with no load in flight (the evictable ones), oldest
+      first; eviction takes its head; a completed store and an entry's last unpin append to it;
+    - an entry that is STORING or pinned is never evicted and its slot never handed out;
+    - lookups (`lookup`, `metas`, `in`, `prepare_load`, `pin_present`) see READY entries only, so
+      a store in progress is invisible until it completes, and a failed store leaves no entry;
+    - with owner quotas, `num_slots_of(owner)` equals a recount of the owner's entries (STORING
+      ones included), and a store never takes an owner past its limit (an owner above a lowered
+      limit, or after a restore, keeps its count while it recycles its own slots).
     """
 
     def __init__(self, num_slots: int, clock: Callable[[], float] = time.monotonic) -> None:
@@ -176,8 +184,10 @@ class SlotIndex:
         """Insert READY entries at given slots (recovery from a persistent index), oldest first."""
         with self._lock:
             taken = {slot for _, slot, _ in entries}
-            if len(taken) != len(entries) or self._entries or any(not 0 <= s < self.num_slots for s in taken):
-                raise InvalidArgument("restore needs an empty index and distinct slots in range")
+            num_hashes = len({meta.block_hash for meta, _, _ in entries})
+            if (len(taken) != len(entries) or num_hashes != len(entries) or self._entries
+                    or any(not 0 <= s < self.num_slots for s in taken)):
+                raise InvalidArgument("restore needs an empty index, distinct hashes and distinct slots in range")
             for meta, slot, last_use_s in sorted(entries, key=lambda e: e[2]):
                 entry = SlotEntry(meta, slot, storing=False, last_use_s=last_use_s)
                 self._insert(entry)
