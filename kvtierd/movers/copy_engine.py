@@ -81,8 +81,13 @@ class Transfer:
 class CopyEngine(abc.ABC):
     """Runs copy jobs in the background with bounded in-flight bytes; measures bandwidth.
 
-    Invariant: the bytes of submitted, unfinished transfers never exceed `max_inflight_bytes`,
-    except for a single transfer larger than the budget, which runs alone.
+    Invariants: the bytes of submitted, unfinished transfers never exceed `max_inflight_bytes`,
+    except for a single transfer larger than the budget, which runs alone (no other transfer, not
+    even one of 0 bytes, is in flight beside it). A held-back submit waits only while it does not
+    fit. Held-back submits are not served in order: when a transfer finishes, every waiting submit
+    that now fits goes, so a small one may pass a larger one, and one larger than the budget waits
+    until nothing is in flight. Each transfer completes once (its result or its job's error) and
+    its bytes are given back when it does, before its done callbacks added after submit run.
     """
 
     def __init__(self, max_inflight_bytes: int, initial_bytes_per_s: dict[Direction, float]) -> None:
@@ -91,6 +96,7 @@ class CopyEngine(abc.ABC):
         self.max_inflight_bytes = max_inflight_bytes
         self.bandwidth = {d: Bandwidth(initial_bytes_per_s[d]) for d in Direction}
         self.inflight_bytes = 0
+        self.num_inflight_transfers = 0  # submitted, unfinished (under _budget): "alone" means none
         self.num_waiting_submits = 0  # callers of submit held back by the budget (under _budget)
         self._budget = threading.Condition()
         self.closed = False
@@ -101,10 +107,11 @@ class CopyEngine(abc.ABC):
             raise RuntimeError("copy engine is closed")
         with self._budget:
             self.num_waiting_submits += 1
-            self._budget.wait_for(lambda: self.inflight_bytes == 0
+            self._budget.wait_for(lambda: self.num_inflight_transfers == 0
                                   or self.inflight_bytes + nbytes <= self.max_inflight_bytes)
             self.num_waiting_submits -= 1
             self.inflight_bytes += nbytes
+            self.num_inflight_transfers += 1
         transfer = Transfer(direction, nbytes)
         transfer.add_done_callback(self._release)
         try:
@@ -121,6 +128,7 @@ class CopyEngine(abc.ABC):
     def _release(self, transfer: Transfer) -> None:
         with self._budget:
             self.inflight_bytes -= transfer.nbytes
+            self.num_inflight_transfers -= 1
             self._budget.notify_all()
 
     @abc.abstractmethod
@@ -130,7 +138,7 @@ class CopyEngine(abc.ABC):
     def wait_idle(self, timeout_s: float | None = None) -> bool:
         """Wait until nothing is in flight; False on timeout."""
         with self._budget:
-            return self._budget.wait_for(lambda: self.inflight_bytes == 0, timeout_s)
+            return self._budget.wait_for(lambda: self.num_inflight_transfers == 0, timeout_s)
 
     def close(self) -> None:
         """Finish what is in flight, then refuse new work."""
