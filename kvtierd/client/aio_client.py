@@ -57,9 +57,7 @@ class AsyncKvtierClient(ClientBase):
         session = AsyncSession(self, layout, response, hash_algo)
         try:
             if map_pool:
-                from kvtierd.t0.factory import attach_device_pool  # torch, only where a pool is mapped
-
-                session.pool = attach_device_pool(session.handle)
+                session.map_pool()
             if keepalive:
                 session._keepalive = AsyncKeepAlive(self, session)
         except BaseException:

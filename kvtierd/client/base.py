@@ -337,6 +337,12 @@ class SessionBase:
     def keepalive_interval_s(self) -> float:
         return self.lease_s / 3 if self.lease_s > 0 else 10.0
 
+    def map_pool(self) -> None:
+        """Map the daemon's device pool into this process (`pool`); imports torch, only here."""
+        from kvtierd.t0.factory import attach_device_pool
+
+        self.pool = attach_device_pool(self.handle)
+
     def _lookup(self, block_hashes, token_ids, prefetch) -> Call:
         return Call("Lookup", pb.LookupRequest(session_id=self.session_id, block_hashes=hash_list(block_hashes),
                                                token_ids=optional_tokens(token_ids), prefetch=prefetch))

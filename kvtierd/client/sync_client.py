@@ -70,9 +70,7 @@ class KvtierClient(ClientBase):
         session = Session(self, layout, response, hash_algo)
         try:
             if map_pool:
-                from kvtierd.t0.factory import attach_device_pool  # torch, only where a pool is mapped
-
-                session.pool = attach_device_pool(session.handle)
+                session.map_pool()
             if keepalive:
                 session._keepalive = KeepAlive(self, session)
         except BaseException:
