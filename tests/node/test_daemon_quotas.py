@@ -3,8 +3,6 @@ T1 keeps a tenant within its bytes by recycling the tenant's own slots."""
 
 from __future__ import annotations
 
-import time
-
 import pytest
 
 from kvtierd.client import KvtierClient
@@ -52,11 +50,16 @@ def test_t0_quota_refuses_beyond_and_changes_nothing(daemon):
 def test_t1_quota_keeps_a_tenant_within_its_bytes(daemon):
     tokens = prompt(11, 32)  # 8 blocks
     with KvtierClient(daemon.address, token="a-token") as acme, KvtierClient(daemon.address, token="g-token") as globex:
-        def t1_used_slots():
-            return next(t.used_bytes for t in pool_stats(acme).tiers if t.tier == "t1") // SLOT_STRIDE
+        def t1_slots():  # (slots used, slots holding a READY block)
+            t1 = next(t for t in pool_stats(acme).tiers if t.tier == "t1")
+            return t1.used_bytes // SLOT_STRIDE, t1.num_cached_blocks
 
-        def settled(num_slots):  # write-through is asynchronous: reached, and still there a moment later
-            return wait_until(lambda: t1_used_slots() >= num_slots) and not time.sleep(0.5) and t1_used_slots()
+        def settled(num_slots):
+            """T1's used slots once the Put's write-through has landed. The Put's commit reserves
+            its T1 slots (STORING: used, not yet cached) before Put answers; once every used slot
+            holds a READY block, no write-through of it is pending."""
+            wait_until(lambda: (lambda used, ready: used >= num_slots and used == ready)(*t1_slots()))
+            return t1_slots()[0]
 
         for client, num_slots in ((acme, 4), (globex, 4 + 8)):  # acme keeps 4 slots of its 8 blocks
             hashes = client.attach(LAYOUT).namespace.hash_blocks(tokens)
