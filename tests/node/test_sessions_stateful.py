@@ -30,6 +30,7 @@ PROMPTS = [list(range(16)), list(range(8)) + [90, 91, 92, 93], list(range(40, 52
 CHAINS = [NAMESPACE.hash_blocks(p) for p in PROMPTS]
 TENANTS = [Tenant.named("acme"), Tenant.named("globex")]
 LEASE_S = 5.0
+SETTLE_S = 10.0  # bound on waiting for scheduled reclaims
 
 
 class SessionMachine(RuleBasedStateMachine):
@@ -54,11 +55,18 @@ class SessionMachine(RuleBasedStateMachine):
         return self.loop.run_until_complete(coroutine)
 
     def on_loop(self, step):
-        """Run `step()` on the event loop (reclaims are scheduled there), then let them finish."""
+        """Run `step()` on the event loop (reclaims are scheduled there), then wait for them (and
+        any task they start) to finish."""
         async def run_and_settle():
             result = step()
-            for _ in range(3):
-                await asyncio.sleep(0)
+            ours = {asyncio.current_task()}
+
+            async def settle():
+                ours.add(asyncio.current_task())
+                while pending := asyncio.all_tasks() - ours:
+                    await asyncio.gather(*pending)
+
+            await asyncio.wait_for(settle(), SETTLE_S)  # a reclaim that never ends fails the step
             return result
         return self.run(run_and_settle())
 
