@@ -1,60 +1,65 @@
 """The block index of a device pool: which block holds which content, who holds which block.
 
-Eviction is decided here (`_pop_free`): the head of the free queue is the victim.
+Eviction (which free block is reused next) is decided in eviction.py.
 """
 
 from __future__ import annotations
 
-import dataclasses
-import logging
 import threading
 import time
-from collections.abc import Callable, Hashable, Sequence
+from collections.abc import Callable, Hashable, Mapping, Sequence
+from types import MappingProxyType
 
 from kvtierd.block_hash import BlockHash, pack_token_ids
 from kvtierd.errors import FailedPrecondition, InvalidArgument, NotFound, ResourceExhausted
+from kvtierd.index.allocation import Allocation, WriteTarget
+from kvtierd.index.eviction import EvictionHook, Evictor
 from kvtierd.index.free_queue import FreeBlockQueue
-from kvtierd.index.index_events import AllBlocksCleared, BlockRemoved, BlockStored, EventQueue, IndexEvent
+from kvtierd.index.hash_to_blocks import HashToBlocks
+from kvtierd.index.index_events import AllBlocksCleared, BlockStored, EventQueue, IndexEvent
 from kvtierd.index.index_metrics import IndexObserver
 from kvtierd.index.kv_block import KVBlock
 from kvtierd.index.prefix_match import check_hashes, match_prefix, pack_prompt_tokens
 
-log = logging.getLogger(__name__)
-
 RequestId = Hashable
 CopyBlock = Callable[[int, int], None]  # (src_block_id, dst_block_id): copy the bytes
-EvictionHook = Callable[[list[KVBlock]], None]  # sees the victims before their content is dropped
-
-
-@dataclasses.dataclass(frozen=True, slots=True)
-class Allocation:
-    """The block table of a request: its prefix hits first, then fresh blocks."""
-
-    block_ids: list[int]
-    num_hit_blocks: int
-
-
-@dataclasses.dataclass(frozen=True, slots=True)
-class WriteTarget:
-    """Where a write into a request's block goes; `copied_from` is set when it was copied first."""
-
-    block_id: int
-    copied_from: int | None
 
 
 class BlockIndex:
     """Blocks of one device pool, their prefix table, their free queue and the block tables.
 
+    Hits agree with vLLM's prefix cache (vllm/v1/core/block_pool.py; checked request by request
+    against its KVCacheManager in tests/connectors/vllm/on_vllm/test_index_matches_vllm_prefix_cache.py):
+    several blocks may hold one hash (`hash_to_blocks`: a prompt's last block is recomputed even
+    when cached, and that copy is committed too); a hit takes the oldest copy; a copy leaves when
+    its block is reused, and the next copy serves the hits. What the tiers see of copies:
+    - the eviction hook sees a victim only when the last copy of its hash leaves T0: while a copy
+      stays, T0 still serves the hash and copying it down would spend T1 slots and bandwidth on
+      bytes that are still one hit away;
+    - BlockStored is queued when the first copy of a hash is committed, BlockRemoved when its last
+      copy leaves: per hash, strictly alternating, so a router keeping a set stays right (vLLM
+      queues both per copy, and a consumer of its events has to count copies);
+    - `cached_hashes()` and `num_cached_blocks` count distinct hashes (what a lookup can find,
+      comparable with T1 and T2); `num_duplicate_blocks` counts the other copies; `num_evictions`
+      counts blocks (each copy whose content was dropped for reuse);
+    - `evict(hashes)` drops every copy nobody holds and counts the hashes that left;
+    - lookup, allocate and can_allocate walk the oldest copies; prepare_write refuses every
+      committed copy alike (committed blocks are immutable).
+
     Invariants (checked by tests/index/test_block_index_stateful.py after every step):
     - every block is in exactly one state of BlockState;
     - a block's ref_cnt equals the number of block-table entries that hold it;
     - a block is on the free queue iff its ref_cnt is 0; head = next victim;
-    - `hash_to_block` maps each hash to one block, and that block carries the hash;
-    - a request's blocks are freed tail first, so the blocks nearest the start of a prompt,
-      the most shared, are evicted last.
+    - a block carries a hash iff `hash_to_blocks` holds it as a copy of that hash;
+      `hash_to_block[h]` is the oldest copy of `h`;
+    - a request's blocks are freed tail first; freed blocks that hold no hash go to the head (they
+      are reused first, as vLLM does), cached ones to the tail, so among cached blocks the least
+      recently released goes first and the blocks nearest the start of a prompt, the most
+      shared, are evicted last.
     Ref counts and block tables change together under `_lock`; every public method takes it.
     A call that raises has changed nothing: checks come before the first mutation.
-    The attributes `blocks`, `free_queue`, `hash_to_block` and `tables` are for inspection.
+    The attributes `blocks`, `free_queue`, `hash_to_blocks`, `hash_to_block` (each hash → the copy
+    a hit takes, read-only) and `tables` are for inspection.
     """
 
     def __init__(
@@ -78,17 +83,33 @@ class BlockIndex:
         self.root = root  # when set, block 0 of every chain must name it as its parent
         self.blocks = [KVBlock(block_id) for block_id in range(num_blocks)]
         self.free_queue = FreeBlockQueue(self.blocks)
-        self.hash_to_block: dict[BlockHash, KVBlock] = {}
+        self.hash_to_blocks = HashToBlocks()
+        self.hash_to_block: Mapping[BlockHash, KVBlock] = MappingProxyType(self.hash_to_blocks.first)
         self.tables: dict[RequestId, list[KVBlock]] = {}
         self._copy_block = copy_block
-        self.on_evict = on_evict  # set once, before use: the tier manager offloads through it
         self._observer = observer
         self._clock = clock
         self._events = EventQueue(max_pending_events) if max_pending_events else None
+        self._evictor = Evictor(self.free_queue, self.hash_to_blocks, observer, self._events)
+        self._evictor.on_evict = on_evict
+        self._pop_free = self._evictor.pop_free
         self._lock = threading.Lock()
-        self.num_evictions = 0  # cached blocks whose hash was dropped to reuse the block (under _lock)
 
     # ----------------------------------------------------------------------------- queries
+
+    @property
+    def on_evict(self) -> EvictionHook | None:
+        return self._evictor.on_evict
+
+    @on_evict.setter
+    def on_evict(self, hook: EvictionHook | None) -> None:
+        """Set once, before use: the tier manager offloads through it."""
+        self._evictor.on_evict = hook
+
+    @property
+    def num_evictions(self) -> int:
+        """Blocks whose hash was dropped to reuse them (each copy counts)."""
+        return self._evictor.num_evictions
 
     @property
     def num_free_blocks(self) -> int:
@@ -100,7 +121,13 @@ class BlockIndex:
 
     @property
     def num_cached_blocks(self) -> int:
-        return len(self.hash_to_block)
+        """Distinct hashes cached here (held or not); their other copies are not counted."""
+        return len(self.hash_to_blocks)
+
+    @property
+    def num_duplicate_blocks(self) -> int:
+        """Blocks holding a hash that an older block holds too."""
+        return self.hash_to_blocks.num_duplicate_blocks
 
     def block_table(self, request_id: RequestId) -> list[int]:
         with self._lock:
@@ -116,7 +143,7 @@ class BlockIndex:
         with self._lock:
             hits = self._hits(block_hashes, token_ids)
             num_new_blocks = len(block_hashes) - len(hits) + num_extra_blocks
-            return self._num_blocks_short(_released(hits), num_new_blocks) <= 0
+            return self._num_blocks_short([block for block in hits if block.ref_cnt == 0], num_new_blocks) <= 0
 
     # ----------------------------------------------------------------------------- mutations
 
@@ -135,7 +162,7 @@ class BlockIndex:
                 raise FailedPrecondition(f"request {request_id!r} already holds blocks")
             hits = self._hits(block_hashes, token_ids)
             num_new_blocks = len(block_hashes) - len(hits) + num_extra_blocks
-            reused = _released(hits)  # they leave the free queue
+            reused = [block for block in hits if block.ref_cnt == 0]  # they leave the free queue
             self._check_room(reused, num_new_blocks)
             now = self._clock()
             observer = self._observer
@@ -166,8 +193,8 @@ class BlockIndex:
                parent_hash: bytes) -> bool:
         """Make the full block at `position` of the request's table shareable under `block_hash`.
 
-        Returns False when another block already holds that hash: this one stays unindexed (the
-        first writer wins; no hash maps to two blocks). Committing the same hash twice is a no-op.
+        When another block already holds that hash this one becomes a further copy, serving hits
+        once the older copies are gone. Committing the same hash twice is a no-op. Returns True.
         """
         return self.commit_blocks(request_id, position, [block_hash], token_ids, parent_hash) == 1
 
@@ -177,8 +204,8 @@ class BlockIndex:
 
         `token_ids` are the tokens of exactly these blocks; `parent_hash` is the hash before the
         first (the root for position 0), and each hash is the parent of the next. Returns how
-        many of the blocks hold their hash afterwards. Everything is checked before anything
-        changes: a bad argument raises and commits none of them.
+        many of the blocks hold their hash afterwards (all of them). Everything is checked
+        before anything changes: a bad argument raises and commits none of them.
         """
         token_bytes = pack_token_ids(token_ids)
         stride = 4 * self.block_size
@@ -197,7 +224,7 @@ class BlockIndex:
             if expected_parent is not None and parent_hash != expected_parent:
                 raise InvalidArgument(f"parent hash of position {start_position} does not match the chain")
             now = self._clock()
-            setdefault = self.hash_to_block.setdefault
+            setdefault = self.hash_to_blocks.first.setdefault
             parents = [parent_hash, *block_hashes[:-1]]
             block_tokens = [token_bytes[i:i + stride] for i in range(0, len(token_bytes), stride)]
             stored: list[KVBlock] = []
@@ -206,38 +233,48 @@ class BlockIndex:
                     table[start_position:end_position], block_hashes, parents, block_tokens):
                 held = block.block_hash
                 if held is None:
-                    if setdefault(block_hash, block) is block:  # else another block holds it: not indexed
-                        block.block_hash = block_hash
-                        block.parent_hash = parent
-                        block.token_ids = tokens
-                        block.committed_at_s = now
-                        stored.append(block)
+                    block.block_hash = block_hash
+                    block.parent_hash = parent
+                    block.token_ids = tokens
+                    block.committed_at_s = now
+                    stored.append(block)
+                    if setdefault(block_hash, block) is not block:  # an older block holds it
+                        self.hash_to_blocks.add_copy(block_hash, block)  # this one is the newest copy
                 elif held == block_hash:
                     num_already_held += 1
                 else:
                     self._uncommit(stored)  # all or nothing
                     raise FailedPrecondition(f"block {block.block_id} is already committed under another hash")
             if self._events is not None:
+                first = self.hash_to_blocks.first
                 for block in stored:
-                    self._events.put(BlockStored(block.block_hash, block.parent_hash, block.block_id))
+                    if first[block.block_hash] is block:  # the first copy: the hash became cached here
+                        self._events.put(BlockStored(block.block_hash, block.parent_hash, block.block_id))
             return num_already_held + len(stored)
 
     def free(self, request_id: RequestId) -> None:
-        """Release a request's blocks tail first; a block whose ref_cnt reaches 0 joins the tail
-        of the free queue with its content and hash intact."""
+        """Release a request's blocks tail first. A block whose ref_cnt reaches 0 joins the free
+        queue: at the tail with its content and hash intact when it is cached, at the head when
+        it holds no hash (nothing to keep: reused first, as vLLM's BlockPool.free_blocks does)."""
         with self._lock:
             table = self.tables.pop(request_id, None)
             if table is None:
                 raise NotFound(f"request {request_id!r} holds no blocks")
             now = self._clock()
-            released = []
+            released_cached: list[KVBlock] = []
+            released_empty: list[KVBlock] = []
+            keep, reuse_first = released_cached.append, released_empty.append
             for block in reversed(table):
                 assert block.ref_cnt > 0, f"block {block.block_id} freed more often than held"
                 block.ref_cnt -= 1
                 block.last_access_s = now
                 if block.ref_cnt == 0:
-                    released.append(block)
-            self.free_queue.extend(released)
+                    if block.block_hash is None:
+                        reuse_first(block)
+                    else:
+                        keep(block)
+            self.free_queue.prepend_many(released_empty)
+            self.free_queue.extend(released_cached)
 
     def fork(self, parent_id: RequestId, child_id: RequestId) -> list[int]:
         """A new request sharing every block of `parent_id` (n > 1 sampling): no copy, ref_cnt + 1."""
@@ -293,24 +330,25 @@ class BlockIndex:
             return WriteTarget(copy.block_id, block.block_id)
 
     def cached_hashes(self) -> list[BlockHash]:
-        """A snapshot of every hash cached in this tier (held or not)."""
+        """A snapshot of every hash cached in this tier (held or not), each once."""
         with self._lock:
-            return list(self.hash_to_block)
+            return list(self.hash_to_blocks)
 
     def evict(self, block_hashes: Sequence[bytes]) -> int:
-        """Drop the named blocks that nobody holds (ref_cnt 0) from this tier; they move to the
-        head of the free queue, empty. Blocks in use are skipped. Returns how many were dropped."""
+        """Drop every copy of the named hashes that nobody holds (ref_cnt 0) from this tier; the
+        blocks move to the head of the free queue, empty. Copies in use are skipped and keep
+        their hash. Returns how many of the hashes left the tier (no copy of them remains)."""
         with self._lock:
             now = self._clock()
             num_evicted = 0
-            for block_hash in block_hashes:
-                block = self.hash_to_block.get(block_hash)
-                if block is None or block.ref_cnt > 0:
+            for block_hash in dict.fromkeys(block_hashes):
+                copies = [block for block in self.hash_to_blocks.copies(block_hash) if block.ref_cnt == 0]
+                if not copies:
                     continue
-                self._evict([block], now)
-                self.free_queue.remove(block)
-                self.free_queue.appendleft(block)
-                num_evicted += 1
+                num_evicted += self._evictor.evict(copies, now)
+                for block in copies:
+                    self.free_queue.remove(block)
+                    self.free_queue.appendleft(block)
             return num_evicted
 
     def reset(self) -> bool:
@@ -318,9 +356,9 @@ class BlockIndex:
         with self._lock:
             if self.free_queue.num_free_blocks != self.num_blocks:
                 return False
-            for block in self.hash_to_block.values():
+            for block in self.hash_to_blocks.all_blocks():
                 block.forget_content()
-            self.hash_to_block.clear()
+            self.hash_to_blocks.clear()
             if self._events is not None:
                 self._events.put(AllBlocksCleared())
             return True
@@ -344,15 +382,15 @@ class BlockIndex:
         return table[position]
 
     def _uncommit(self, blocks: list[KVBlock]) -> None:
-        """Undo the commits of this call before it raises."""
-        for block in blocks:
-            del self.hash_to_block[block.block_hash]
+        """Undo the commits of this call before it raises, newest first."""
+        for block in reversed(blocks):
+            self.hash_to_blocks.remove(block)
             block.forget_content()
 
     def _hits(self, block_hashes: Sequence[bytes], token_ids: Sequence[int] | None) -> list[KVBlock]:
         check_hashes(block_hashes, self.hash_size)
         token_bytes = pack_prompt_tokens(token_ids, len(block_hashes), self.block_size)
-        return match_prefix(self.hash_to_block, block_hashes, token_bytes, self.root, self.block_size)
+        return match_prefix(self.hash_to_blocks.first, block_hashes, token_bytes, self.root, self.block_size)
 
     def _num_blocks_short(self, queued_hits: list[KVBlock], num_new_blocks: int) -> int:
         """How many free blocks are missing for `num_new_blocks`, after the hits on released
@@ -365,39 +403,3 @@ class BlockIndex:
             raise ResourceExhausted(
                 f"device pool full: need {num_new_blocks} free blocks, {num_new_blocks - short} available "
                 f"of {self.num_blocks}")
-
-    def _pop_free(self, num_blocks: int, now: float) -> list[KVBlock]:
-        """Take the next victims from the head; blocks that still have a hash are evicted first."""
-        blocks = self.free_queue.popleft_many(num_blocks)
-        victims = [block for block in blocks if block.block_hash is not None]
-        if victims:
-            self._evict(victims, now)
-        for block in blocks:
-            assert block.ref_cnt == 0, f"block {block.block_id} on the free queue with ref_cnt {block.ref_cnt}"
-            block.ref_cnt = 1
-            block.last_access_s = now
-        return blocks
-
-    def _evict(self, victims: list[KVBlock], now: float) -> None:
-        """Drop cached blocks' content keys: tell the tiers (they may copy them down), then forget."""
-        self.num_evictions += len(victims)
-        if self.on_evict is not None:
-            try:
-                self.on_evict(victims)
-            except Exception:  # an offload failure must not corrupt the index; the blocks are lost below
-                log.exception("eviction hook failed for %d blocks", len(victims))
-        if self._observer is not None:
-            self._observer.on_evict([now - block.committed_at_s for block in victims],
-                                    [now - block.last_access_s for block in victims])
-        if self._events is not None:
-            for block in victims:
-                self._events.put(BlockRemoved(block.block_hash))
-        hash_to_block = self.hash_to_block
-        for block in victims:
-            del hash_to_block[block.block_hash]
-            block.block_hash = block.parent_hash = block.token_ids = None  # as KVBlock.forget_content
-
-
-def _released(blocks: list[KVBlock]) -> list[KVBlock]:
-    """The blocks nobody holds (ref_cnt 0): they sit on the free queue."""
-    return [block for block in blocks if block.ref_cnt == 0]

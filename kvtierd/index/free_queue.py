@@ -1,4 +1,4 @@
-"""The free-block queue: a doubly linked list of blocks with ref_cnt 0, in LRU order."""
+"""The free-block queue: a doubly linked list of blocks with ref_cnt 0, in eviction order."""
 
 from __future__ import annotations
 
@@ -8,7 +8,10 @@ from kvtierd.index.kv_block import KVBlock
 
 
 class FreeBlockQueue:
-    """Blocks with ref_cnt 0, least recently released first: head = next victim.
+    """Blocks with ref_cnt 0 in eviction order: head = next victim.
+
+    The order is the block index's policy (BlockIndex.free): blocks that hold no hash go to the
+    head, so they are reused first, cached blocks to the tail, least recently released first.
 
     Pop-head, append-tail, push-head and remove-from-middle are O(1): a prefix hit takes a cached
     block out of the middle, which a deque or a heap cannot do in constant time. Sentinel blocks
@@ -58,6 +61,21 @@ class FreeBlockQueue:
             last = block
         last.next_free = self._tail
         self._tail.prev_free = last
+        self.num_free_blocks += len(blocks)
+
+    def prepend_many(self, blocks: list[KVBlock]) -> None:
+        """Put blocks at the head in order (the first is the next victim), linking them in one pass."""
+        if not blocks:
+            return
+        first = self._head.next_free
+        previous = self._head
+        for block in blocks:
+            assert block.prev_free is None, f"block {block.block_id} already queued"
+            block.prev_free = previous
+            previous.next_free = block
+            previous = block
+        previous.next_free = first
+        first.prev_free = previous
         self.num_free_blocks += len(blocks)
 
     def popleft_many(self, num_blocks: int) -> list[KVBlock]:

@@ -1,4 +1,8 @@
-"""Events of the block index, for prefix-aware routers: what became cached and what left."""
+"""Events of the block index, for prefix-aware routers: what became cached and what left.
+
+One pair per hash, not per copy: BlockStored when the first block holding a hash is committed,
+BlockRemoved when the last one leaves, so a router that keeps a set of hashes stays exact.
+"""
 
 from __future__ import annotations
 
@@ -10,7 +14,7 @@ from kvtierd.block_hash import BlockHash
 
 @dataclasses.dataclass(frozen=True, slots=True)
 class BlockStored:
-    """A block became shareable under `block_hash`."""
+    """`block_hash` became cached in the device tier: its first copy, in block `block_id`."""
 
     block_hash: BlockHash
     parent_hash: BlockHash | None
@@ -19,7 +23,7 @@ class BlockStored:
 
 @dataclasses.dataclass(frozen=True, slots=True)
 class BlockRemoved:
-    """The device tier no longer holds `block_hash` (evicted or explicitly dropped)."""
+    """The device tier no longer holds `block_hash`: its last copy was evicted or dropped."""
 
     block_hash: BlockHash
 

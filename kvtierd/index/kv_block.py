@@ -21,7 +21,8 @@ class BlockState(enum.Enum):
 class KVBlock:
     """One physical block of the device pool.
 
-    Mutated only by BlockIndex under its lock (and the free-queue links only by FreeBlockQueue).
+    Mutated only by the block index (BlockIndex and its Evictor) under its lock, and the
+    free-queue links only by FreeBlockQueue.
     Free does not mean cleared: a block with ref_cnt 0 keeps its content and hash until it is
     popped from the free queue for reuse.
     """

@@ -87,3 +87,13 @@ def test_remove_many_unlinks_from_anywhere():
     assert not any(blocks[i].is_queued for i in (0, 3, 5))
     queue.remove_many([])
     assert ids(queue) == [1, 2, 4]
+
+
+def test_prepend_many_puts_the_blocks_at_the_head_in_their_order():
+    queue, blocks = make_queue(5)
+    taken = queue.popleft_many(3)
+    queue.prepend_many([taken[2], taken[0]])
+    assert ids(queue) == [2, 0, 3, 4] and len(queue) == 4
+    queue.prepend_many([])
+    assert ids(queue) == [2, 0, 3, 4]
+    assert queue.popleft() is blocks[2]
