@@ -113,6 +113,17 @@ class PoolRegistry:
     def pools(self) -> list[Pool]:
         return list(self._pools.values())
 
+    def get_stored(self, layout: Layout) -> Pool | None:
+        """The layout's pool, created when T2 has a directory for it: after a restart, T2 may hold
+        its blocks before any Attach or Put of it. None when neither exists. Blocking (opens T2)."""
+        pool = self._pools.get(layout)
+        settings = self.settings
+        if pool is not None or not (settings.ssd_directory and settings.ssd_capacity_bytes):
+            return pool
+        if not os.path.isdir(os.path.join(settings.ssd_directory, layout_id(layout))):
+            return None
+        return self.get_or_create(layout)
+
     def get_or_create(self, layout: Layout) -> Pool:
         pool = self._pools.get(layout)
         if pool is not None:

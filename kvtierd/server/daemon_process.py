@@ -38,12 +38,14 @@ class DaemonStartError(Unavailable):
 
 class DaemonProcess:
     """A running `kvtierd serve`. `unix_address` / `tcp_address` / `metrics_url` as printed.
+`module` is the entry point run with `serve` (a test may wrap kvtierd_main to inject faults).
 
     `_settled` is set once: on the ready line, or when the child's output closes (it exited);
     `ready` says which.
     """
 
-    def __init__(self, args: list[str], env: dict[str, str] | None = None, ready_timeout_s: float = 60.0) -> None:
+    def __init__(self, args: list[str], env: dict[str, str] | None = None, ready_timeout_s: float = 60.0,
+                 module: str = "kvtierd.cli.kvtierd_main") -> None:
         self.args = args
         self.lines: list[str] = []
         self.unix_address: str | None = None
@@ -52,7 +54,7 @@ class DaemonProcess:
         self.health_address: str | None = None  # host:port of server.health_tcp
         child_env = {k: v for k, v in os.environ.items() if not k.startswith("KVTIERD_")}
         child_env.update(env or {})
-        self.process = subprocess.Popen(python_module_command("kvtierd.cli.kvtierd_main", "serve", *args), env=child_env,
+        self.process = subprocess.Popen(python_module_command(module, "serve", *args), env=child_env,
                                         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, bufsize=1)
         self.ready = False
         self._settled = threading.Event()

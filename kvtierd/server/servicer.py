@@ -4,6 +4,11 @@ Handlers raise kvtierd.errors; the interceptor (status_interceptor.py) maps them
 codes and resolves the caller's tenant (`current_tenant()`). Every handler validates its whole
 request before the first change, so a bad request changes nothing. Client hashes become the
 daemon's keys by the tenant's prefix here, and only here (`_keys`).
+
+Each handler decodes, authorizes, calls the tier manager (or the session table), encodes. The
+loop waits on no copy and no disk: the core's blocking steps (Put's writes, a copy-on-write,
+Get's serialization of block bytes) run on the default executor, and a handler that hands out
+blocks still being written back (tiering/write_backs.py) answers once their `writable` resolves.
 """
 
 from __future__ import annotations
@@ -22,6 +27,7 @@ from kvtierd.node.operations import Operations
 from kvtierd.server.pool_stats import pool_stats
 from kvtierd.node.pools import Pool, PoolRegistry
 from kvtierd.index.prefix_match import check_hashes
+from kvtierd.tiering.block_io import BlockGet, PutBlock
 from kvtierd.node.sessions import Session, SessionTable
 from kvtierd.server.status_interceptor import current_tenant
 from kvtierd.node.tenants import Tenant
@@ -29,7 +35,8 @@ from kvtierd.v1 import kvtier_pb2 as pb
 from kvtierd.v1 import kvtier_pb2_grpc
 from kvtierd.wire.conversions import handle_to_proto, layout_from_proto
 
-PUT_BATCH_BLOCKS = 16  # blocks written and committed together by Put
+PUT_BATCH_BLOCKS = 16  # blocks written together by Put (off the loop)
+GET_BATCH_BLOCKS = 8  # blocks serialized together by Get (off the loop)
 
 
 class KvTierServicer(kvtier_pb2_grpc.KvTierServicer):
@@ -119,6 +126,8 @@ class KvTierServicer(kvtier_pb2_grpc.KvTierServicer):
                                                 _tokens(request.token_ids))
         pending = acquired.num_t1_blocks + acquired.num_t2_blocks > 0
         self.sessions.hold(session, request.request_id, len(acquired.block_ids), acquired.ticket if pending else None)
+        if acquired.writable is not None:  # evicted bytes still being copied down: the client writes after
+            await asyncio.wrap_future(acquired.writable)
         return pb.AcquireResponse(block_ids=acquired.block_ids, num_t0_hit_blocks=acquired.num_t0_hit_blocks,
                                   num_t1_blocks=acquired.num_t1_blocks, num_t2_blocks=acquired.num_t2_blocks,
                                   pending=pending)
@@ -172,14 +181,18 @@ class KvTierServicer(kvtier_pb2_grpc.KvTierServicer):
         session = self._session(request.session_id)
         session.held(request.request_id)
         self.sessions.check_quota(session, request.num_blocks)
-        block_ids = session.pool.manager.index.append_blocks(session.key(request.request_id), request.num_blocks)
+        block_ids, writable = session.pool.manager.append_blocks(session.key(request.request_id), request.num_blocks)
         self.sessions.grow(session, request.request_id, len(block_ids))
+        if writable is not None:
+            await asyncio.wrap_future(writable)
         return pb.AppendBlocksResponse(block_ids=block_ids)
 
     async def PrepareWrite(self, request: pb.PrepareWriteRequest, context) -> pb.PrepareWriteResponse:
         session = self._session(request.session_id)
         session.held(request.request_id)
-        target = session.pool.manager.index.prepare_write(session.key(request.request_id), request.position)
+        # a copy-on-write into a block just evicted waits for its write-back: off the loop
+        target = await asyncio.to_thread(session.pool.manager.prepare_write, session.key(request.request_id),
+                                         request.position)
         return pb.PrepareWriteResponse(block_id=target.block_id, copied=target.copied_from is not None)
 
     # ----------------------------------------------------------------------------- bytes
@@ -187,55 +200,77 @@ class KvTierServicer(kvtier_pb2_grpc.KvTierServicer):
     async def Put(self, request_iterator, context) -> pb.PutResponse:
         tenant = current_tenant()
         self.operations.remember(tenant)
-        put = None
+        quotas, loop = self.sessions.quotas, asyncio.get_running_loop()
+        put = pool = writing = None
+        batch: list[PutBlock] = []
+        num_admitted_blocks = 0
+
+        async def write(blocks: list[PutBlock]) -> None:  # the bytes are copied off the loop
+            nonlocal writing, num_admitted_blocks
+            quotas.check(tenant.name, len(blocks) * pool.layout.bytes_per_block)
+            writing = loop.run_in_executor(None, put.write, blocks)
+            num_taken = await asyncio.shield(writing)
+            writing = None
+            quotas.add(tenant.name, num_taken * pool.layout.bytes_per_block)
+            num_admitted_blocks += num_taken
+
         try:
             async for raw in request_iterator:  # serialized PutRequests: the block bytes are not copied
                 frame = PutFrame.decode(raw)
                 if put is None:
                     if frame.layout is None:
                         raise InvalidArgument("the first message of a Put must name the layout")
-                    put = _PutStream(await self._pool(layout_from_proto(frame.layout)), tenant,
-                                     ("put", next(self._put_ids)), self.sessions, frame.parent_hash)
-                put.add(frame)
-                if len(put.batch) == PUT_BATCH_BLOCKS:
-                    put.flush()
+                    pool = await self._pool(layout_from_proto(frame.layout))
+                    parent = (_parent_key(tenant, pool, 1, frame.parent_hash) if frame.parent_hash
+                              else tenant.key(pool.client_root))
+                    put = pool.manager.start_put(("put", next(self._put_ids)), parent)
+                block = PutBlock(_keys(tenant, pool, [frame.block_hash])[0], frame.token_ids, frame.data)
+                put.check(block)
+                batch.append(block)
+                if len(batch) == PUT_BATCH_BLOCKS:
+                    await write(batch)
+                    batch = []
             if put is None:
                 raise InvalidArgument("Put needs at least one block")
-            put.flush()
+            await write(batch)
             put.commit()
             return pb.PutResponse(num_blocks=put.num_blocks, num_already_cached_blocks=put.num_already_cached)
         finally:
             if put is not None:
-                put.close()
+                def close(_=None) -> None:  # once no write is in flight into the request's blocks
+                    put.close()
+                    quotas.remove(tenant.name, num_admitted_blocks * pool.layout.bytes_per_block)
+
+                if writing is not None and not writing.done():
+                    writing.add_done_callback(close)
+                else:
+                    close()
 
     async def Get(self, request: pb.GetRequest, context):
         tenant = current_tenant()
-        pool = self.registry.get(layout_from_proto(request.layout))
+        layout = layout_from_proto(request.layout)
+        pool = self.registry.get(layout) or await asyncio.to_thread(self.registry.get_stored, layout)
         if pool is None:
             return
-        keys = _keys(tenant, pool, request.block_hashes)
-        tokens = _tokens(request.token_ids)
-        manager = pool.manager
-        hits = manager.lookup(keys, tokens)
-        num_hits = hits.t0 + hits.t1 + hits.t2
-        if num_hits == 0:
+        quotas, bytes_per_block = self.sessions.quotas, pool.layout.bytes_per_block
+        get = pool.manager.start_get(("get", next(self._put_ids)), _keys(tenant, pool, request.block_hashes),
+                                     _tokens(request.token_ids),
+                                     lambda num_blocks: quotas.check(tenant.name, num_blocks * bytes_per_block))
+        if get.future is None:
             return
-        nbytes = num_hits * pool.layout.bytes_per_block
-        quotas = self.sessions.quotas
-        quotas.check(tenant.name, nbytes)
-        key = ("get", next(self._put_ids))
-        acquired = manager.acquire(key, keys[:num_hits], 0, tokens)
+        nbytes = get.num_blocks * bytes_per_block
         quotas.add(tenant.name, nbytes)
         try:
-            num_ready = await asyncio.shield(asyncio.wrap_future(acquired.ticket.future))
-            for client_hash, block_id in zip(request.block_hashes[:num_ready], acquired.block_ids):
-                # serialized here, from the pool's bytes, in one copy (block_frames.py)
-                yield encode_get_response(client_hash, manager.pool.block_bytes(block_id).cpu().numpy())
+            num_ready = await asyncio.shield(asyncio.wrap_future(get.future))
+            hashes = list(request.block_hashes[:num_ready])
+            for start in range(0, num_ready, GET_BATCH_BLOCKS):  # serialized off the loop, in one copy
+                for frame in await asyncio.to_thread(_encode_blocks, get, hashes, start):
+                    yield frame
         finally:  # no await here: a cancelled stream must still release
-            if acquired.ticket.done():
-                manager.release(key)
+            if get.future.done():
+                get.close()
             else:
-                asyncio.get_running_loop().run_in_executor(None, manager.release, key)
+                asyncio.get_running_loop().run_in_executor(None, get.close)
             quotas.remove(tenant.name, nbytes)
 
     # ----------------------------------------------------------------------------- observing
@@ -286,64 +321,10 @@ class KvTierServicer(kvtier_pb2_grpc.KvTierServicer):
         return pool if pool is not None else await asyncio.to_thread(self.registry.get_or_create, layout)
 
 
-class _PutStream:
-    """One Put call: blocks written into T0 blocks of a private request batch by batch, all
-    committed when the stream has ended well, then released (cached, and offloaded by policy
-    like any block). A stream that fails midway commits nothing."""
-
-    def __init__(self, pool: Pool, tenant: Tenant, key, sessions: SessionTable, parent_hash: bytes) -> None:
-        self.pool, self.tenant, self.key, self.quotas = pool, tenant, key, sessions.quotas
-        # the key before the first block: the tenant's root, or the given parent's key
-        self.parent = _parent_key(tenant, pool, 1, parent_hash) if parent_hash else tenant.key(pool.client_root)
-        self.batch: list[PutFrame] = []
-        self.commits: list[tuple[int, list[bytes], bytes, bytes]] = []  # (position, keys, tokens, parent)
-        self.num_blocks = self.num_already_cached = self.num_held_blocks = 0
-
-    def add(self, message: PutFrame) -> None:
-        layout = self.pool.layout
-        check_hashes([message.block_hash], self.pool.digest_size)
-        if len(message.token_ids) != 4 * layout.block_size:
-            raise InvalidArgument(f"a block holds {layout.block_size} tokens (u32), got {len(message.token_ids)} bytes")
-        if message.data.nbytes != layout.bytes_per_block:
-            raise InvalidArgument(f"a block of this layout is {layout.bytes_per_block} bytes, got {message.data.nbytes}")
-        self.batch.append(message)
-
-    def flush(self) -> None:
-        """Write the batch into blocks of the request; blocks already cached are not written."""
-        if not self.batch:
-            return
-        batch, self.batch = self.batch, []
-        manager, bytes_per_block = self.pool.manager, self.pool.layout.bytes_per_block
-        keys = self.tenant.keys(m.block_hash for m in batch)
-        tokens = b"".join(m.token_ids for m in batch)
-        self.quotas.check(self.tenant.name, len(batch) * bytes_per_block)
-        start = self.num_held_blocks
-        if start == 0:
-            allocation = manager.index.allocate(self.key, keys, 0, tokens)
-            block_ids, num_hits = allocation.block_ids, allocation.num_hit_blocks
-        else:
-            block_ids, num_hits = manager.index.append_blocks(self.key, len(batch)), 0
-        self.num_held_blocks += len(block_ids)
-        self.quotas.add(self.tenant.name, len(block_ids) * bytes_per_block)
-        for block_id, message in zip(block_ids[num_hits:], batch[num_hits:]):
-            manager.pool.write_block(block_id, message.data)
-        if num_hits < len(batch):
-            stride = 4 * self.pool.layout.block_size
-            parent = keys[num_hits - 1] if num_hits else self.parent
-            self.commits.append((start + num_hits, keys[num_hits:], tokens[num_hits * stride:], parent))
-        self.num_already_cached += num_hits
-        self.num_blocks += len(batch)
-        self.parent = keys[-1]
-
-    def commit(self) -> None:
-        for position, keys, tokens, parent in self.commits:
-            num_held = self.pool.manager.commit(self.key, position, keys, tokens, parent)
-            self.num_already_cached += len(keys) - num_held
-
-    def close(self) -> None:
-        if self.num_held_blocks:
-            self.pool.manager.release(self.key)
-            self.quotas.remove(self.tenant.name, self.num_held_blocks * self.pool.layout.bytes_per_block)
+def _encode_blocks(get: BlockGet, hashes: list[bytes], start: int) -> list[bytes]:
+    """GetResponses of the blocks from `start` on, a batch of them (block_frames.py)."""
+    return [encode_get_response(hashes[i], get.block_bytes(i))
+            for i in range(start, min(start + GET_BATCH_BLOCKS, len(hashes)))]
 
 
 def _keys(tenant: Tenant, pool: Pool, client_hashes) -> list[bytes]:

@@ -1,11 +1,15 @@
 """Offload: blocks going down the tiers, T0 → T1 → T2, by each edge's policy.
 
 - T0 → T1 `on_evict`: the block index calls `on_t0_evict(victims)` with its lock held, before
-  the victims' content is dropped and their blocks reused; the copy completes before it returns.
+  the victims' content is dropped and their blocks handed to a new holder. The hook only plans:
+  it reserves T1 slots (STORING: invisible to lookups) and registers the victims as write-backs
+  (write_backs.py: nobody writes them until their bytes have landed); a mover thread copies.
 - T0 → T1 `write_through`: `after_commit` copies freshly committed blocks down in the background
   while a hold keeps them from being evicted or reused until the copy has landed.
 - T1 → T2 `write_through`: every block stored in T1 is written to T2 in the background, pinned in
-  T1 meanwhile. `on_evict`: entries T1 evicts are written to T2 before their slots are reused.
+  T1 meanwhile. `on_evict`: the rows of entries T1 evicts are copied out of their slots before
+  the slots are reused, then written to T2 on the spill thread (spills.py: a slow disk delays
+  only the evictions that feed it).
 A failed copy completes its store with success=False: no entry points at bytes that did not land.
 """
 
@@ -17,6 +21,7 @@ import logging
 from kvtierd.movers.copy_engine import Direction
 from kvtierd.index.kv_block import KVBlock
 from kvtierd.index.slot_index import BlockMeta, SlotEntry, StorePlan
+from kvtierd.tiering.spills import Spills
 from kvtierd.tiering.tier_config import EdgePolicy
 from kvtierd.tiering.tiers import Tiers
 
@@ -27,11 +32,13 @@ class Offloader:
     def __init__(self, tiers: Tiers) -> None:
         self.tiers = tiers
         self._holder_ids = itertools.count()
+        self.spills = Spills(lambda work: tiers.dispatch(work, tiers.spiller), self._store_t2)
 
     # ----------------------------------------------------------------------------- T0 → T1
 
     def on_t0_evict(self, victims: list[KVBlock]) -> None:
-        """The block index's eviction hook (its lock is held): copy down what T1 lacks, now."""
+        """The block index's eviction hook (its lock is held): plan the copy down of what T1
+        lacks and hand it to a mover thread. No copy, no disk, no wait here."""
         tiers = self.tiers
         if tiers.host is None or tiers.config.t0_to_t1 is not EdgePolicy.ON_EVICT:
             return
@@ -41,7 +48,15 @@ class Offloader:
             return
         block_of = {b.block_hash: b.block_id for b in victims}
         block_ids = [block_of[e.block_hash] for e in plan.stores]
+        in_flight = tiers.write_backs.begin(block_ids)
+        tiers.dispatch(lambda: self._write_back(block_ids, plan, in_flight))
+
+    def _write_back(self, block_ids: list[int], plan: StorePlan, in_flight: tuple[int, ...]) -> None:
+        """On a mover thread: T1's victims out of their slots, the T0 victims into them, then the
+        T0 blocks are free to be written; T1's victims go on to T2."""
+        tiers = self.tiers
         try:
+            self.spill_t1_victims(plan)
             tiers.engine.run(Direction.DEVICE_TO_HOST, self._encode_job(block_ids, plan.stores),
                              len(plan.stores) * tiers.host.codec.slot_nbytes)
         except Exception:
@@ -49,6 +64,8 @@ class Offloader:
             tiers.host.index.complete_store(plan.stores, success=False)
             tiers.counters.add("num_failed_offload_blocks", len(plan.stores))
             return
+        finally:
+            tiers.write_backs.end(in_flight)
         tiers.host.index.complete_store(plan.stores, success=True)
         tiers.counters.add("num_offloaded_blocks", len(plan.stores), "t0_t1")
         self._after_t1_store(plan.stores)
@@ -73,8 +90,6 @@ class Offloader:
             tiers.index.free(holder)
             return
         stored_ids = [block_of[e.block_hash] for e in plan.stores]
-        transfer = tiers.engine.submit(Direction.DEVICE_TO_HOST, self._encode_job(stored_ids, plan.stores),
-                                       len(plan.stores) * tiers.host.codec.slot_nbytes)
 
         def finalize(error: BaseException | None) -> None:
             tiers.index.free(holder)
@@ -85,7 +100,18 @@ class Offloader:
             tiers.counters.add("num_offloaded_blocks", len(plan.stores), "t0_t1")
             self._after_t1_store(plan.stores)
 
-        tiers.after(transfer, finalize)
+        def copy_down() -> None:  # on a mover thread: submit may wait for the engine's budget
+            try:
+                self.spill_t1_victims(plan)
+                transfer = tiers.engine.submit(Direction.DEVICE_TO_HOST, self._encode_job(stored_ids, plan.stores),
+                                               len(plan.stores) * tiers.host.codec.slot_nbytes)
+            except Exception:
+                log.exception("copying %d committed blocks to the host tier failed", len(plan.stores))
+                finalize(RuntimeError("not submitted"))
+                return
+            tiers.after(transfer, finalize)
+
+        tiers.dispatch(copy_down)
 
     def _encode_job(self, block_ids: list[int], entries: list[SlotEntry]):
         tiers = self.tiers
@@ -93,12 +119,19 @@ class Offloader:
         return lambda: tiers.host.codec.encode(tiers.pool.tensor, block_ids, tiers.host.slots, slot_ids)
 
     def prepare_t1_store(self, metas: list[BlockMeta]) -> StorePlan:
-        """Reserve T1 slots; entries T1 evicts for them go to T2 first when that edge is on_evict.
-        Every store into T1 (offload or promotion) reserves through here."""
-        plan = self.tiers.host.index.prepare_store(metas)
-        if plan.evicted and self.tiers.config.t1_to_t2 is EdgePolicy.ON_EVICT:
-            self._write_t2(plan.evicted)  # synchronous: their slots are about to be overwritten
-        return plan
+        """Reserve T1 slots (in memory only). Every store into T1 (offload or promotion) reserves
+        through here, and calls `spill_t1_victims(plan)` before it writes the slots."""
+        return self.tiers.host.index.prepare_store(metas)
+
+    def spill_t1_victims(self, plan: StorePlan) -> None:
+        """When T1 → T2 is on_evict: copy the rows of the entries T1 evicted for `plan` out of
+        their slots (about to be overwritten) and queue their T2 write (spills.py). Call it off
+        the event loop and without the index lock, before writing the plan's slots: it waits
+        while the spill backlog is full."""
+        tiers = self.tiers
+        if not plan.evicted or tiers.ssd is None or tiers.config.t1_to_t2 is not EdgePolicy.ON_EVICT:
+            return
+        self.spills.queue(plan.evicted, tiers.t1_rows_for_t2([e.slot for e in plan.evicted]))  # indexing copies
 
     # ----------------------------------------------------------------------------- T1 → T2
 
@@ -116,8 +149,11 @@ class Offloader:
 
     def _write_t2(self, entries: list[SlotEntry]) -> int:
         """Store T1 entries (their slots' current bytes) in T2; returns how many it took."""
+        return self._store_t2(entries, self.tiers.t1_rows_for_t2([e.slot for e in entries]))
+
+    def _store_t2(self, entries: list[SlotEntry], rows) -> int:
+        """Store `rows` (in T2's codec) under the entries' keys in T2; returns how many it took."""
         tiers = self.tiers
-        rows = tiers.t1_rows_for_t2([e.slot for e in entries])
         try:
             with tiers.ssd_write.measure(rows.numel()):
                 num_stored = tiers.ssd.store([(e.meta, rows[i]) for i, e in enumerate(entries)])

@@ -2,7 +2,8 @@
 
 `acquire` allocates the request's blocks in T0 (T0 hits first), then continues the hash chain
 in T1 and after that in T2. Each lower-tier segment is loaded only if its copy is expected to be
-faster than recomputing its tokens (tier_config.worth_loading). Loads run in the background;
+faster than recomputing its tokens (tier_config.worth_loading). Loads run in the background,
+submitted from a mover thread once the targets' evicted bytes have landed (write_backs.py);
 the caller gets a Ticket whose result is how many leading blocks are ready in T0: it computes
 the rest. Protection while in flight: the T0 targets are held by the request itself, T1 entries
 are pinned (prepare_load), T2 entries are pinned by the SSD tier during its read. Promoted
@@ -34,7 +35,8 @@ _FROM_CONFIG = object()
 
 
 class Ticket:
-    """Resolves to the number of leading blocks of the request that are ready in T0."""
+    """Resolves to the number of leading blocks of the request that are ready in T0, once every
+    block of the request may be written (evicted bytes copied down, loads landed)."""
 
     def __init__(self, num_ready_blocks: int | None = None) -> None:
         self.future: concurrent.futures.Future[int] = concurrent.futures.Future()
@@ -55,6 +57,8 @@ class Acquisition:
     num_t1_blocks: int  # being loaded from the host tier
     num_t2_blocks: int  # being loaded from the SSD tier
     ticket: Ticket
+    # resolves once every block may be written (evicted contents copied down); None: at once
+    writable: concurrent.futures.Future[None] | None = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -113,8 +117,10 @@ class Promoter:
         t2_metas = self._t2_hits(block_hashes, token_bytes, n0 + len(t1_entries), cost)
         tiers.counters.add("num_hit_blocks", n0, "t0")
         tiers.counters.add("num_query_blocks", len(block_hashes))
+        writable = tiers.write_backs.when_landed(allocation.block_ids[n0:])
         if not t1_entries and not t2_metas:
-            return Acquisition(allocation.block_ids, n0, 0, 0, Ticket(n0))
+            return Acquisition(allocation.block_ids, n0, 0, 0, self._ticket_when_writable(allocation.block_ids, n0),
+                               writable)
         ticket = Ticket()
         with self._lock:
             self._pending[request_id] = ticket
@@ -127,11 +133,33 @@ class Promoter:
             if not segment.metas:
                 segment.num_loaded = 0
         done = lambda: self._finish(request_id, n0, targets, segments, ticket)  # noqa: E731
-        if t1_entries:
-            self._load_t1(t1_entries, targets[:len(t1_entries)], segments[0], done)
-        if t2_metas:
-            self._load_t2(t2_metas, targets[len(t1_entries):], segments[1], done)
-        return Acquisition(allocation.block_ids, n0, len(t1_entries), len(t2_metas), ticket)
+
+        def start_loads() -> None:  # on a mover thread: submit may wait for the engine's budget
+            if t1_entries:
+                self._start(self._load_t1, t1_entries, targets[:len(t1_entries)], segments[0], done)
+            if t2_metas:
+                self._start(self._load_t2, t2_metas, targets[len(t1_entries):], segments[1], done)
+
+        self.after_writable(targets, start_loads)
+        return Acquisition(allocation.block_ids, n0, len(t1_entries), len(t2_metas), ticket, writable)
+
+    def _ticket_when_writable(self, block_ids: list[int], num_ready_blocks: int) -> Ticket:
+        """A ticket that resolves once the blocks may be written (at once, usually)."""
+        landed = self.tiers.write_backs.when_landed(block_ids)
+        if landed is None:
+            return Ticket(num_ready_blocks)
+        ticket = Ticket()
+        landed.add_done_callback(lambda _: ticket.future.set_result(num_ready_blocks))
+        return ticket
+
+    def after_writable(self, block_ids: list[int], work) -> None:
+        """Dispatch `work` to a mover thread once no write-back is in flight from `block_ids`."""
+        tiers = self.tiers
+        landed = tiers.write_backs.when_landed(block_ids)
+        if landed is None:
+            tiers.dispatch(work)
+        else:
+            landed.add_done_callback(lambda _: tiers.dispatch(work))
 
     def prefetch(self, block_hashes: list[bytes], token_ids=None) -> int:
         """Start copying the chain's T2 segment into T1; returns how many blocks that is."""
@@ -143,8 +171,8 @@ class Promoter:
         metas = self._t2_hits(block_hashes, token_bytes, hits.t0 + hits.t1, None)
         if metas:
             segment = _Segment(metas)
-            tiers.engine.submit(Direction.HOST_TO_HOST, lambda: self._read_t2_into_t1(segment),
-                                len(metas) * tiers.ssd_codec.slot_nbytes)
+            tiers.dispatch(lambda: tiers.engine.submit(Direction.HOST_TO_HOST, lambda: self._read_t2_into_t1(segment),
+                                                       len(metas) * tiers.ssd_codec.slot_nbytes))
         return len(metas)
 
     # ----------------------------------------------------------------------------- planning
@@ -184,11 +212,29 @@ class Promoter:
 
     # ----------------------------------------------------------------------------- loading
 
+    def _start(self, load, items, targets: list[int], segment: _Segment, done) -> None:
+        """Start one segment's load; one that cannot start is a miss, settled on the finalizer thread."""
+        try:
+            load(items, targets, segment, done)
+        except Exception:
+            log.exception("starting a load of %d blocks failed", len(targets))
+
+            def settle() -> None:
+                if segment.num_loaded is None:
+                    segment.num_loaded = 0
+                    done()
+
+            self.tiers.finalizer.submit(settle)
+
     def _load_t1(self, entries: list[SlotEntry], targets: list[int], segment: _Segment, done) -> None:
         tiers = self.tiers
         slot_ids = [e.slot for e in entries]
         job = lambda: tiers.host.codec.decode(tiers.host.slots, slot_ids, tiers.pool.tensor, targets)  # noqa: E731
-        transfer = tiers.engine.submit(Direction.HOST_TO_DEVICE, job, len(entries) * tiers.host.codec.slot_nbytes)
+        try:
+            transfer = tiers.engine.submit(Direction.HOST_TO_DEVICE, job, len(entries) * tiers.host.codec.slot_nbytes)
+        except BaseException:
+            tiers.host.index.complete_load(entries)
+            raise
 
         def finalize(error: BaseException | None) -> None:
             tiers.host.index.complete_load(entries)
@@ -229,6 +275,8 @@ class Promoter:
         hashes = [m.block_hash for m in metas]
         host = tiers.host
         plan = self.offloader.prepare_t1_store(metas) if host is not None else None
+        if plan is not None:
+            self.offloader.spill_t1_victims(plan)
         direct = plan is not None and len(plan.stores) == len(metas) and host.codec.name == tiers.ssd_codec.name
         if direct:
             slot_ids = [e.slot for e in plan.stores]

@@ -1,8 +1,14 @@
-"""The tiers of one namespace behind one interface: acquire, commit, release, fork, lookup.
+"""The tiers of one namespace behind one interface: acquire, commit, release, fork, lookup,
+and the Put and Get use cases (block_io.py).
 
 Builds T0 (device pool + block index), T1 (host tier), T2 (SSD tier, optional) and the copy
 engine, and wires the T0 eviction hook to the offloader. Offload (down) is in offload.py,
 promotion (up) in promotion.py; this module only composes them.
+
+No method waits on a copy or a disk, except where it says so (release behind a promotion,
+prepare_write behind a write-back, Put's writes, close): the daemon calls those off its loop.
+Blocks a call hands out may still be having their evicted bytes copied down: such calls return
+a `writable` future, and the caller lets nobody write the blocks before it resolves.
 """
 
 from __future__ import annotations
@@ -18,11 +24,13 @@ from kvtierd.t0.factory import create_device_pool
 from kvtierd.t1.host_tier import HostTier
 from kvtierd.index.index_metrics import IndexObserver
 from kvtierd.layout import Layout
+from kvtierd.tiering.block_io import Admit, BlockGet, BlockPut
 from kvtierd.tiering.offload import Offloader
 from kvtierd.tiering.promotion import Acquisition, Promoter, TierHits
 from kvtierd.tiering.tier_config import TierConfig
 from kvtierd.tiering.tiering_stats import TieringStats, tiering_stats
 from kvtierd.tiering.tiers import Tiers
+from kvtierd.tiering.write_backs import WriteBacks
 
 log = logging.getLogger(__name__)
 
@@ -35,9 +43,20 @@ class TierManager:
                  observer: IndexObserver | None = None, copy_threads: int = 2,
                  max_pending_events: int = 0) -> None:
         pool = create_device_pool(layout, num_device_blocks, device)
+        write_backs = WriteBacks()
+
+        def copy_block(src_block_id: int, dst_block_id: int) -> None:
+            """Copy-on-write under the index lock: into a block just evicted, after its old bytes
+            have been copied down (a T0 → T1 copy, never a disk write: T2 spills come later)."""
+            landed = write_backs.when_landed([dst_block_id])
+            if landed is not None:
+                landed.result()
+            pool.copy_block(src_block_id, dst_block_id)
+
         index = BlockIndex(num_device_blocks, layout.block_size, hash_size=hash_size, root=root,
-                           copy_block=pool.copy_block, observer=observer,
+                           copy_block=copy_block, observer=observer,
                            max_pending_events=max_pending_events)
+        self._observer = observer
         host = HostTier(layout, config.host_capacity_bytes, config.host_codec) if config.host_capacity_bytes else None
         ssd = None
         if ssd_config is not None:
@@ -46,7 +65,7 @@ class TierManager:
             ssd = SsdTier.open(ssd_config, layout, make_codec(config.ssd_codec, layout).slot_nbytes)
         engine_kwargs = {"num_threads": copy_threads} if pool.device.type != "cuda" else {}
         engine = create_copy_engine(str(pool.device), **engine_kwargs)
-        self.tiers = Tiers(layout, index, pool, host, ssd, engine, config)
+        self.tiers = Tiers(layout, index, pool, host, ssd, engine, config, write_backs=write_backs)
         self.offloader = Offloader(self.tiers)
         self.promoter = Promoter(self.tiers, self.offloader)
         index.on_evict = self.offloader.on_t0_evict
@@ -85,6 +104,30 @@ class TierManager:
     def fork(self, parent_id, child_id) -> list[int]:
         return self.tiers.index.fork(parent_id, child_id)
 
+    def append_blocks(self, request_id, num_blocks: int) -> tuple[list[int], concurrent.futures.Future | None]:
+        """Fresh blocks at the end of a request's table, and when they may be written (None: now)."""
+        block_ids = self.tiers.index.append_blocks(request_id, num_blocks)
+        return block_ids, self.tiers.write_backs.when_landed(block_ids)
+
+    def prepare_write(self, request_id, position: int):
+        """The block a request may write at `position` (copy-on-write; may wait for a write-back)."""
+        return self.tiers.index.prepare_write(request_id, position)
+
+    def start_put(self, request_id, parent: bytes) -> BlockPut:
+        """A Put of blocks after `parent` (the key before the first), into a private request."""
+        return BlockPut(self, request_id, parent)
+
+    def start_get(self, request_id, keys: list[bytes], token_ids=None,
+                  admit: Admit = lambda num_blocks: None) -> BlockGet:
+        """A Get of the chain's leading blocks from any tier, promoted into a private request."""
+        return BlockGet.start(self, request_id, keys, pack_token_ids(token_ids) if token_ids is not None else None,
+                              admit)
+
+    def count_query(self, num_tokens: int) -> None:
+        """Tokens asked for that the block index did not see as a query (Put's later batches, Get's misses)."""
+        if self._observer is not None and num_tokens:
+            self._observer.on_query(num_tokens, 0)
+
     def lookup(self, block_hashes: list[bytes], token_ids=None, prefetch: bool = False) -> TierHits:
         hits = self.promoter.lookup(block_hashes, token_ids)
         if prefetch and hits.t2:
@@ -103,7 +146,7 @@ class TierManager:
         tiers = self.tiers
         self.drain()
         tiers.engine.close()
-        tiers.finalizer.shutdown(wait=True)
+        tiers.close_threads()
         if tiers.ssd is not None:
             tiers.ssd.close()
         if tiers.host is not None:

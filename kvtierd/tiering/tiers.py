@@ -1,9 +1,12 @@
-"""The tiers of one namespace and what the movers share: the copy engine, the finalizer thread,
-measured bandwidths and counters.
+"""The tiers of one namespace and what the movers share: the copy engine, the mover and
+finalizer threads, the write-backs in flight, measured bandwidths and counters.
 
-Finalizers (index updates after a copy landed) run on one dedicated thread, never on a copy
-thread: a copy thread only copies, so an eviction hook that holds the block index lock and
-waits for its own copy can never wait on a finalizer that waits for that lock.
+Threads, and what may wait where: the event loop and the block index lock never wait on a
+copy or a disk. Work that submits copies (the engine's submit waits while its byte budget is
+spent) or waits for them — eviction write-back, write-through, promotion — is handed to the
+mover threads (`dispatch`); T2 writes of T1's victims run on the spill thread (a slow disk
+delays only them). Finalizers (index updates after a copy landed) run on one dedicated thread,
+never on a copy thread: a copy thread only copies.
 """
 
 from __future__ import annotations
@@ -23,6 +26,7 @@ from kvtierd.t0.device_pool import DevicePool
 from kvtierd.t1.host_tier import HostTier
 from kvtierd.layout import Layout
 from kvtierd.tiering.tier_config import TierConfig
+from kvtierd.tiering.write_backs import WriteBacks
 
 log = logging.getLogger(__name__)
 
@@ -66,11 +70,16 @@ class Tiers:
     counters: TierCounters = dataclasses.field(default_factory=TierCounters)
     finalizer: concurrent.futures.ThreadPoolExecutor = dataclasses.field(
         default_factory=lambda: concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="kvtierd-finalize"))
+    movers: concurrent.futures.ThreadPoolExecutor = dataclasses.field(
+        default_factory=lambda: concurrent.futures.ThreadPoolExecutor(2, thread_name_prefix="kvtierd-mover"))
+    spiller: concurrent.futures.ThreadPoolExecutor = dataclasses.field(
+        default_factory=lambda: concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="kvtierd-spill"))
+    write_backs: WriteBacks = dataclasses.field(default_factory=WriteBacks)
 
     def __post_init__(self) -> None:
         if self.ssd is not None and self.ssd_codec is None:
             self.ssd_codec = make_codec(self.config.ssd_codec, self.layout)
-        self._num_unfinished = 0  # transfers registered with `after` whose finalizer has not returned
+        self._num_unfinished = 0  # finalizers (`after`) and moves (`dispatch`) that have not returned
         self._unfinished = threading.Condition()
 
     def after(self, transfer: Transfer, finalize: Callable[[BaseException | None], None]) -> None:
@@ -88,8 +97,32 @@ class Tiers:
 
         transfer.add_done_callback(lambda done: self.finalizer.submit(run, done.future.exception()))
 
+    def dispatch(self, work: Callable[[], None], executor: concurrent.futures.Executor | None = None) -> None:
+        """Run `work()` on a mover thread (or `executor`), counted until it returns (wait_quiet).
+        Never blocks: the caller may be the event loop or hold the block index lock."""
+        with self._unfinished:
+            self._num_unfinished += 1
+
+        def run() -> None:
+            try:
+                work()
+            except Exception:
+                log.exception("background move failed")
+            finally:
+                with self._unfinished:
+                    self._num_unfinished -= 1
+                    self._unfinished.notify_all()
+
+        (executor or self.movers).submit(run)
+
+    def close_threads(self) -> None:
+        """After wait_quiet: stop the mover, spill and finalizer threads."""
+        for executor in (self.movers, self.spiller, self.finalizer):
+            executor.shutdown(wait=True)
+
     def wait_quiet(self) -> None:
-        """Until every transfer has landed and every finalizer (which may start more) returned."""
+        """Until every transfer has landed and every finalizer and dispatched move (which may
+        start more) returned."""
         with self._unfinished:
             self._unfinished.wait_for(lambda: self._num_unfinished == 0)
         self.engine.wait_idle()

@@ -216,3 +216,23 @@ def test_health_listener_serves_health_only_in_the_clear(tmp_path):
             with pytest.raises(grpc.RpcError) as refused:
                 channel.unary_unary("/kvtierd.v1.KvTier/Stats")(b"", timeout=5)
             assert refused.value.code() == grpc.StatusCode.UNIMPLEMENTED
+
+
+def test_get_after_a_restart_serves_t2_before_any_attach_or_put(tmp_path):
+    """A restarted daemon has no pool for the layout until someone makes one; a Get that comes
+    first still finds the blocks T2 holds (it opens the pool), byte for byte, and counts them."""
+    args = small_daemon_args(str(tmp_path), extra=WRITE_THROUGH)
+    tokens = prompt(5, 32)
+    with DaemonProcess(args) as daemon, KvtierClient(daemon.address) as client:
+        hashes = client.attach(LAYOUT, map_pool=False).namespace.hash_blocks(tokens)
+        blocks = [(h, tokens[4 * i:4 * i + 4], expected_block(h, LAYOUT.bytes_per_block)) for i, h in enumerate(hashes)]
+        assert client.put(LAYOUT, blocks).num_blocks == 8
+        assert wait_until(lambda: [t.num_cached_blocks for t in t0_stats(client).tiers if t.tier == "t2"] == [8])
+    with DaemonProcess(args) as daemon, KvtierClient(daemon.address) as client:
+        assert not client.stats().pools  # nothing attached, nothing put: no pool yet
+        got = client.get(LAYOUT, hashes + [b"\x01" * 32], token_ids=tokens + [0, 0, 0, 0])
+        stats = t0_stats(client)
+    assert [h for h, _ in got] == hashes
+    assert all(data == expected_block(h, LAYOUT.bytes_per_block) for h, data in got)
+    assert stats.num_query_blocks == 9  # the unknown last block is asked for too
+    assert [t.num_hit_blocks for t in stats.tiers if t.tier == "t2"] == [8]

@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from kvtierd.server.daemon_process import wait_until
 from kvtierd.tiering.tier_config import EdgePolicy
 from tests.factories import BLOCK_SIZE, NAMESPACE, tokens
 from tests.tiering.tier_factories import content_for, make_manager, prefill, promote_exactly
@@ -54,9 +55,9 @@ def test_a_t1_load_that_lands_before_acquire_returns_still_resolves_the_ticket(m
     promoter = manager.promoter
     load_t1 = promoter._load_t1
 
-    def load_and_land(*args):
-        load_t1(*args)
-        manager.tiers.wait_quiet()  # the copy and its finalizer have run
+    def load_and_land(entries, targets, segment, done):  # on a mover thread
+        load_t1(entries, targets, segment, done)
+        assert wait_until(lambda: segment.num_loaded is not None)  # the copy and its finalizer have run
 
     monkeypatch.setattr(promoter, "_load_t1", load_and_land)
     acquisition = manager.acquire("b", chain, 0, PROMPT)

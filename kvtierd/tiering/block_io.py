@@ -1,0 +1,141 @@
+"""Put and Get: a client's block bytes written into T0 (and sent down by policy), and read back
+from whichever tier holds them. The use cases behind the Put and Get RPCs, without grpc.
+
+Both run on a private request of the tier manager's block index, so the blocks they touch are
+held (neither evicted nor reused) while they write or read. Both are blocking — they write
+bytes, wait for write-backs and promotions — so the daemon calls them off its event loop. Keys
+are the daemon's keys (tenant tag + client hash, node/tenants.py); the caller checks quotas
+through `admit(num_blocks)`, which raises to refuse.
+
+Both count in the hit-rate counters as Acquire does: every block asked for is a query block,
+and a block served by T0, T1 or T2 a hit of that tier (a Put's block already in T0 is a T0 hit).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable, Sequence
+
+from kvtierd.errors import InvalidArgument
+from kvtierd.tiering.promotion import Acquisition
+
+Admit = Callable[[int], None]  # called with a number of T0 blocks before they are taken; raises to refuse
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class PutBlock:
+    """One block of a Put, keyed for the daemon."""
+
+    key: bytes
+    token_ids: bytes  # packed u32, this block's
+    data: memoryview  # bytes_per_block bytes
+
+
+class BlockPut:
+    """One Put: blocks written batch by batch into T0 blocks of the request, all committed when the
+    stream has ended well (`commit`), then released (`close`): cached, and offloaded by policy like
+    any block. A Put that fails midway commits nothing.
+
+    `parent` is the key before the first block (the tenant's root, or the given parent's key)."""
+
+    def __init__(self, manager, request_id, parent: bytes) -> None:
+        self.manager, self.request_id, self.parent = manager, request_id, parent
+        self.commits: list[tuple[int, list[bytes], bytes, bytes]] = []  # (position, keys, tokens, parent)
+        self.num_blocks = self.num_already_cached = self.num_held_blocks = 0
+
+    def check(self, block: PutBlock) -> None:
+        """InvalidArgument for a block of the wrong size, before anything is written."""
+        layout = self.manager.tiers.layout
+        if len(block.token_ids) != 4 * layout.block_size:
+            raise InvalidArgument(f"a block holds {layout.block_size} tokens (u32), got {len(block.token_ids)} bytes")
+        if block.data.nbytes != layout.bytes_per_block:
+            raise InvalidArgument(f"a block of this layout is {layout.bytes_per_block} bytes, got {block.data.nbytes}")
+
+    def write(self, batch: Sequence[PutBlock], admit: Admit = lambda num_blocks: None) -> int:
+        """Write a batch into new blocks of the request; blocks T0 already holds are not written.
+        Returns how many blocks the request took for it."""
+        if not batch:
+            return 0
+        tiers = self.manager.tiers
+        keys = [block.key for block in batch]
+        tokens = b"".join(block.token_ids for block in batch)
+        admit(len(batch))
+        start = self.num_held_blocks
+        if start == 0:
+            allocation = tiers.index.allocate(self.request_id, keys, 0, tokens)
+            block_ids, num_hits = allocation.block_ids, allocation.num_hit_blocks
+        else:
+            block_ids, num_hits = tiers.index.append_blocks(self.request_id, len(batch)), 0
+            self.manager.count_query(len(batch) * tiers.layout.block_size)
+        self.num_held_blocks += len(block_ids)
+        tiers.counters.add("num_query_blocks", len(batch))
+        tiers.counters.add("num_hit_blocks", num_hits, "t0")
+        landed = tiers.write_backs.when_landed(block_ids[num_hits:])
+        if landed is not None:  # blocks just evicted: their old bytes are still being copied down
+            landed.result()
+        for block_id, block in zip(block_ids[num_hits:], batch[num_hits:]):
+            tiers.pool.write_block(block_id, block.data)
+        if num_hits < len(batch):
+            stride = 4 * tiers.layout.block_size
+            parent = keys[num_hits - 1] if num_hits else self.parent
+            self.commits.append((start + num_hits, keys[num_hits:], tokens[num_hits * stride:], parent))
+        self.num_already_cached += num_hits
+        self.num_blocks += len(batch)
+        self.parent = keys[-1]
+        return len(block_ids)
+
+    def commit(self) -> None:
+        """Make every written block shareable; a block another request committed meanwhile counts
+        as already cached."""
+        for position, keys, tokens, parent in self.commits:
+            num_held = self.manager.commit(self.request_id, position, keys, tokens, parent)
+            self.num_already_cached += len(keys) - num_held
+        self.commits = []
+
+    def close(self) -> None:
+        """Release the request's blocks (idempotent)."""
+        if self.num_held_blocks:
+            self.manager.release(self.request_id)
+            self.num_held_blocks = 0
+
+
+class BlockGet:
+    """One Get: the leading blocks of a chain found in any tier, promoted into T0 blocks of the
+    request, read (`block_bytes`) while it holds them, released by `close`."""
+
+    def __init__(self, manager, request_id, acquisition: Acquisition | None) -> None:
+        self.manager, self.request_id, self.acquisition = manager, request_id, acquisition
+
+    @classmethod
+    def start(cls, manager, request_id, keys: Sequence[bytes], token_ids: bytes | None,
+              admit: Admit = lambda num_blocks: None) -> BlockGet:
+        """Find the chain's prefix in the tiers and start promoting what lies below T0."""
+        hits = manager.lookup(keys, token_ids)
+        num_hits = hits.t0 + hits.t1 + hits.t2
+        num_misses = len(keys) - num_hits  # the hits are counted by acquire
+        manager.tiers.counters.add("num_query_blocks", num_misses)
+        manager.count_query(num_misses * manager.tiers.layout.block_size)
+        if num_hits == 0:
+            return cls(manager, request_id, None)
+        admit(num_hits)
+        return cls(manager, request_id, manager.acquire(request_id, list(keys[:num_hits]), 0, token_ids))
+
+    @property
+    def future(self):
+        """Resolves to how many leading blocks are readable in T0 (None: nothing to read)."""
+        return self.acquisition.ticket.future if self.acquisition is not None else None
+
+    @property
+    def num_blocks(self) -> int:
+        """Blocks the request holds (the quota the caller admitted)."""
+        return len(self.acquisition.block_ids) if self.acquisition is not None else 0
+
+    def block_bytes(self, position: int):
+        """The bytes of the request's block at `position`, on the host (a view on CPU pools)."""
+        return self.manager.tiers.pool.block_bytes(self.acquisition.block_ids[position]).cpu().numpy()
+
+    def close(self) -> None:
+        """Release the blocks, after any promotion into them has finished (may wait: idempotent)."""
+        if self.acquisition is not None:
+            self.acquisition = None
+            self.manager.release(self.request_id)
