@@ -28,8 +28,8 @@ CopyBlock = Callable[[int, int], None]  # (src_block_id, dst_block_id): copy the
 class BlockIndex:
     """Blocks of one device pool, their prefix table, their free queue and the block tables.
 
-    Hits agree with vLLM's prefix cache (vllm/v1/core/block_pool.py; checked request by request
-    against its KVCacheManager in tests/connectors/vllm/on_vllm/test_index_matches_vllm_prefix_cache.py):
+    Hits agree with vLLM's prefix cache (vllm/v1/core/block_pool.py), request by request against its
+    KVCacheManager (tests/connectors/vllm/on_vllm/test_index_matches_vllm_prefix_cache.py):
     several blocks may hold one hash (`hash_to_blocks`: a prompt's last block is recomputed even
     when cached, and that copy is committed too); a hit takes the oldest copy; a copy leaves when
     its block is reused, and the next copy serves the hits. What the tiers see of copies:
@@ -43,8 +43,7 @@ class BlockIndex:
       comparable with T1 and T2); `num_duplicate_blocks` counts the other copies; `num_evictions`
       counts blocks (each copy whose content was dropped for reuse);
     - `evict(hashes)` drops every copy nobody holds and counts the hashes that left;
-    - lookup, allocate and can_allocate walk the oldest copies; prepare_write refuses every
-      committed copy alike (committed blocks are immutable).
+    - lookup, allocate and can_allocate walk the oldest copies; prepare_write refuses every committed copy.
 
     Invariants (checked by tests/index/test_block_index_stateful.py after every step):
     - every block is in exactly one state of BlockState;
@@ -52,10 +51,9 @@ class BlockIndex:
     - a block is on the free queue iff its ref_cnt is 0; head = next victim;
     - a block carries a hash iff `hash_to_blocks` holds it as a copy of that hash;
       `hash_to_block[h]` is the oldest copy of `h`;
-    - a request's blocks are freed tail first; freed blocks that hold no hash go to the head (they
-      are reused first, as vLLM does), cached ones to the tail, so among cached blocks the least
-      recently released goes first and the blocks nearest the start of a prompt, the most
-      shared, are evicted last.
+    - a request's blocks are freed tail first; those that hold no hash go to the head (reused
+      first, as in vLLM), cached ones to the tail: the least recently released goes first, and
+      the blocks nearest the start of a prompt, the most shared, are evicted last.
     Ref counts and block tables change together under `_lock`; every public method takes it.
     A call that raises has changed nothing: checks come before the first mutation.
     The attributes `blocks`, `free_queue`, `hash_to_blocks`, `hash_to_block` (each hash → the copy
@@ -90,8 +88,7 @@ class BlockIndex:
         self._observer = observer
         self._clock = clock
         self._events = EventQueue(max_pending_events) if max_pending_events else None
-        self._evictor = Evictor(self.free_queue, self.hash_to_blocks, observer, self._events)
-        self._evictor.on_evict = on_evict
+        self._evictor = Evictor(self.free_queue, self.hash_to_blocks, on_evict, observer, self._events)
         self._pop_free = self._evictor.pop_free
         self._lock = threading.Lock()
 
@@ -99,11 +96,11 @@ class BlockIndex:
 
     @property
     def on_evict(self) -> EvictionHook | None:
+        """The eviction hook; set once, before use: the tier manager offloads through it."""
         return self._evictor.on_evict
 
     @on_evict.setter
     def on_evict(self, hook: EvictionHook | None) -> None:
-        """Set once, before use: the tier manager offloads through it."""
         self._evictor.on_evict = hook
 
     @property
@@ -261,8 +258,7 @@ class BlockIndex:
             if table is None:
                 raise NotFound(f"request {request_id!r} holds no blocks")
             now = self._clock()
-            released_cached: list[KVBlock] = []
-            released_empty: list[KVBlock] = []
+            released_cached, released_empty = [], []
             keep, reuse_first = released_cached.append, released_empty.append
             for block in reversed(table):
                 assert block.ref_cnt > 0, f"block {block.block_id} freed more often than held"

@@ -30,11 +30,11 @@ class Evictor:
     manager offloads through it), and runs under that lock.
     """
 
-    def __init__(self, free_queue: FreeBlockQueue, hash_to_blocks: HashToBlocks, observer: IndexObserver | None,
-                 events: EventQueue | None) -> None:
+    def __init__(self, free_queue: FreeBlockQueue, hash_to_blocks: HashToBlocks, on_evict: EvictionHook | None,
+                 observer: IndexObserver | None, events: EventQueue | None) -> None:
         self.free_queue = free_queue
         self.hash_to_blocks = hash_to_blocks
-        self.on_evict: EvictionHook | None = None
+        self.on_evict = on_evict
         self.num_evictions = 0  # blocks whose hash was dropped to reuse them (every copy counts)
         self._observer = observer
         self._events = events
