@@ -27,7 +27,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks import _report  # noqa: E402
 from kvtierd.block_hash import BlockHash, Namespace  # noqa: E402
-from kvtierd.index.block_index import Allocation, BlockIndex  # noqa: E402
+from kvtierd.index.allocation import AllocatedBlocks  # noqa: E402
+from kvtierd.index.block_index import BlockIndex  # noqa: E402
 from kvtierd.layout import llama3_8b  # noqa: E402
 
 NUM_PROMPT_TOKENS = 4096
@@ -70,7 +71,8 @@ def new_index() -> BlockIndex:
     return BlockIndex(NUM_POOL_BLOCKS, BLOCK_SIZE, hash_size=NAMESPACE.digest_size, root=NAMESPACE.root)
 
 
-def run_request(index: BlockIndex, prompt: Prompt, tokens: str = "packed", verify: bool = False) -> Allocation:
+def run_request(index: BlockIndex, prompt: Prompt, tokens: str = "packed",
+                verify: bool = False) -> AllocatedBlocks:
     """The timed operation: allocate, commit every block that missed (in one call, as a runner
     commits its prefill), free. Token ids go in packed (u32 bytes, the wire format) or as a list."""
     token_ids = prompt.token_bytes if tokens == "packed" else prompt.token_ids
@@ -108,7 +110,7 @@ def fixed_prompt_case(name: str, prompt: Prompt, num_cached_blocks: int,
     cache_prompt(index, prompt)
     to_evict = prompt.block_hashes[num_cached_blocks:]
     index.evict(to_evict)
-    last: list[Allocation] = []
+    last: list[AllocatedBlocks] = []
 
     def op() -> None:
         last.append(run_request(index, prompt, tokens, verify))
@@ -135,7 +137,7 @@ def evicting_case(rng: np.random.Generator) -> Case:
     for prompt in prompts[:num_pool_prompts]:
         cache_prompt(index, prompt)
     state = {"next": num_pool_prompts, "prompt": prompts[num_pool_prompts]}
-    last: list[Allocation] = []
+    last: list[AllocatedBlocks] = []
 
     def op() -> None:
         last.append(run_request(index, state["prompt"]))

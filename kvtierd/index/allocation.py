@@ -6,7 +6,7 @@ import dataclasses
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
-class Allocation:
+class AllocatedBlocks:
     """The block table of a request: its prefix hits first, then fresh blocks."""
 
     block_ids: list[int]

@@ -12,7 +12,7 @@ from types import MappingProxyType
 
 from kvtierd.block_hash import BlockHash, pack_token_ids
 from kvtierd.errors import FailedPrecondition, InvalidArgument, NotFound, ResourceExhausted
-from kvtierd.index.allocation import Allocation, WriteTarget
+from kvtierd.index.allocation import AllocatedBlocks, WriteTarget
 from kvtierd.index.eviction import EvictionHook, Evictor
 from kvtierd.index.free_queue import FreeBlockQueue
 from kvtierd.index.hash_to_blocks import HashToBlocks
@@ -145,7 +145,7 @@ class BlockIndex:
     # ----------------------------------------------------------------------------- mutations
 
     def allocate(self, request_id: RequestId, block_hashes: Sequence[bytes], num_extra_blocks: int = 0,
-                 token_ids: Sequence[int] | None = None) -> Allocation:
+                 token_ids: Sequence[int] | None = None) -> AllocatedBlocks:
         """Give a new request one block per hash (hits first, the first miss ends the walk, then
         fresh blocks) and `num_extra_blocks` fresh blocks after them.
 
@@ -173,7 +173,7 @@ class BlockIndex:
             self.tables[request_id] = table
             if observer is not None:
                 observer.on_query(len(block_hashes) * self.block_size, len(hits) * self.block_size)
-            return Allocation([block.block_id for block in table], len(hits))
+            return AllocatedBlocks([block.block_id for block in table], len(hits))
 
     def append_blocks(self, request_id: RequestId, num_blocks: int) -> list[int]:
         """Grow a request's table by `num_blocks` fresh blocks (decode running past its last block)."""
