@@ -138,8 +138,8 @@ class KvTierServicer(kvtier_pb2_grpc.KvTierServicer):
         session = self._session(request.session_id)
         held = session.held(request.request_id)
         if held.ticket is None:
-            table = session.pool.manager.index.block_table(session.key(request.request_id))
-            return pb.WaitResponse(num_ready_blocks=_num_leading_committed(session.pool, table))
+            return pb.WaitResponse(num_ready_blocks=session.pool.manager.num_committed_blocks(
+                session.key(request.request_id)))
         timeout_s = request.timeout_s or self.default_wait_s
         try:
             ready = await asyncio.wait_for(asyncio.shield(asyncio.wrap_future(held.ticket.future)), timeout_s)
@@ -157,7 +157,7 @@ class KvTierServicer(kvtier_pb2_grpc.KvTierServicer):
             raise InvalidArgument(f"commit needs one hash per block, got {len(request.block_ids)} block ids "
                                   f"and {len(keys)} hashes")
         key = session.key(request.request_id)
-        position = _position_of(pool, pool.manager.index.block_table(key), list(request.block_ids), request.request_id)
+        position = _position_of(pool, pool.manager.block_table(key), list(request.block_ids), request.request_id)
         parent = _parent_key(session.tenant, pool, position, request.parent_hash)
         num_held = pool.manager.commit(key, position, keys, pack_token_ids(request.token_ids), parent)
         return pb.CommitResponse(num_committed_blocks=num_held)
@@ -357,7 +357,3 @@ def _position_of(pool: Pool, table: list[int], block_ids: list[int], request_id:
         raise FailedPrecondition(f"blocks {block_ids} are not consecutive blocks of request {request_id!r}")
     return position
 
-
-def _num_leading_committed(pool: Pool, table: list[int]) -> int:
-    blocks = pool.manager.index.blocks
-    return next((i for i, block_id in enumerate(table) if blocks[block_id].block_hash is None), len(table))

@@ -104,6 +104,15 @@ class TierManager:
     def fork(self, parent_id, child_id) -> list[int]:
         return self.tiers.index.fork(parent_id, child_id)
 
+    def block_table(self, request_id) -> list[int]:
+        return self.tiers.index.block_table(request_id)
+
+    def num_committed_blocks(self, request_id) -> int:
+        """How many leading blocks of the request's table are committed (ready to read)."""
+        blocks = self.tiers.index.blocks
+        table = self.tiers.index.block_table(request_id)
+        return next((i for i, block_id in enumerate(table) if blocks[block_id].block_hash is None), len(table))
+
     def append_blocks(self, request_id, num_blocks: int) -> tuple[list[int], concurrent.futures.Future | None]:
         """Fresh blocks at the end of a request's table, and when they may be written (None: now)."""
         block_ids = self.tiers.index.append_blocks(request_id, num_blocks)
