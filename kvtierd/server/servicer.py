@@ -260,18 +260,26 @@ class KvTierServicer(kvtier_pb2_grpc.KvTierServicer):
             return
         nbytes = get.num_blocks * bytes_per_block
         quotas.add(tenant.name, nbytes)
+        loop, encoding = asyncio.get_running_loop(), None
         try:
             num_ready = await asyncio.shield(asyncio.wrap_future(get.future))
             hashes = list(request.block_hashes[:num_ready])
             for start in range(0, num_ready, GET_BATCH_BLOCKS):  # serialized off the loop, in one copy
-                for frame in await asyncio.to_thread(_encode_blocks, get, hashes, start):
+                encoding = loop.run_in_executor(None, _encode_blocks, get, hashes, start)
+                for frame in await asyncio.shield(encoding):
                     yield frame
-        finally:  # no await here: a cancelled stream must still release
-            if get.future.done():
-                get.close()
+        finally:  # no await here: a cancelled stream must still release, once nothing reads its blocks
+            def release(_=None) -> None:
+                if get.future.done():
+                    get.close()
+                else:  # waits for the promotion
+                    loop.run_in_executor(None, get.close)
+                quotas.remove(tenant.name, nbytes)
+
+            if encoding is not None and not encoding.done():
+                encoding.add_done_callback(release)
             else:
-                asyncio.get_running_loop().run_in_executor(None, get.close)
-            quotas.remove(tenant.name, nbytes)
+                release()
 
     # ----------------------------------------------------------------------------- observing
 
