@@ -17,7 +17,7 @@ ON_EVICT = ["--set", "policy.t0_to_t1=on_evict", "--set", "policy.t1_to_t2=on_ev
 NUM_ROUNDS = 3  # rounds of (no pressure, pressure): machine noise drifts, it does not pick a phase
 NUM_BASELINE_SAMPLES = 500  # per round
 NUM_PRESSURE_SAMPLES = 150  # per round, at least
-NUM_SLOW_WRITES = 2  # per round: T2 stores of 8 blocks (one slot-file write each) while Lookups run
+NUM_SLOW_WRITES = 3  # per round: T2 stores of 8 blocks (one slot-file write each) while Lookups run
 DEADLINE_S = 30.0  # per wait
 MAX_PRESSURE_CYCLES = 400
 
