@@ -60,9 +60,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         aligned = mmap.mmap(-1, nbytes)
         try:
             acquisition = manager.acquire("seed", chain, 0, prompt)
-            manager.pool.tensor.copy_(torch.randn(manager.pool.tensor.shape).to(layout.torch_dtype))
+            manager.device_pool.tensor.copy_(torch.randn(manager.device_pool.tensor.shape).to(layout.torch_dtype))
             manager.commit("seed", 0, chain, prompt, namespace.root)
-            expected = manager.pool.tensor[acquisition.block_ids].clone()
+            expected = manager.device_pool.tensor[acquisition.block_ids].clone()
             manager.release("seed")
             manager.drain()
             assert manager.lookup(chain, prompt).t0 == num_blocks and manager.tiers.ssd.lookup(chain) == num_blocks
@@ -81,7 +81,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                 manager.release("bench")
 
             host_bytes = manager.tiers.host.slots.reshape(-1)[:nbytes]
-            pool_bytes = manager.pool.tensor.view(-1).view(torch.uint8)
+            pool_bytes = manager.device_pool.tensor.view(-1).view(torch.uint8)
 
             def memcpy() -> None:
                 ctypes.memmove(pool_bytes.data_ptr(), host_bytes.data_ptr(), nbytes)
@@ -91,7 +91,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                 ctypes.memmove(pool_bytes.data_ptr(), ctypes.addressof(ctypes.c_char.from_buffer(aligned)), nbytes)
 
             _report.print_header(f"Promotion of a {num_blocks * layout.block_size}-token prefix ({num_blocks} blocks, "
-                                 f"{nbytes >> 20} MiB) into T0 on {manager.pool.device}", args.quick)
+                                 f"{nbytes >> 20} MiB) into T0 on {manager.device_pool.device}", args.quick)
             print("baselines: T1, one memcpy host slab -> pool of the same bytes; T2, one sequential O_DIRECT read "
                   "of a file of the same size plus that memcpy")
             print()
@@ -102,7 +102,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                 only_below(tier)
                 promote_check = manager.acquire("check", chain, 0, prompt)
                 promote_check.ticket.wait(120)
-                assert torch.equal(manager.pool.tensor[promote_check.block_ids], expected), "promoted bytes differ"
+                assert torch.equal(manager.device_pool.tensor[promote_check.block_ids], expected), "promoted bytes differ"
                 manager.release("check")
                 rows.append([f"from {tier.upper()}",
                              _report.median_and_best(ours_t.median_ns / 1e6, ours_t.best_ns / 1e6, 1),

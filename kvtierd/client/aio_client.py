@@ -15,7 +15,7 @@ import grpc
 import grpc.aio
 
 from kvtierd.client.base import (
-    Acquired, BlockData, Call, ClientBase, EventStreamBase, PutResult, PutStream, Retry, SessionBase,
+    AcquireResult, BlockData, Call, ClientBase, EventStreamBase, PutResult, PutStream, Retry, SessionBase,
     TlsOptions, TokenIds, attach_request, drain_call, events_request, evict_call, get_request, map_rpc_error,
     tenant_stats_call)
 from kvtierd.layout import Layout
@@ -145,7 +145,7 @@ class AsyncSession(SessionBase):
         return await self._client._run(self._lookup(block_hashes, token_ids, prefetch))
 
     async def acquire(self, request_id: str, block_hashes: Sequence[bytes], num_extra_blocks: int = 0,
-                      token_ids: TokenIds | None = None) -> Acquired:
+                      token_ids: TokenIds | None = None) -> AcquireResult:
         return await self._client._run(self._acquire(request_id, block_hashes, num_extra_blocks, token_ids))
 
     async def wait(self, request_id: str, timeout_s: float | None = None) -> int:

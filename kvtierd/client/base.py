@@ -71,7 +71,7 @@ class TlsOptions:
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
-class Acquired:
+class AcquireResult:
     """A request's block table from Acquire: hits first (loads pending if `pending`), then fresh."""
 
     block_ids: list[int]
@@ -351,7 +351,7 @@ class SessionBase:
         request = pb.AcquireRequest(session_id=self.session_id, request_id=request_id,
                                     block_hashes=hash_list(block_hashes), token_ids=optional_tokens(token_ids),
                                     num_extra_blocks=num_extra_blocks)
-        return Call("Acquire", request, lambda r: Acquired(list(r.block_ids), r.num_t0_hit_blocks,
+        return Call("Acquire", request, lambda r: AcquireResult(list(r.block_ids), r.num_t0_hit_blocks,
                                                            r.num_t1_blocks, r.num_t2_blocks, r.pending))
 
     def _wait(self, request_id, timeout_s: float | None, default_timeout_s: float) -> Call:

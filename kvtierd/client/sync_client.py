@@ -23,14 +23,14 @@ from typing import TypeVar
 import grpc
 
 from kvtierd.client.base import (
-    Acquired, BlockData, Call, ClientBase, EventStreamBase, PutResult, PutStream, Retry, SessionBase,
+    AcquireResult, BlockData, Call, ClientBase, EventStreamBase, PutResult, PutStream, Retry, SessionBase,
     TlsOptions, TokenIds, attach_request, drain_call, events_request, evict_call, get_request, map_rpc_error,
     tenant_stats_call)
 from kvtierd.errors import FailedPrecondition
 from kvtierd.layout import Layout
 from kvtierd.v1 import kvtier_pb2 as pb
 
-__all__ = ["KvtierClient", "Session", "EventStream", "TlsOptions", "Acquired", "PutResult",
+__all__ = ["KvtierClient", "Session", "EventStream", "TlsOptions", "AcquireResult", "PutResult",
            "AsyncKvtierClient", "AsyncSession"]
 
 log = logging.getLogger(__name__)
@@ -162,7 +162,7 @@ class Session(SessionBase):
         return self._client._run(self._lookup(block_hashes, token_ids, prefetch))
 
     def acquire(self, request_id: str, block_hashes: Sequence[bytes], num_extra_blocks: int = 0,
-                token_ids: TokenIds | None = None) -> Acquired:
+                token_ids: TokenIds | None = None) -> AcquireResult:
         return self._client._run(self._acquire(request_id, block_hashes, num_extra_blocks, token_ids))
 
     def wait(self, request_id: str, timeout_s: float | None = None) -> int:

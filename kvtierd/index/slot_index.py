@@ -10,7 +10,8 @@ first. Operations that move bytes are two-phase, so a slot in flight is never ev
   `complete_store(entries, success)` makes the entries READY, or drops them and frees their
   slots: a failed store leaves no entry.
 - `prepare_load(hashes)` pins the leading READY hits, which leave the LRU order while pinned.
-  `complete_load(entries)` unpins them; the last unpin puts an entry back as most recently used.
+  `unpin(entries)` gives the pins back (also those of `pin_present`, a copy further down); the
+  last one puts an entry back as most recently used.
 """
 
 from __future__ import annotations
@@ -199,7 +200,7 @@ class SlotIndex:
     def prepare_load(self, block_hashes: Sequence[bytes], parent: bytes | None = None,
                      token_bytes: bytes | None = None, block_size: int = 0) -> list[SlotEntry]:
         """Pin the leading verified READY hits of the chain; they cannot be evicted until
-        complete_load. Returns the pinned entries (possibly none)."""
+        unpin. Returns the pinned entries (possibly none)."""
         with self._lock:
             hits = self._ready_prefix(block_hashes, parent, token_bytes, block_size)
             now = self._clock()
@@ -212,7 +213,7 @@ class SlotIndex:
 
     def pin_present(self, block_hashes: Sequence[bytes]) -> list[SlotEntry]:
         """Pin every named READY entry, chained or not (a copy further down reads them);
-        missing ones are skipped. Unpin with complete_load."""
+        missing ones are skipped. Unpin with unpin."""
         with self._lock:
             pinned = []
             for block_hash in block_hashes:
@@ -225,7 +226,9 @@ class SlotIndex:
                 pinned.append(entry)
             return pinned
 
-    def complete_load(self, entries: Sequence[SlotEntry]) -> None:
+    def unpin(self, entries: Sequence[SlotEntry]) -> None:
+        """Give back one pin of each entry (taken by prepare_load or pin_present, for a load up or
+        a copy further down); the last one puts the entry back in the LRU order as most recent."""
         with self._lock:
             for entry in entries:
                 assert entry.num_loads > 0 and self._entries.get(entry.block_hash) is entry, entry

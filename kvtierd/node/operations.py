@@ -18,7 +18,7 @@ from collections.abc import Iterable
 
 from kvtierd.daemon_key import tenant_tag_of
 from kvtierd.errors import InvalidArgument, PermissionDenied
-from kvtierd.node.pools import Pool, PoolRegistry
+from kvtierd.node.pools import LayoutPool, PoolRegistry
 from kvtierd.node.sessions import SessionTable
 from kvtierd.node.tenants import Tenant
 
@@ -100,7 +100,7 @@ class Operations:
     # ----------------------------------------------------------------------------- evict, flush
 
     def evict(self, caller: Tenant, tenant: str, all_tenants: bool, tiers: Iterable[str],
-              pools: list[Pool] | None = None) -> EvictCounts:
+              pools: list[LayoutPool] | None = None) -> EvictCounts:
         """Drop the target tenants' unheld blocks from `tiers` (all three when empty). Blocking:
         T0 evictions may copy down, T2 removals write the index; run it off the event loop."""
         tiers = list(tiers) or list(TIERS)
@@ -135,7 +135,7 @@ class Operations:
         return self.draining
 
 
-def _pool_counts(pool: Pool) -> dict[str, collections.Counter]:
+def _pool_counts(pool: LayoutPool) -> dict[str, collections.Counter]:
     """Blocks per tenant tag in each tier of one pool."""
     tiers = pool.manager.tiers
     counts = {"t0": collections.Counter(map(tenant_tag_of, tiers.index.cached_hashes())),

@@ -45,7 +45,7 @@ class PoolSettings:
     max_layouts: int = 4
 
 
-class Pool:
+class LayoutPool:
     """One layout's tiers, and what clients of that layout need to know."""
 
     def __init__(self, layout: Layout, settings: PoolSettings, observer=None, quotas: QuotaBook | None = None) -> None:
@@ -97,23 +97,23 @@ def layout_id(layout: Layout) -> str:
 
 
 class PoolRegistry:
-    """layout → Pool. `get_or_create` builds a pool once, even under concurrent attaches."""
+    """layout → LayoutPool. `get_or_create` builds a pool once, even under concurrent attaches."""
 
     def __init__(self, settings: PoolSettings, observer_for=None, quotas: QuotaBook | None = None) -> None:
         self.settings = settings
         self.quotas = quotas
         self._observer_for = observer_for  # model_id → IndexObserver, or None
-        self._pools: dict[Layout, Pool] = {}
+        self._pools: dict[Layout, LayoutPool] = {}
         self._lock = threading.Lock()  # creation only; lookups read the dict
         self.on_created = []  # callbacks (pool) → None, e.g. metrics sources
 
-    def get(self, layout: Layout) -> Pool | None:
+    def get(self, layout: Layout) -> LayoutPool | None:
         return self._pools.get(layout)
 
-    def pools(self) -> list[Pool]:
+    def pools(self) -> list[LayoutPool]:
         return list(self._pools.values())
 
-    def get_stored(self, layout: Layout) -> Pool | None:
+    def get_stored(self, layout: Layout) -> LayoutPool | None:
         """The layout's pool, created when T2 has a directory for it: after a restart, T2 may hold
         its blocks before any Attach or Put of it. None when neither exists. Blocking (opens T2)."""
         pool = self._pools.get(layout)
@@ -124,7 +124,7 @@ class PoolRegistry:
             return None
         return self.get_or_create(layout)
 
-    def get_or_create(self, layout: Layout) -> Pool:
+    def get_or_create(self, layout: Layout) -> LayoutPool:
         pool = self._pools.get(layout)
         if pool is not None:
             return pool
@@ -137,7 +137,7 @@ class PoolRegistry:
                     f"the daemon serves {len(self._pools)} layouts already (pool.max_layouts); "
                     f"cannot create a pool for {layout.model_id}")
             observer = self._observer_for(layout.model_id) if self._observer_for else None
-            pool = Pool(layout, self.settings, observer, self.quotas)
+            pool = LayoutPool(layout, self.settings, observer, self.quotas)
             self._pools[layout] = pool
         for line in pool.capacity_lines():
             log.info("%s", line)

@@ -6,7 +6,7 @@ killed: the kernel closes its socket) or its lease runs out, every request it st
 released exactly once and the references are counted as reclaimed. A runner killed with
 SIGKILL therefore leaks nothing (the incident of seed 003: free blocks falling 366 an hour).
 
-Invariants: a request is in `Session.requests` iff the block index has a table for its key
+Invariants: a request is in `SessionLease.requests` iff the block index has a table for its key
 `(session_id, request_id)`; the tenant's quota holds exactly the bytes of those tables.
 Everything here runs on the server's event loop; only a release that must wait for a promotion
 in flight leaves it (to a thread).
@@ -22,7 +22,7 @@ import time
 from collections.abc import Callable
 
 from kvtierd.errors import FailedPrecondition, InvalidArgument, NotFound, PermissionDenied
-from kvtierd.node.pools import Pool
+from kvtierd.node.pools import LayoutPool
 from kvtierd.tiering.promotion import Ticket
 from kvtierd.node.quotas import QuotaBook
 from kvtierd.node.tenants import Tenant
@@ -41,10 +41,14 @@ class HeldRequest:
 
 
 @dataclasses.dataclass(eq=False)
-class Session:
+class SessionLease:
+    """The daemon's record of one attached session (the client's side is kvtierd.client.Session):
+    its tenant, its layout's pool, the requests whose blocks it holds, and the lease that gives
+    them back when the client goes silent. Mutated on the event loop only."""
+
     session_id: str
     tenant: Tenant
-    pool: Pool
+    pool: LayoutPool
     lease_deadline_s: float
     requests: dict[str, HeldRequest] = dataclasses.field(default_factory=dict)
     num_streams: int = 0  # KeepAlive streams open
@@ -78,24 +82,24 @@ class SessionTable:
         self._on_opened = on_opened  # metrics
         self._on_closed = on_closed  # (num reclaimed refs, reason): metrics
         self._clock = clock
-        self._sessions: dict[str, Session] = {}
+        self._sessions: dict[str, SessionLease] = {}
         self._closing: set[asyncio.Task] = set()
         self.num_reclaimed_refs = 0
 
-    def open_sessions(self) -> list[Session]:
+    def open_sessions(self) -> list[SessionLease]:
         return list(self._sessions.values())
 
     def __len__(self) -> int:
         return len(self._sessions)
 
-    def open(self, tenant: Tenant, pool: Pool) -> Session:
-        session = Session(secrets.token_hex(16), tenant, pool, self._clock() + self.lease_s)
+    def open(self, tenant: Tenant, pool: LayoutPool) -> SessionLease:
+        session = SessionLease(secrets.token_hex(16), tenant, pool, self._clock() + self.lease_s)
         self._sessions[session.session_id] = session
         if self._on_opened is not None:
             self._on_opened()
         return session
 
-    def get(self, session_id: str, tenant: Tenant) -> Session:
+    def get(self, session_id: str, tenant: Tenant) -> SessionLease:
         """The caller's live session, its lease renewed."""
         session = self._sessions.get(session_id)
         if session is None:
@@ -108,18 +112,18 @@ class SessionTable:
 
     # ----------------------------------------------------------------------------- requests
 
-    def hold(self, session: Session, request_id: str, num_blocks: int, ticket: Ticket | None = None) -> None:
+    def hold(self, session: SessionLease, request_id: str, num_blocks: int, ticket: Ticket | None = None) -> None:
         session.requests[request_id] = HeldRequest(num_blocks, ticket)
         self.quotas.add(session.tenant.name, num_blocks * session.pool.layout.bytes_per_block)
 
-    def grow(self, session: Session, request_id: str, num_blocks: int) -> None:
+    def grow(self, session: SessionLease, request_id: str, num_blocks: int) -> None:
         session.held(request_id).num_blocks += num_blocks
         self.quotas.add(session.tenant.name, num_blocks * session.pool.layout.bytes_per_block)
 
-    def check_quota(self, session: Session, num_blocks: int) -> None:
+    def check_quota(self, session: SessionLease, num_blocks: int) -> None:
         self.quotas.check(session.tenant.name, num_blocks * session.pool.layout.bytes_per_block)
 
-    async def release(self, session: Session, request_id: str) -> int:
+    async def release(self, session: SessionLease, request_id: str) -> int:
         """Release one request's blocks (after its promotion, if one is in flight). Returns how
         many block references it held."""
         held = session.requests.pop(request_id, None)
@@ -136,10 +140,10 @@ class SessionTable:
 
     # ----------------------------------------------------------------------------- leases
 
-    def stream_opened(self, session: Session) -> None:
+    def stream_opened(self, session: SessionLease) -> None:
         session.num_streams += 1
 
-    def stream_closed(self, session: Session) -> None:
+    def stream_closed(self, session: SessionLease) -> None:
         """The last stream of a session closed: reclaim it (scheduled, so that a cancelled
         handler's cleanup cannot be interrupted)."""
         session.num_streams -= 1
@@ -160,12 +164,12 @@ class SessionTable:
             await asyncio.sleep(period_s)
             self.expire()
 
-    def _schedule_close(self, session: Session, reason: str) -> None:
+    def _schedule_close(self, session: SessionLease, reason: str) -> None:
         task = asyncio.get_running_loop().create_task(self.close(session, reason))
         self._closing.add(task)
         task.add_done_callback(self._closing.discard)
 
-    async def close(self, session: Session, reason: str) -> int:
+    async def close(self, session: SessionLease, reason: str) -> int:
         """Release everything the session holds, exactly once; returns the references reclaimed."""
         if session.closed:
             return 0

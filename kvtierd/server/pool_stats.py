@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from kvtierd.node.pools import Pool
+from kvtierd.node.pools import LayoutPool
 from kvtierd.tiering.tiering_stats import TierUsage
 from kvtierd.v1 import kvtier_pb2 as pb
 from kvtierd.wire.conversions import layout_to_proto
@@ -14,7 +14,7 @@ def tier_message(usage: TierUsage) -> pb.TierStats:
                         num_evictions=usage.num_evictions)
 
 
-def pool_stats(pool: Pool) -> pb.PoolStats:
+def pool_stats(pool: LayoutPool) -> pb.PoolStats:
     """The Stats message of one pool, from its tier manager's counters."""
     stats = pool.manager.stats()
     ssd = stats.ssd

@@ -35,7 +35,7 @@ from kvtierd.node.pools import PoolRegistry, PoolSettings
 from kvtierd.node.quotas import QuotaBook
 from kvtierd.server.servicer import KvTierServicer
 from kvtierd.node.sessions import SessionTable
-from kvtierd.server.status_interceptor import StatusInterceptor
+from kvtierd.server.interceptor import StatusInterceptor
 from kvtierd.node.tenants import Authenticator, TokenBook
 from kvtierd.tiering.tier_config import TierConfig
 from kvtierd.v1 import kvtier_pb2

@@ -1,6 +1,6 @@
 """The KvTier service: each RPC of proto/kvtierd/v1/kvtier.proto translated to the core.
 
-Handlers raise kvtierd.errors; the interceptor (status_interceptor.py) maps them to status
+Handlers raise kvtierd.errors; the interceptor (interceptor.py) maps them to status
 codes and resolves the caller's tenant (`current_tenant()`). Every handler validates its whole
 request before the first change, so a bad request changes nothing. Client hashes become the
 daemon's keys by the tenant's prefix here, and only here (`_keys`).
@@ -25,11 +25,11 @@ from kvtierd.server.event_feed import EventFeed
 from kvtierd.layout import Layout
 from kvtierd.node.operations import Operations
 from kvtierd.server.pool_stats import pool_stats
-from kvtierd.node.pools import Pool, PoolRegistry
+from kvtierd.node.pools import LayoutPool, PoolRegistry
 from kvtierd.index.prefix_match import check_hashes
 from kvtierd.tiering.block_io import BlockGet, PutBlock
-from kvtierd.node.sessions import Session, SessionTable
-from kvtierd.server.status_interceptor import current_tenant
+from kvtierd.node.sessions import SessionLease, SessionTable
+from kvtierd.server.interceptor import current_tenant
 from kvtierd.node.tenants import Tenant
 from kvtierd.v1 import kvtier_pb2 as pb
 from kvtierd.v1 import kvtier_pb2_grpc
@@ -89,7 +89,7 @@ class KvTierServicer(kvtier_pb2_grpc.KvTierServicer):
         pool = await self._pool(layout)
         session = self.sessions.open(tenant, pool)
         return pb.AttachResponse(
-            session_id=session.session_id, pool=handle_to_proto(pool.manager.pool.handle),
+            session_id=session.session_id, pool=handle_to_proto(pool.manager.device_pool.handle),
             bytes_per_block=layout.bytes_per_block, root_hash=pool.client_root, hash_size=pool.digest_size,
             lease_s=self.sessions.lease_s, tenant=tenant.name)
 
@@ -321,10 +321,10 @@ class KvTierServicer(kvtier_pb2_grpc.KvTierServicer):
 
     # ----------------------------------------------------------------------------- helpers
 
-    def _session(self, session_id: str) -> Session:
+    def _session(self, session_id: str) -> SessionLease:
         return self.sessions.get(session_id, current_tenant())
 
-    async def _pool(self, layout: Layout) -> Pool:
+    async def _pool(self, layout: Layout) -> LayoutPool:
         pool = self.registry.get(layout)
         return pool if pool is not None else await asyncio.to_thread(self.registry.get_or_create, layout)
 
@@ -335,7 +335,7 @@ def _encode_blocks(get: BlockGet, hashes: list[bytes], start: int) -> list[bytes
             for i in range(start, min(start + GET_BATCH_BLOCKS, len(hashes)))]
 
 
-def _keys(tenant: Tenant, pool: Pool, client_hashes) -> list[bytes]:
+def _keys(tenant: Tenant, pool: LayoutPool, client_hashes) -> list[bytes]:
     client_hashes = list(client_hashes)  # a protobuf repeated field makes new bytes on every read: read once
     check_hashes(client_hashes, pool.digest_size)
     return tenant.keys(client_hashes)
@@ -345,7 +345,7 @@ def _tokens(token_ids: bytes) -> bytes | None:
     return pack_token_ids(token_ids) if token_ids else None
 
 
-def _parent_key(tenant: Tenant, pool: Pool, position: int, parent_hash: bytes) -> bytes:
+def _parent_key(tenant: Tenant, pool: LayoutPool, position: int, parent_hash: bytes) -> bytes:
     """The daemon's key of the parent of the block at `position`; block 0's must be the root."""
     check_hashes([parent_hash], pool.digest_size)
     if position == 0 and parent_hash != pool.client_root:
@@ -353,7 +353,7 @@ def _parent_key(tenant: Tenant, pool: Pool, position: int, parent_hash: bytes) -
     return tenant.key(parent_hash)
 
 
-def _position_of(pool: Pool, table: list[int], block_ids: list[int], request_id: str) -> int:
+def _position_of(pool: LayoutPool, table: list[int], block_ids: list[int], request_id: str) -> int:
     """Where consecutive `block_ids` start in the request's table."""
     if any(b >= pool.num_blocks for b in block_ids):
         raise InvalidArgument(f"block ids must be in [0, {pool.num_blocks})")

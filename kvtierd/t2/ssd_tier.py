@@ -251,7 +251,7 @@ class SsdTier:
                 destinations = [memoryview(rows[i].numpy()) for i in range(len(entries))]
                 results = self._run_all(self._load_run, entries, destinations)
             finally:
-                self._index.complete_load(entries)
+                self._index.unpin(entries)
             num_loaded = next((i for i, ok in enumerate(results) if ok is not True), len(results))
             self._drop([(e, why) for e, why in zip(entries, results) if why is not True])
             with self._stats_lock:

@@ -17,7 +17,7 @@ import dataclasses
 from collections.abc import Callable, Sequence
 
 from kvtierd.errors import InvalidArgument
-from kvtierd.tiering.promotion import Acquisition
+from kvtierd.tiering.promotion import AcquiredBlocks
 
 Admit = Callable[[int], None]  # called with a number of T0 blocks before they are taken; raises to refuse
 
@@ -103,7 +103,7 @@ class BlockGet:
     """One Get: the leading blocks of a chain found in any tier, promoted into T0 blocks of the
     request, read (`block_bytes`) while it holds them, released by `close`."""
 
-    def __init__(self, manager, request_id, acquisition: Acquisition | None) -> None:
+    def __init__(self, manager, request_id, acquisition: AcquiredBlocks | None) -> None:
         self.manager, self.request_id, self.acquisition = manager, request_id, acquisition
 
     @classmethod

@@ -145,7 +145,7 @@ class Offloader:
             return
         transfer = tiers.engine.submit(Direction.HOST_TO_HOST, lambda: self._write_t2(pinned),
                                        len(pinned) * tiers.host.codec.slot_nbytes)
-        tiers.after(transfer, lambda error: tiers.host.index.complete_load(pinned))
+        tiers.after(transfer, lambda error: tiers.host.index.unpin(pinned))
 
     def _write_t2(self, entries: list[SlotEntry]) -> int:
         """Store T1 entries (their slots' current bytes) in T2; returns how many it took."""

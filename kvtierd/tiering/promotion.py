@@ -51,7 +51,7 @@ class Ticket:
 
 
 @dataclasses.dataclass(frozen=True)
-class Acquisition:
+class AcquiredBlocks:
     block_ids: list[int]
     num_t0_hit_blocks: int
     num_t1_blocks: int  # being loaded from the host tier
@@ -107,7 +107,7 @@ class Promoter:
     # ----------------------------------------------------------------------------- acquire
 
     def acquire(self, request_id, block_hashes: list[bytes], num_extra_blocks: int = 0, token_ids=None,
-                recompute_s_per_token=_FROM_CONFIG) -> Acquisition:
+                recompute_s_per_token=_FROM_CONFIG) -> AcquiredBlocks:
         tiers = self.tiers
         cost = tiers.config.recompute_s_per_token if recompute_s_per_token is _FROM_CONFIG else recompute_s_per_token
         token_bytes = pack_token_ids(token_ids) if token_ids is not None else None
@@ -119,7 +119,7 @@ class Promoter:
         tiers.counters.add("num_query_blocks", len(block_hashes))
         writable = tiers.write_backs.when_landed(allocation.block_ids[n0:])
         if not t1_entries and not t2_metas:
-            return Acquisition(allocation.block_ids, n0, 0, 0, self._ticket_when_writable(allocation.block_ids, n0),
+            return AcquiredBlocks(allocation.block_ids, n0, 0, 0, self._ticket_when_writable(allocation.block_ids, n0),
                                writable)
         ticket = Ticket()
         with self._lock:
@@ -141,7 +141,7 @@ class Promoter:
                 self._start(self._load_t2, t2_metas, targets[len(t1_entries):], segments[1], done)
 
         self.after_writable(targets, start_loads)
-        return Acquisition(allocation.block_ids, n0, len(t1_entries), len(t2_metas), ticket, writable)
+        return AcquiredBlocks(allocation.block_ids, n0, len(t1_entries), len(t2_metas), ticket, writable)
 
     def _ticket_when_writable(self, block_ids: list[int], num_ready_blocks: int) -> Ticket:
         """A ticket that resolves once the blocks may be written (at once, usually)."""
@@ -192,7 +192,7 @@ class Promoter:
         nbytes = len(entries) * tiers.host.codec.slot_nbytes
         if entries and not worth_loading(len(entries) * tiers.layout.block_size,
                                          [(tiers.engine.bandwidth[Direction.HOST_TO_DEVICE], nbytes)], cost):
-            tiers.host.index.complete_load(entries)
+            tiers.host.index.unpin(entries)
             tiers.counters.add("num_skipped_slow_blocks", len(entries))
             return []
         return entries
@@ -233,11 +233,11 @@ class Promoter:
         try:
             transfer = tiers.engine.submit(Direction.HOST_TO_DEVICE, job, len(entries) * tiers.host.codec.slot_nbytes)
         except BaseException:
-            tiers.host.index.complete_load(entries)
+            tiers.host.index.unpin(entries)
             raise
 
         def finalize(error: BaseException | None) -> None:
-            tiers.host.index.complete_load(entries)
+            tiers.host.index.unpin(entries)
             segment.num_loaded = 0 if error is not None else len(entries)
             done()
 

@@ -20,13 +20,14 @@ from kvtierd.movers.block_codec import make_codec
 from kvtierd.block_hash import BlockHash, pack_token_ids
 from kvtierd.index.block_index import BlockIndex
 from kvtierd.movers.factory import create_copy_engine
+from kvtierd.t0.device_pool import DevicePool
 from kvtierd.t0.factory import create_device_pool
 from kvtierd.t1.host_tier import HostTier
 from kvtierd.index.index_metrics import IndexObserver
 from kvtierd.layout import Layout
 from kvtierd.tiering.block_io import Admit, BlockGet, BlockPut
 from kvtierd.tiering.offload import Offloader
-from kvtierd.tiering.promotion import Acquisition, Promoter, TierHits
+from kvtierd.tiering.promotion import AcquiredBlocks, Promoter, TierHits
 from kvtierd.tiering.tier_config import TierConfig
 from kvtierd.tiering.tiering_stats import TieringStats, tiering_stats
 from kvtierd.tiering.tiers import Tiers
@@ -75,11 +76,11 @@ class TierManager:
         return self.tiers.index
 
     @property
-    def pool(self):
+    def device_pool(self) -> DevicePool:
         return self.tiers.pool
 
     def acquire(self, request_id, block_hashes: list[bytes], num_extra_blocks: int = 0, token_ids=None,
-                **kwargs) -> Acquisition:
+                **kwargs) -> AcquiredBlocks:
         """T0 blocks for a request: hits first (promoting T1/T2 hits into them), then fresh ones."""
         return self.promoter.acquire(request_id, block_hashes, num_extra_blocks, token_ids, **kwargs)
 

@@ -60,7 +60,7 @@ def test_eviction_takes_the_least_recently_used_and_returns_its_bytes_location()
     store(index, metas)
     clock.advance(1)
     pinned = index.prepare_load(hashes(metas[:1]))  # block 0 becomes most recently used
-    index.complete_load(pinned)
+    index.unpin(pinned)
     plan = index.prepare_store(chain(1, start=10))
     assert [e.block_hash for e in plan.evicted] == [metas[1].block_hash]
     assert plan.stores[0].slot == plan.evicted[0].slot
@@ -74,7 +74,7 @@ def test_a_pinned_entry_is_never_evicted():
     pinned = index.prepare_load(hashes(metas))
     plan = index.prepare_store(chain(2, start=10))
     assert plan.stores == [] and plan.evicted == [] and plan.num_skipped == 2
-    index.complete_load(pinned)
+    index.unpin(pinned)
     assert len(index.prepare_store(chain(2, start=10)).stores) == 2
 
 
@@ -108,7 +108,7 @@ def test_remove_drops_ready_unpinned_entries_only():
     removed = index.remove(hashes(metas) + [b"\x09" * 32])
     assert [e.block_hash for e in removed] == hashes(metas[1:])
     assert index.lookup(hashes(metas)) == 1 and index.num_used_slots == 1
-    index.complete_load(pinned)
+    index.unpin(pinned)
 
 
 def test_restore_rebuilds_entries_and_free_slots():
@@ -135,7 +135,7 @@ def test_evict_lru_drops_oldest_unpinned_first():
     evicted = index.evict_lru(2)
     assert [e.block_hash for e in evicted] == hashes(metas[1:3])
     assert index.num_used_slots == 2 and index.num_evictions == 2
-    index.complete_load(pinned)
+    index.unpin(pinned)
 
 
 def test_pin_present_pins_unchained_entries_and_skips_missing():
@@ -145,7 +145,7 @@ def test_pin_present_pins_unchained_entries_and_skips_missing():
     pinned = index.pin_present([metas[3].block_hash, b"\x09" * 32, metas[1].block_hash])
     assert [e.block_hash for e in pinned] == [metas[3].block_hash, metas[1].block_hash]
     assert [e.block_hash for e in index.evict_lru(4)] == [metas[0].block_hash, metas[2].block_hash]
-    index.complete_load(pinned)
+    index.unpin(pinned)
     assert index.num_used_slots == 2
 
 
@@ -189,7 +189,7 @@ def test_an_owner_at_its_limit_with_every_slot_pinned_stores_nothing():
     pinned = index.prepare_load([a[0].block_hash])
     plan = store(index, a[1:])
     assert plan.stores == [] and plan.num_skipped == 1 and index.num_quota_skips == 1
-    index.complete_load(pinned)
+    index.unpin(pinned)
     assert [e.block_hash for e in store(index, a[1:]).evicted] == [a[0].block_hash]
 
 

@@ -177,9 +177,9 @@ class SlotIndexMachine(RuleBasedStateMachine):
 
     @precondition(lambda self: self.pins)
     @rule(data=st.data())
-    def complete_load(self, data):
+    def unpin(self, data):
         entries = self.pins.pop(data.draw(st.integers(0, len(self.pins) - 1)))
-        self.index.complete_load(entries)
+        self.index.unpin(entries)
         for entry in entries:
             self.num_pins[entry.block_hash] -= 1
             if self.num_pins[entry.block_hash] == 0:
@@ -262,7 +262,7 @@ class SlotIndexMachine(RuleBasedStateMachine):
         for entries in self.plans:
             self.index.complete_store(entries, True)
         for entries in self.pins:
-            self.index.complete_load(entries)
+            self.index.unpin(entries)
         self.index.evict_lru(NUM_SLOTS)
         assert self.index.entries() == [] and self.index.num_used_slots == 0
 

@@ -16,7 +16,7 @@ from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, 
 from kvtierd.block_hash import Namespace, pack_token_ids
 from kvtierd.errors import ResourceExhausted
 from kvtierd.layout import Layout
-from kvtierd.node.pools import Pool, PoolSettings
+from kvtierd.node.pools import LayoutPool, PoolSettings
 from kvtierd.node.quotas import QuotaBook
 from kvtierd.node.sessions import SessionTable
 from kvtierd.node.tenants import Tenant
@@ -38,7 +38,7 @@ class SessionMachine(RuleBasedStateMachine):
         super().__init__()
         self.loop = asyncio.new_event_loop()
         settings_ = PoolSettings(NUM_BLOCKS * LAYOUT.bytes_per_block, TierConfig(host_capacity_bytes=0), device="cpu")
-        self.pool = Pool(LAYOUT, settings_)
+        self.pool = LayoutPool(LAYOUT, settings_)
         self.clock = FakeClock()
         self.quotas = QuotaBook()
         self.sessions = SessionTable(LEASE_S, self.quotas, clock=self.clock)

@@ -32,7 +32,7 @@ def worker(manager, seed: int, deadline: float, errors: list, counts: list) -> N
             continue
         try:
             for block_id, block_hash in zip(acquisition.block_ids[:num_ready], chain):
-                if not torch.equal(manager.pool.tensor[block_id], content_for(block_hash)):
+                if not torch.equal(manager.device_pool.tensor[block_id], content_for(block_hash)):
                     errors.append(f"request {request}: block {block_id} does not hold {block_hash.hex()[:8]}")
         finally:
             manager.release(request)
@@ -60,7 +60,7 @@ def check_every_slot_holds_its_own_block(manager) -> None:
         row = manager.tiers.host.slots[entry.slot].view(torch.float16).view(content_for(entry.block_hash).shape)
         assert torch.equal(row, content_for(entry.block_hash)), entry.slot
     for block_hash, block in manager.index.hash_to_block.items():
-        assert torch.equal(manager.pool.tensor[block.block_id], content_for(block_hash))
+        assert torch.equal(manager.device_pool.tensor[block.block_id], content_for(block_hash))
 
 
 def test_concurrent_requests_on_evict():

@@ -158,7 +158,7 @@ def test_fp8_host_tier_halves_the_bytes_and_bounds_the_error():
         assert acquisition.ticket.wait(10) == 4
         for block_id, block_hash in zip(acquisition.block_ids, chain):
             expected = content_for(block_hash).float()
-            error = (manager.pool.tensor[block_id].float() - expected).abs()
+            error = (manager.device_pool.tensor[block_id].float() - expected).abs()
             assert float(error.max()) <= float(expected.abs().max()) * 2**-4  # e4m3: 3 mantissa bits
         manager.release("b")
     finally:

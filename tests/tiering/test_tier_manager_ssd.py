@@ -95,7 +95,7 @@ def test_fp8_on_ssd_below_a_raw_host_tier(tmp_path):
         assert acquisition.ticket.wait(10) == 4
         for block_id, block_hash in zip(acquisition.block_ids, CHAIN):
             expected = content_for(block_hash).float()
-            error = (manager.pool.tensor[block_id].float() - expected).abs()
+            error = (manager.device_pool.tensor[block_id].float() - expected).abs()
             assert float(error.max()) <= float(expected.abs().max()) / 16
         manager.release("b")
     finally:

@@ -102,8 +102,8 @@ def test_a_victim_is_not_written_before_its_bytes_landed(manager, monkeypatch):
     manager.release("a")
     held = HeldCopies(manager, monkeypatch)
     writes = []
-    write_block = manager.pool.write_block
-    monkeypatch.setattr(manager.pool, "write_block", lambda *args: (writes.append(args[0]), write_block(*args)))
+    write_block = manager.device_pool.write_block
+    monkeypatch.setattr(manager.device_pool, "write_block", lambda *args: (writes.append(args[0]), write_block(*args)))
     other = tokens(5000, 8 * BLOCK_SIZE)
     other_chain = NAMESPACE.hash_blocks(other)
     blocks = [PutBlock(h, pack_token_ids(other[i * BLOCK_SIZE:(i + 1) * BLOCK_SIZE]), block_view(h))

@@ -30,7 +30,7 @@ def prefill(manager: TierManager, request_id, token_ids: list[int], num_extra_bl
     acquisition = manager.acquire(request_id, chain, num_extra_blocks, token_ids)
     num_ready = acquisition.ticket.wait(10)
     for position in range(num_ready, len(chain)):
-        manager.pool.tensor[acquisition.block_ids[position]] = content_for(chain[position])
+        manager.device_pool.tensor[acquisition.block_ids[position]] = content_for(chain[position])
     if num_ready < len(chain):
         parent = chain[num_ready - 1] if num_ready else NAMESPACE.root
         manager.commit(request_id, num_ready, chain[num_ready:], token_ids[num_ready * BLOCK_SIZE:len(chain) * BLOCK_SIZE],
@@ -40,7 +40,7 @@ def prefill(manager: TierManager, request_id, token_ids: list[int], num_extra_bl
 
 def assert_holds(manager: TierManager, block_ids: list[int], chain: list[bytes]) -> None:
     for block_id, block_hash in zip(block_ids, chain):
-        assert torch.equal(manager.pool.tensor[block_id], content_for(block_hash)), block_id
+        assert torch.equal(manager.device_pool.tensor[block_id], content_for(block_hash)), block_id
 
 
 def promote_exactly(manager: TierManager, request_id, token_ids: list[int]):
