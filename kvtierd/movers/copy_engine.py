@@ -1,4 +1,4 @@
-"""The copy engine: where bytes move between tiers. One per device, one interface.
+"""The copy engine: where bytes move between tiers. One per device (factory.CopyEngines), one interface.
 
 A caller submits a *job* (a function that issues the copies of one batch of blocks) with its
 direction and byte count, and gets a Transfer to wait on. Without CUDA the job runs on a small

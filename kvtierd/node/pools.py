@@ -21,6 +21,7 @@ from kvtierd.daemon_key import daemon_key_size, tenant_tag_of
 from kvtierd.planning.capacity import PoolCapacity, layout_lines
 from kvtierd.errors import FailedPrecondition, ResourceExhausted
 from kvtierd.layout import Layout
+from kvtierd.movers.factory import CopyEngines
 from kvtierd.node.quotas import QuotaBook
 from kvtierd.tiering.tier_config import TierConfig
 from kvtierd.tiering.tier_manager import TierManager
@@ -48,7 +49,8 @@ class PoolSettings:
 class LayoutPool:
     """One layout's tiers, and what clients of that layout need to know."""
 
-    def __init__(self, layout: Layout, settings: PoolSettings, observer=None, quotas: QuotaBook | None = None) -> None:
+    def __init__(self, layout: Layout, settings: PoolSettings, observer=None, quotas: QuotaBook | None = None,
+                 engines: CopyEngines | None = None) -> None:
         num_blocks = settings.t0_bytes // layout.bytes_per_block
         if num_blocks < 1:
             raise FailedPrecondition(
@@ -66,7 +68,7 @@ class LayoutPool:
                                        o_direct=settings.ssd_o_direct)
         self.manager = TierManager(layout, num_blocks, settings.tier_config, ssd_config=ssd_config,
                                    device=settings.device, hash_size=daemon_key_size(self.digest_size),
-                                   observer=observer, max_pending_events=MAX_PENDING_EVENTS)
+                                   observer=observer, max_pending_events=MAX_PENDING_EVENTS, engines=engines)
         tiers = self.manager.tiers
         if quotas is not None and quotas.limits_lower_tiers:
             for tier, store in (("t1", tiers.host), ("t2", tiers.ssd)):
@@ -106,6 +108,7 @@ class PoolRegistry:
         self._pools: dict[Layout, LayoutPool] = {}
         self._lock = threading.Lock()  # creation only; lookups read the dict
         self.on_created = []  # callbacks (pool) → None, e.g. metrics sources
+        self.engines = CopyEngines()  # one copy engine per device, shared by the layouts on it
 
     def get(self, layout: Layout) -> LayoutPool | None:
         return self._pools.get(layout)
@@ -137,7 +140,7 @@ class PoolRegistry:
                     f"the daemon serves {len(self._pools)} layouts already (pool.max_layouts); "
                     f"cannot create a pool for {layout.model_id}")
             observer = self._observer_for(layout.model_id) if self._observer_for else None
-            pool = LayoutPool(layout, self.settings, observer, self.quotas)
+            pool = LayoutPool(layout, self.settings, observer, self.quotas, self.engines)
             self._pools[layout] = pool
         for line in pool.capacity_lines():
             log.info("%s", line)

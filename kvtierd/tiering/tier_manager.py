@@ -19,7 +19,7 @@ import logging
 from kvtierd.movers.block_codec import make_codec
 from kvtierd.block_hash import BlockHash, pack_token_ids
 from kvtierd.index.block_index import BlockIndex
-from kvtierd.movers.factory import create_copy_engine
+from kvtierd.movers.factory import CopyEngines
 from kvtierd.t0.device_pool import DevicePool
 from kvtierd.t0.factory import create_device_pool
 from kvtierd.t1.host_tier import HostTier
@@ -42,7 +42,9 @@ class TierManager:
     def __init__(self, layout: Layout, num_device_blocks: int, config: TierConfig = TierConfig(), *,
                  ssd_config=None, device: str = "auto", root: BlockHash | None = None, hash_size: int = 32,
                  observer: IndexObserver | None = None, copy_threads: int = 2,
-                 max_pending_events: int = 0) -> None:
+                 max_pending_events: int = 0, engines: CopyEngines | None = None) -> None:
+        """`engines`: the node's copy engines, one per device, shared with the other layouts on it
+        (None: a private set, of `copy_threads` threads without CUDA)."""
         pool = create_device_pool(layout, num_device_blocks, device)
         write_backs = WriteBacks()
 
@@ -64,8 +66,9 @@ class TierManager:
             from kvtierd.t2.ssd_tier import SsdTier
 
             ssd = SsdTier.open(ssd_config, layout, make_codec(config.ssd_codec, layout).slot_nbytes)
-        engine_kwargs = {"num_threads": copy_threads} if pool.device.type != "cuda" else {}
-        engine = create_copy_engine(str(pool.device), **engine_kwargs)
+        self._closed = False
+        self._engines = engines if engines is not None else CopyEngines(num_cpu_threads=copy_threads)
+        engine = self._engines.acquire(str(pool.device))
         self.tiers = Tiers(layout, index, pool, host, ssd, engine, config, write_backs=write_backs)
         self.offloader = Offloader(self.tiers)
         self.promoter = Promoter(self.tiers, self.offloader)
@@ -152,10 +155,13 @@ class TierManager:
         return tiering_stats(self.tiers)
 
     def close(self) -> None:
-        """Finish in-flight moves, flush the SSD index, release memory."""
+        """Finish in-flight moves, flush the SSD index, release memory. Idempotent."""
+        if self._closed:
+            return
+        self._closed = True
         tiers = self.tiers
         self.drain()
-        tiers.engine.close()
+        self._engines.release(tiers.engine)
         tiers.close_threads()
         if tiers.ssd is not None:
             tiers.ssd.close()
