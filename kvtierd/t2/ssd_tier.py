@@ -175,7 +175,13 @@ class SsdTier:
 
     def store(self, items: Sequence[tuple[BlockMeta, object]]) -> int:
         """Store blocks not already here; returns how many were stored (0 when not admitting or
-        on a write error, which stops admission). Raises only for malformed items."""
+        on a write error, which stops admission). Raises only for malformed items.
+
+        The two phases of the slot index (prepare_store, complete_store) happen inside this one
+        call, around the slot writes, unlike T1 whose caller (offload.py) runs them with the copy
+        engine's write between: here each phase must also commit the LMDB index, in the order
+        (a)-(d) that makes a crash at any point safe, and no caller should have to sequence that.
+        Blocking (pwritev, fdatasync, LMDB commits): run it on a spill thread, never the loop."""
         metas, sources = self._check_items(items)
         with self._operation():
             if not self._admitting or not metas:
