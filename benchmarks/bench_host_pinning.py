@@ -21,8 +21,8 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks import _report  # noqa: E402
-from kvtierd.t1.host_slab import HostSlab  # noqa: E402
 from kvtierd.t0.shm_segment import SHM_DIR  # noqa: E402
+from kvtierd.t1.host_slab import HostSlab  # noqa: E402
 
 SLOT_NBYTES = 2 << 20
 GOAL_SPEEDUP = 1.0

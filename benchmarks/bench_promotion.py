@@ -102,7 +102,8 @@ def main(argv: Sequence[str] | None = None) -> int:
                 only_below(tier)
                 promote_check = manager.acquire("check", chain, 0, prompt)
                 promote_check.ticket.wait(120)
-                assert torch.equal(manager.device_pool.tensor[promote_check.block_ids], expected), "promoted bytes differ"
+                promoted = manager.device_pool.tensor[promote_check.block_ids]
+                assert torch.equal(promoted, expected), "promoted bytes differ"
                 manager.release("check")
                 rows.append([f"from {tier.upper()}",
                              _report.median_and_best(ours_t.median_ns / 1e6, ours_t.best_ns / 1e6, 1),

@@ -39,8 +39,8 @@ sys.path.insert(0, str(ROOT))
 from benchmarks import _report  # noqa: E402
 from kvtierd.block_hash import Namespace, pack_token_ids  # noqa: E402
 from kvtierd.client import KvtierClient  # noqa: E402
-from kvtierd.server.daemon_process import DaemonProcess, small_daemon_args  # noqa: E402
 from kvtierd.layout import llama3_8b  # noqa: E402
+from kvtierd.server.daemon_process import DaemonProcess, small_daemon_args  # noqa: E402
 
 LAYOUT = llama3_8b()  # 2 MiB a block, 16 tokens
 NUM_BLOCKS = 64

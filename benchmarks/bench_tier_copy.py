@@ -22,11 +22,11 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks import _report  # noqa: E402
+from kvtierd.layout import llama3_8b  # noqa: E402
 from kvtierd.movers.copy_engine import Direction  # noqa: E402
 from kvtierd.movers.factory import create_copy_engine  # noqa: E402
 from kvtierd.t0.factory import create_device_pool  # noqa: E402
 from kvtierd.t1.host_tier import HostTier  # noqa: E402
-from kvtierd.layout import llama3_8b  # noqa: E402
 
 NUM_BLOCKS = 64
 GOAL_RATIO = 0.8

@@ -34,11 +34,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from benchmarks import _report  # noqa: E402
 from kvtierd.client import KvtierClient  # noqa: E402
 from kvtierd.connectors.demo import demo_texts  # noqa: E402
+from kvtierd.connectors.demo.model_fetch import fetch_model  # noqa: E402
 from kvtierd.connectors.reference.kv_backend import PrivateKv, num_blocks_for  # noqa: E402
 from kvtierd.connectors.reference.llama_config import LlamaConfig  # noqa: E402
 from kvtierd.connectors.reference.llama_model import LlamaModel  # noqa: E402
 from kvtierd.connectors.reference.llama_weights import random_weights  # noqa: E402
-from kvtierd.connectors.demo.model_fetch import fetch_model  # noqa: E402
 from kvtierd.connectors.reference.model_files import load_model_files  # noqa: E402
 from kvtierd.connectors.reference.runner import GenerationRequest, ReferenceRunner  # noqa: E402
 from kvtierd.connectors.reference.runner_connector import KvtierdConnector  # noqa: E402

@@ -3,10 +3,17 @@
 from __future__ import annotations
 
 import pytest
-from hypothesis import given, strategies as st
+from hypothesis import given
+from hypothesis import strategies as st
 
-from kvtierd.daemon_key import (TAG_BYTES, client_hash_of, daemon_key_size, make_daemon_key, make_daemon_keys,
-                                tenant_tag_of)
+from kvtierd.daemon_key import (
+    TAG_BYTES,
+    client_hash_of,
+    daemon_key_size,
+    make_daemon_key,
+    make_daemon_keys,
+    tenant_tag_of,
+)
 from kvtierd.node.tenants import Tenant
 
 

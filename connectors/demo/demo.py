@@ -20,11 +20,11 @@ from pathlib import Path
 
 from kvtierd.client import KvtierClient
 from kvtierd.connectors.demo.demo_workload import DemoChat, DemoTraffic, DemoWorkload, RandomTokenChat, TemplateChat
+from kvtierd.connectors.demo.model_fetch import fetch_model
 from kvtierd.connectors.reference.kv_backend import PrivateKv, num_blocks_for
 from kvtierd.connectors.reference.llama_config import LlamaConfig
 from kvtierd.connectors.reference.llama_model import LlamaModel
 from kvtierd.connectors.reference.llama_weights import random_weights
-from kvtierd.connectors.demo.model_fetch import fetch_model
 from kvtierd.connectors.reference.model_files import load_model_files
 from kvtierd.connectors.reference.runner import GenerationRequest, ReferenceRunner
 from kvtierd.connectors.reference.runner_connector import KvtierdConnector

@@ -12,8 +12,18 @@ import json
 import sys
 
 from kvtierd.cli.arg_types import positive
-from kvtierd.connectors.demo.demo import CHAT_T0_BLOCKS, CHAT_T1_BLOCKS, CHAT_WORKLOAD, RANDOM_MODEL, \
-    RANDOM_T0_BLOCKS, RANDOM_T1_BLOCKS, DemoOptions, run_demo as run, summary_lines, turn_line
+from kvtierd.connectors.demo.demo import (
+    CHAT_T0_BLOCKS,
+    CHAT_T1_BLOCKS,
+    CHAT_WORKLOAD,
+    RANDOM_MODEL,
+    RANDOM_T0_BLOCKS,
+    RANDOM_T1_BLOCKS,
+    DemoOptions,
+    summary_lines,
+    turn_line,
+)
+from kvtierd.connectors.demo.demo import run_demo as run
 from kvtierd.connectors.demo.demo_workload import DemoWorkload
 from kvtierd.errors import InvalidArgument
 

@@ -26,8 +26,8 @@ import numpy as np
 import torch
 
 from kvtierd.connectors.reference.paged_kv_cache import check_cache_pair
-from kvtierd.movers.cuda_kernels import launch_kernel, load_kernel, uses_cuda_kernel
 from kvtierd.errors import InvalidArgument
+from kvtierd.movers.cuda_kernels import launch_kernel, load_kernel, uses_cuda_kernel
 
 KERNEL_SOURCE = "paged_attention.cu"
 KERNELS = {torch.float32: "paged_attention_f32", torch.float16: "paged_attention_f16",

@@ -29,7 +29,13 @@ from typing import NoReturn
 from google.protobuf.json_format import MessageToDict
 
 from kvtierd.errors import (
-    DeadlineExceeded, InvalidArgument, KvtierError, PermissionDenied, Unauthenticated, Unavailable)
+    DeadlineExceeded,
+    InvalidArgument,
+    KvtierError,
+    PermissionDenied,
+    Unauthenticated,
+    Unavailable,
+)
 
 EXIT_PROBLEMS, EXIT_USAGE, EXIT_UNREACHABLE, EXIT_REFUSED, EXIT_INTERRUPTED = 1, 2, 3, 4, 130
 
@@ -115,9 +121,9 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def run_against_daemon(args: argparse.Namespace) -> int:
+    from kvtierd.cli.kvtierctl_report import StatsView, health_problems, tenant_lines
     from kvtierd.client import KvtierClient
     from kvtierd.client.base import OPERATION_TIMEOUT_S
-    from kvtierd.cli.kvtierctl_report import StatsView, health_problems, tenant_lines
     from kvtierd.wire.conversions import pool_layout
 
     with (KvtierClient(args.address, token=args.token, timeout_s=args.timeout, max_attempts=1) as client,

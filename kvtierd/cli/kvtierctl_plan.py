@@ -8,10 +8,15 @@ import json
 import re
 from pathlib import Path
 
-from kvtierd.planning.capacity_plan import (
-    DEFAULT_BLOCK_SIZES, histogram_from_percentiles, parse_histogram, plan, plan_lines)
 from kvtierd.errors import InvalidArgument
 from kvtierd.layout import DTYPES, Layout
+from kvtierd.planning.capacity_plan import (
+    DEFAULT_BLOCK_SIZES,
+    histogram_from_percentiles,
+    parse_histogram,
+    plan,
+    plan_lines,
+)
 from kvtierd.units import parse_bytes
 
 # ----------------------------------------------------------------------------- plan

@@ -10,8 +10,8 @@ import sys
 
 from kvtierd import __version__
 from kvtierd.cli.arg_types import positive
-from kvtierd.planning.chat_workload import ChatWorkload
 from kvtierd.errors import KvtierError
+from kvtierd.planning.chat_workload import ChatWorkload
 
 
 def main(argv: list[str] | None = None) -> int:

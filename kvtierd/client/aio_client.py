@@ -15,9 +15,25 @@ import grpc
 import grpc.aio
 
 from kvtierd.client.base import (
-    AcquireResult, BlockData, Call, ClientBase, EventStreamBase, PutResult, PutStream, Retry, SessionBase,
-    TlsOptions, TokenIds, attach_request, drain_call, events_request, evict_call, get_request, map_rpc_error,
-    tenant_stats_call)
+    AcquireResult,
+    BlockData,
+    Call,
+    ClientBase,
+    EventStreamBase,
+    PutResult,
+    PutStream,
+    Retry,
+    SessionBase,
+    TlsOptions,
+    TokenIds,
+    attach_request,
+    drain_call,
+    events_request,
+    evict_call,
+    get_request,
+    map_rpc_error,
+    tenant_stats_call,
+)
 from kvtierd.layout import Layout
 from kvtierd.v1 import kvtier_pb2 as pb
 

@@ -24,14 +24,20 @@ from typing import TYPE_CHECKING, Any, Union
 import grpc
 import numpy as np
 
-from kvtierd.wire.block_frames import decode_get_response, encode_put_request
 from kvtierd.block_hash import Namespace, pack_token_ids
 from kvtierd.endpoints import default_socket_path
 from kvtierd.errors import (
-    DRAINING_DETAILS, ERRORS_BY_CODE, FailedPrecondition, InvalidArgument, KvtierError, Unavailable)
+    DRAINING_DETAILS,
+    ERRORS_BY_CODE,
+    FailedPrecondition,
+    InvalidArgument,
+    KvtierError,
+    Unavailable,
+)
 from kvtierd.layout import Layout
 from kvtierd.v1 import kvtier_pb2 as pb
 from kvtierd.v1 import kvtier_pb2_grpc
+from kvtierd.wire.block_frames import decode_get_response, encode_put_request
 from kvtierd.wire.conversions import READ_CHUNK_OPTIONS, handle_from_proto, layout_to_proto
 
 if TYPE_CHECKING:

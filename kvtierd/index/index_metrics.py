@@ -3,8 +3,9 @@
 The index calls an IndexObserver at each event an operator plans with: prefix queries and hits
 (in tokens), evictions with the block's lifetime and its idle time before eviction (release to
 eviction), and the reuse gap of every hit on a released block (release to reuse). Hits on blocks
-still in use are sharing, not reuse: they never competed with eviction and are not counted. Reuse-gap p90 above idle-before-evict p50 means blocks are evicted before they
-would have been reused: the pool is too small (vLLM's kv_block_* metrics make the same reading).
+still in use are sharing, not reuse: they never competed with eviction and are not counted.
+Reuse-gap p90 above idle-before-evict p50 means blocks are evicted before they would have been
+reused: the pool is too small (vLLM's kv_block_* metrics make the same reading).
 The daemon plugs in a Prometheus observer; `IndexStats` keeps them in process.
 """
 

@@ -53,7 +53,8 @@ def match_prefix(hash_to_block: Mapping[BlockHash, KVBlock], block_hashes: Seque
         hits = hits[:num_hits]
     stride = 4 * block_size
     if token_bytes is not None and hits and b"".join(map(_TOKENS, hits)) != token_bytes[:len(hits) * stride]:
-        num_hits = next(i for i, block in enumerate(hits) if block.token_ids != token_bytes[i * stride:(i + 1) * stride])
+        num_hits = next(i for i, block in enumerate(hits)
+                        if block.token_ids != token_bytes[i * stride:(i + 1) * stride])
         hits = hits[:num_hits]
     return hits
 

@@ -15,8 +15,8 @@ Every series carries the model (`model` label) where it belongs to one pool.
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from wsgiref.simple_server import WSGIServer
 from typing import TYPE_CHECKING
+from wsgiref.simple_server import WSGIServer
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest, start_http_server
 

@@ -22,8 +22,8 @@ from typing import Sequence
 import numpy as np
 import torch
 
-from kvtierd.movers.cuda_kernels import launch_kernel, load_kernel, uses_cuda_kernel
 from kvtierd.errors import InvalidArgument
+from kvtierd.movers.cuda_kernels import launch_kernel, load_kernel, uses_cuda_kernel
 
 KERNEL_SOURCE = "kv_layout.cu"
 GATHER_KERNEL = "kv_gather_blocks"

@@ -19,10 +19,10 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import difflib
+import functools
 import os
 import re
 import tomllib
-import functools
 from collections.abc import Iterable, Iterator, Mapping
 
 from kvtierd.endpoints import default_socket_path

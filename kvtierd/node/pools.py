@@ -18,11 +18,11 @@ import threading
 
 from kvtierd.block_hash import HASH_FUNCTIONS, Namespace
 from kvtierd.daemon_key import daemon_key_size, tenant_tag_of
-from kvtierd.planning.capacity import PoolCapacity, layout_lines
 from kvtierd.errors import FailedPrecondition, ResourceExhausted
 from kvtierd.layout import Layout
 from kvtierd.movers.factory import CopyEngines
 from kvtierd.node.quotas import QuotaBook
+from kvtierd.planning.capacity import PoolCapacity, layout_lines
 from kvtierd.tiering.tier_config import TierConfig
 from kvtierd.tiering.tier_manager import TierManager
 

@@ -17,10 +17,10 @@ from __future__ import annotations
 import collections
 from collections.abc import Mapping
 
-from kvtierd.planning.capacity import format_bytes
-from kvtierd.node.daemon_config import Quota
 from kvtierd.errors import ResourceExhausted
+from kvtierd.node.daemon_config import Quota
 from kvtierd.node.tenants import Tenant
+from kvtierd.planning.capacity import format_bytes
 
 DEFAULT_TENANT = "*"
 

@@ -23,9 +23,9 @@ from collections.abc import Callable
 
 from kvtierd.errors import FailedPrecondition, InvalidArgument, NotFound, PermissionDenied
 from kvtierd.node.pools import LayoutPool
-from kvtierd.tiering.promotion import Ticket
 from kvtierd.node.quotas import QuotaBook
 from kvtierd.node.tenants import Tenant
+from kvtierd.tiering.promotion import Ticket
 
 log = logging.getLogger(__name__)
 

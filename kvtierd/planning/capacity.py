@@ -10,8 +10,8 @@ from __future__ import annotations
 import dataclasses
 
 from kvtierd.errors import InvalidArgument
-from kvtierd.planning.fragmentation import fragmentation, num_slots
 from kvtierd.layout import Layout
+from kvtierd.planning.fragmentation import fragmentation, num_slots
 
 
 @dataclasses.dataclass(frozen=True, slots=True)

@@ -18,15 +18,15 @@ import torch
 import xxhash
 
 from kvtierd.block_hash import BlockHash, Namespace
-from kvtierd.index.block_index import BlockIndex
-from kvtierd.planning.capacity import PoolCapacity, layout_lines
-from kvtierd.planning.chat_workload import ChatWorkload, Conversations, Turn
-from kvtierd.t0.device_pool import DevicePool
-from kvtierd.t0.factory import create_device_pool
 from kvtierd.errors import InvalidArgument, ResourceExhausted
-from kvtierd.planning.fragmentation import Fragmentation, fragmentation
+from kvtierd.index.block_index import BlockIndex
 from kvtierd.index.index_metrics import IndexStats
 from kvtierd.layout import Layout
+from kvtierd.planning.capacity import PoolCapacity, layout_lines
+from kvtierd.planning.chat_workload import ChatWorkload, Conversations, Turn
+from kvtierd.planning.fragmentation import Fragmentation, fragmentation
+from kvtierd.t0.device_pool import DevicePool
+from kvtierd.t0.factory import create_device_pool
 from kvtierd.units import ceil_div
 
 # A small Llama-shaped model, so the default pool fits a container's 64 MiB /dev/shm.

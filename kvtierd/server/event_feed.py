@@ -12,10 +12,10 @@ import asyncio
 import dataclasses
 import logging
 
+from kvtierd.daemon_key import client_hash_of, tenant_tag_of
 from kvtierd.index.index_events import AllBlocksCleared, BlockRemoved, BlockStored
 from kvtierd.layout import Layout
 from kvtierd.node.pools import PoolRegistry
-from kvtierd.daemon_key import client_hash_of, tenant_tag_of
 from kvtierd.node.tenants import Tenant
 from kvtierd.v1 import kvtier_pb2 as pb
 

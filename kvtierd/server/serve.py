@@ -24,19 +24,19 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
-from kvtierd.planning.capacity import PoolCapacity
-from kvtierd.node.daemon_config import DaemonConfig, admin_tenant_names, config_lines
 from kvtierd.errors import FailedPrecondition, InvalidArgument
-from kvtierd.server.event_feed import EventFeed
 from kvtierd.layout import llama3_8b
 from kvtierd.metrics.daemon_metrics import DaemonMetrics
+from kvtierd.node.daemon_config import DaemonConfig, admin_tenant_names, config_lines
 from kvtierd.node.operations import Operations
 from kvtierd.node.pools import PoolRegistry, PoolSettings
 from kvtierd.node.quotas import QuotaBook
-from kvtierd.server.servicer import KvTierServicer
 from kvtierd.node.sessions import SessionTable
-from kvtierd.server.interceptor import StatusInterceptor
 from kvtierd.node.tenants import Authenticator, TokenBook
+from kvtierd.planning.capacity import PoolCapacity
+from kvtierd.server.event_feed import EventFeed
+from kvtierd.server.interceptor import StatusInterceptor
+from kvtierd.server.servicer import KvTierServicer
 from kvtierd.tiering.tier_config import TierConfig
 from kvtierd.v1 import kvtier_pb2
 from kvtierd.wire.conversions import READ_CHUNK_OPTIONS

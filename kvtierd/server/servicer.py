@@ -18,21 +18,21 @@ import itertools
 from collections.abc import Awaitable, Callable
 
 from kvtierd import __version__
-from kvtierd.wire.block_frames import PutFrame, encode_get_response
 from kvtierd.block_hash import pack_token_ids
 from kvtierd.errors import DRAINING_DETAILS, DeadlineExceeded, FailedPrecondition, InvalidArgument, Unavailable
-from kvtierd.server.event_feed import EventFeed
+from kvtierd.index.prefix_match import check_hashes
 from kvtierd.layout import Layout
 from kvtierd.node.operations import Operations
-from kvtierd.server.pool_stats import pool_stats
 from kvtierd.node.pools import LayoutPool, PoolRegistry
-from kvtierd.index.prefix_match import check_hashes
-from kvtierd.tiering.block_io import BlockGet, PutBlock
 from kvtierd.node.sessions import SessionLease, SessionTable
-from kvtierd.server.interceptor import current_tenant
 from kvtierd.node.tenants import Tenant
+from kvtierd.server.event_feed import EventFeed
+from kvtierd.server.interceptor import current_tenant
+from kvtierd.server.pool_stats import pool_stats
+from kvtierd.tiering.block_io import BlockGet, PutBlock
 from kvtierd.v1 import kvtier_pb2 as pb
 from kvtierd.v1 import kvtier_pb2_grpc
+from kvtierd.wire.block_frames import PutFrame, encode_get_response
 from kvtierd.wire.conversions import handle_to_proto, layout_from_proto
 
 PUT_BATCH_BLOCKS = 16  # blocks written together by Put (off the loop)

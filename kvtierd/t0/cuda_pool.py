@@ -13,10 +13,10 @@ from typing import Any, Callable
 
 import torch
 
-from kvtierd.t0.device_pool import DevicePool
-from kvtierd.t0.pool_handle import PoolHandle, check_num_blocks
 from kvtierd.errors import FailedPrecondition, InvalidArgument, ResourceExhausted
 from kvtierd.layout import Layout
+from kvtierd.t0.device_pool import DevicePool
+from kvtierd.t0.pool_handle import PoolHandle, check_num_blocks
 
 _CUDA_ERROR_MEMORY_ALLOCATION = 2  # cudaErrorMemoryAllocation in the CUDA runtime API
 

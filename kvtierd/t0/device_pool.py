@@ -15,7 +15,6 @@ shm_pool.py). factory.py creates one (`create_device_pool`); another process map
 from __future__ import annotations
 
 import abc
-import dataclasses
 import operator
 
 import numpy as np
@@ -24,6 +23,7 @@ import torch
 from kvtierd.errors import FailedPrecondition, InvalidArgument
 from kvtierd.layout import Layout
 from kvtierd.t0.pool_handle import PoolHandle
+
 
 def _check_index(value: object, limit: int, what: str) -> int:
     """`value` as an int in [0, limit), or InvalidArgument (bools and floats are refused)."""

@@ -2,11 +2,10 @@
 
 from __future__ import annotations
 
-
-from kvtierd.t0.device_pool import DevicePool
-from kvtierd.t0.pool_handle import PoolHandle, check_num_blocks
 from kvtierd.errors import InvalidArgument
 from kvtierd.layout import Layout
+from kvtierd.t0.device_pool import DevicePool
+from kvtierd.t0.pool_handle import PoolHandle, check_num_blocks
 from kvtierd.t0.shm_segment import ShmSegment, default_segment_name
 
 

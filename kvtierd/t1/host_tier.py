@@ -7,10 +7,10 @@ from collections.abc import Callable
 
 import torch
 
+from kvtierd.index.slot_index import SlotIndex, slots_within
+from kvtierd.layout import Layout
 from kvtierd.movers.block_codec import make_codec
 from kvtierd.t1.host_slab import HostSlab, slot_stride
-from kvtierd.layout import Layout
-from kvtierd.index.slot_index import SlotIndex, slots_within
 
 
 class HostTier:

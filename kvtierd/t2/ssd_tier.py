@@ -35,12 +35,12 @@ import torch
 import xxhash
 
 from kvtierd.errors import FailedPrecondition, InvalidArgument
-from kvtierd.layout import Layout
 from kvtierd.index.slot_index import BlockMeta, SlotEntry, SlotIndex, slots_within
-from kvtierd.t2.ssd_files import SlotFiles
+from kvtierd.layout import Layout
 from kvtierd.t2.ssd_config import SsdTierConfig, describe_error, lock_directory
-from kvtierd.t2.ssd_stats import SsdStats
+from kvtierd.t2.ssd_files import SlotFiles
 from kvtierd.t2.ssd_index import Record, SsdIndex
+from kvtierd.t2.ssd_stats import SsdStats
 
 log = logging.getLogger(__name__)
 

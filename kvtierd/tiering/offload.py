@@ -18,9 +18,9 @@ from __future__ import annotations
 import itertools
 import logging
 
-from kvtierd.movers.copy_engine import Direction
 from kvtierd.index.kv_block import KVBlock
 from kvtierd.index.slot_index import BlockMeta, SlotEntry, StorePlan
+from kvtierd.movers.copy_engine import Direction
 from kvtierd.tiering.spills import Spills
 from kvtierd.tiering.tier_config import EdgePolicy
 from kvtierd.tiering.tiers import Tiers

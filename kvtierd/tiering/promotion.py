@@ -23,10 +23,10 @@ import threading
 import torch
 
 from kvtierd.block_hash import pack_token_ids
-from kvtierd.movers.copy_engine import Direction
 from kvtierd.errors import KvtierError
-from kvtierd.tiering.offload import Offloader
 from kvtierd.index.slot_index import BlockMeta, SlotEntry
+from kvtierd.movers.copy_engine import Direction
+from kvtierd.tiering.offload import Offloader
 from kvtierd.tiering.tier_config import worth_loading
 from kvtierd.tiering.tiers import Tiers
 

@@ -16,8 +16,8 @@ import dataclasses
 import enum
 from collections.abc import Sequence
 
-from kvtierd.movers.copy_engine import Bandwidth
 from kvtierd.errors import InvalidArgument
+from kvtierd.movers.copy_engine import Bandwidth
 
 
 class EdgePolicy(str, enum.Enum):

@@ -16,15 +16,15 @@ from __future__ import annotations
 import concurrent.futures
 import logging
 
-from kvtierd.movers.block_codec import make_codec
 from kvtierd.block_hash import BlockHash, pack_token_ids
 from kvtierd.index.block_index import BlockIndex
+from kvtierd.index.index_metrics import IndexObserver
+from kvtierd.layout import Layout
+from kvtierd.movers.block_codec import make_codec
 from kvtierd.movers.factory import CopyEngines
 from kvtierd.t0.device_pool import DevicePool
 from kvtierd.t0.factory import create_device_pool
 from kvtierd.t1.host_tier import HostTier
-from kvtierd.index.index_metrics import IndexObserver
-from kvtierd.layout import Layout
 from kvtierd.tiering.block_io import Admit, BlockGet, BlockPut
 from kvtierd.tiering.offload import Offloader
 from kvtierd.tiering.promotion import AcquiredBlocks, Promoter, TierHits

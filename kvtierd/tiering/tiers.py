@@ -19,12 +19,12 @@ from collections.abc import Callable
 
 import torch
 
-from kvtierd.movers.block_codec import BlockCodec, make_codec
 from kvtierd.index.block_index import BlockIndex
+from kvtierd.layout import Layout
+from kvtierd.movers.block_codec import BlockCodec, make_codec
 from kvtierd.movers.copy_engine import Bandwidth, CopyEngine, Transfer
 from kvtierd.t0.device_pool import DevicePool
 from kvtierd.t1.host_tier import HostTier
-from kvtierd.layout import Layout
 from kvtierd.tiering.tier_config import TierConfig
 from kvtierd.tiering.write_backs import WriteBacks
 

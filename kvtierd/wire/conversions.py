@@ -6,9 +6,9 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 
-from kvtierd.t0.pool_handle import PoolHandle
 from kvtierd.errors import InvalidArgument
 from kvtierd.layout import Layout
+from kvtierd.t0.pool_handle import PoolHandle
 from kvtierd.v1 import kvtier_pb2 as pb
 
 

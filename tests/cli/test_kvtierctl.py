@@ -12,8 +12,8 @@ import threading
 import pytest
 
 from kvtierd.client import KvtierClient
-from kvtierd.server.daemon_process import DaemonProcess, small_daemon_args
 from kvtierd.errors import Unavailable
+from kvtierd.server.daemon_process import DaemonProcess, small_daemon_args
 from tests.server.e2e_runner import LAYOUT, prompt
 
 TOKENS = {"acme": "a-token", "globex": "g-token", "ops": "o-token"}

@@ -26,9 +26,9 @@ from pathlib import Path
 import pytest
 import yaml
 
+from kvtierd.errors import InvalidArgument
 from kvtierd.node.daemon_config import DaemonConfig, load_config
 from kvtierd.units import parse_bytes
-from kvtierd.errors import InvalidArgument
 
 ROOT = Path(__file__).resolve().parents[2]
 CHART = ROOT / "helm" / "kvtierd"

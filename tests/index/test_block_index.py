@@ -8,8 +8,17 @@ from kvtierd.errors import FailedPrecondition, InvalidArgument, NotFound, Resour
 from kvtierd.index.index_events import AllBlocksCleared, BlockRemoved, BlockStored
 from kvtierd.index.kv_block import BlockState
 from tests.factories import (
-    BLOCK_SIZE, NAMESPACE, ContentPool, FakeClock, commit_all, hashes, make_index, run_request,
-    stats_index, tokens)
+    BLOCK_SIZE,
+    NAMESPACE,
+    ContentPool,
+    FakeClock,
+    commit_all,
+    hashes,
+    make_index,
+    run_request,
+    stats_index,
+    tokens,
+)
 
 PROMPT = tokens(100, 3 * BLOCK_SIZE)  # three full blocks
 

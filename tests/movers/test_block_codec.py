@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kvtierd.movers.block_codec import _runs, make_codec
 from kvtierd.errors import InvalidArgument
+from kvtierd.movers.block_codec import _runs, make_codec
 from tests.factories import small_layout
 
 LAYOUT = small_layout()

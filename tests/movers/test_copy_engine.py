@@ -7,9 +7,9 @@ import threading
 import pytest
 import torch
 
+from kvtierd.errors import InvalidArgument
 from kvtierd.movers.copy_engine import Bandwidth, Direction, ThreadCopyEngine
 from kvtierd.server.daemon_process import wait_until
-from kvtierd.errors import InvalidArgument
 
 
 @pytest.fixture

@@ -27,10 +27,16 @@ import pytest
 import torch
 
 from kvtierd.errors import InvalidArgument
-from kvtierd.movers.fp8_codec import (dequantize_fp8, dequantize_fp8_reference, fp8_slot_nbytes,
-                               pack_fp8_slot, quantize_fp8, quantize_fp8_reference,
-                               unpack_fp8_slot)
 from kvtierd.layout import llama3_8b
+from kvtierd.movers.fp8_codec import (
+    dequantize_fp8,
+    dequantize_fp8_reference,
+    fp8_slot_nbytes,
+    pack_fp8_slot,
+    quantize_fp8,
+    quantize_fp8_reference,
+    unpack_fp8_slot,
+)
 from tests.factories import small_layout
 
 UNIT_ROUNDOFF = {torch.float16: 2**-11, torch.bfloat16: 2**-8, torch.float32: 2**-24}

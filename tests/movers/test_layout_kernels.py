@@ -7,8 +7,13 @@ import pytest
 import torch
 
 from kvtierd.errors import InvalidArgument
-from kvtierd.movers.layout_kernels import (gather_blocks, gather_blocks_reference, scatter_blocks,
-                                    scatter_blocks_reference, uses_cuda_kernel)
+from kvtierd.movers.layout_kernels import (
+    gather_blocks,
+    gather_blocks_reference,
+    scatter_blocks,
+    scatter_blocks_reference,
+    uses_cuda_kernel,
+)
 from tests.factories import small_layout
 
 NUM_ENGINE_BLOCKS = 6

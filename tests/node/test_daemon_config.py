@@ -9,9 +9,16 @@ import os
 import pytest
 
 from kvtierd.endpoints import default_socket_path
-from kvtierd.node.daemon_config import (ENV_KEYS, Quota, add_flags, config_lines, default_ssd_dir,
-                                   load_config, overrides_from_args)
 from kvtierd.errors import InvalidArgument
+from kvtierd.node.daemon_config import (
+    ENV_KEYS,
+    Quota,
+    add_flags,
+    config_lines,
+    default_ssd_dir,
+    load_config,
+    overrides_from_args,
+)
 from kvtierd.units import GiB, MiB
 
 

@@ -6,8 +6,8 @@ from __future__ import annotations
 import pytest
 
 from kvtierd.client import KvtierClient
-from kvtierd.server.daemon_process import DaemonProcess, small_daemon_args, wait_until
 from kvtierd.errors import ResourceExhausted
+from kvtierd.server.daemon_process import DaemonProcess, small_daemon_args, wait_until
 from tests.server.e2e_runner import LAYOUT, expected_block, prompt
 
 SLOT_STRIDE = 4096  # host slots are 4 KiB aligned; a 1 KiB block takes one

@@ -152,7 +152,8 @@ class SessionMachine(RuleBasedStateMachine):
         index_keys = set(self.pool.manager.index.tables)
         assert index_keys == {s.key(r) for s, r in self.held()}
         for session, request_id in self.held():
-            assert len(self.pool.manager.index.tables[session.key(request_id)]) == session.requests[request_id].num_blocks
+            table = self.pool.manager.index.tables[session.key(request_id)]
+            assert len(table) == session.requests[request_id].num_blocks
 
     @invariant()
     def quotas_hold_exactly_the_tables(self):

@@ -7,10 +7,10 @@ from fractions import Fraction
 
 import pytest
 
-from kvtierd.planning.capacity import PoolCapacity, format_bytes, layout_lines
 from kvtierd.errors import InvalidArgument
-from kvtierd.planning.fragmentation import fragmentation, num_slots
 from kvtierd.layout import Layout, llama3_8b
+from kvtierd.planning.capacity import PoolCapacity, format_bytes, layout_lines
+from kvtierd.planning.fragmentation import fragmentation, num_slots
 
 # 13B-class geometry of seed 003's incident: 819,200 B per token (40 layers x 40 heads x 128 x fp16).
 LLAMA2_13B = Layout("meta-llama/Llama-2-13b-hf", num_layers=40, num_kv_heads=40, head_dim=128, block_size=16)

@@ -25,7 +25,8 @@ def expected_block(block_hash: bytes, nbytes: int) -> bytes:
 
 def prompt(seed: int, num_tokens: int, shared_tokens: int = 0) -> list[int]:
     """`shared_tokens` common to every seed, then tokens of this seed."""
-    return [7 + i for i in range(shared_tokens)] + [(seed * 7919 + i) % 50_000 for i in range(num_tokens - shared_tokens)]
+    own = [(seed * 7919 + i) % 50_000 for i in range(num_tokens - shared_tokens)]
+    return [7 + i for i in range(shared_tokens)] + own
 
 
 def compute(session, request_id: str, tokens: list[int], num_extra_blocks: int = 0) -> dict:

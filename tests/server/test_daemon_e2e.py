@@ -193,8 +193,8 @@ def test_a_busy_metrics_port_is_a_clear_error_and_leaves_no_socket(daemon, tmp_p
     other = tmp_path / "other"
     other.mkdir()
     args = small_daemon_args(str(other), extra=["--metrics-port", port])
-    done = subprocess.run(python_module_command("kvtierd.cli.kvtierd_main", "serve", *args), capture_output=True, text=True,
-                          timeout=120)
+    done = subprocess.run(python_module_command("kvtierd.cli.kvtierd_main", "serve", *args), capture_output=True,
+                          text=True, timeout=120)
     assert done.returncode == 2, done.stdout + done.stderr
     assert f"kvtierd: error: cannot serve metrics on 127.0.0.1:{port}" in done.stderr
     assert "Traceback" not in done.stderr

@@ -31,14 +31,15 @@ def test_python_children_keep_the_working_directory_off_sys_path(tmp_path):
     """A directory named kvtierd in the working directory is not what the child imports."""
     (tmp_path / "kvtierd").mkdir()
     (tmp_path / "kvtierd" / "__init__.py").write_text("raise ImportError('the working directory shadowed kvtierd')\n")
-    done = subprocess.run([*python_module_command("kvtierd.cli.kvtierd_main", "--version")], cwd=tmp_path, capture_output=True,
-                          text=True, timeout=60)
+    done = subprocess.run([*python_module_command("kvtierd.cli.kvtierd_main", "--version")], cwd=tmp_path,
+                          capture_output=True, text=True, timeout=60)
     assert done.returncode == 0, done.stderr
     assert done.stdout.startswith("kvtierd ")
 
 
 def test_serve_imports_nothing_of_the_connectors():
-    code = ("import sys\nfrom kvtierd.cli.kvtierd_main import main\ntry:\n    main(['serve', '--help'])\nexcept SystemExit:\n    pass\n"
+    code = ("import sys\nfrom kvtierd.cli.kvtierd_main import main\n"
+            "try:\n    main(['serve', '--help'])\nexcept SystemExit:\n    pass\n"
             "print(sorted(m for m in sys.modules if m.startswith('kvtierd.connectors')))")
     done = subprocess.run([sys.executable, "-P", "-c", code], capture_output=True, text=True, timeout=60)
     assert done.returncode == 0, done.stderr

@@ -8,8 +8,8 @@ import subprocess
 import pytest
 
 from kvtierd.client import KvtierClient, TlsOptions
-from kvtierd.server.daemon_process import DaemonProcess, small_daemon_args
 from kvtierd.errors import Unavailable
+from kvtierd.server.daemon_process import DaemonProcess, small_daemon_args
 from tests.server.e2e_runner import LAYOUT
 
 

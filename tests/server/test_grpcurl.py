@@ -54,7 +54,8 @@ class Grpcurl:
         self.target = target  # ["-unix", path] or [host:port]
         self.headers = list(headers)
 
-    def run(self, *args: str, data: str | None = None, options: tuple[str, ...] | list[str] = (), timeout_s: float = 30.0):
+    def run(self, *args: str, data: str | None = None, options: tuple[str, ...] | list[str] = (),
+            timeout_s: float = 30.0):
         command = [self.executable, "-plaintext", *self.flags(options, data), *self.target, *args]
         return subprocess.run(command, capture_output=True, text=True, timeout=timeout_s)
 

@@ -9,8 +9,8 @@ import grpc
 import pytest
 
 from kvtierd.block_hash import Namespace, pack_token_ids
-from kvtierd.server.daemon_process import DaemonProcess, small_daemon_args
 from kvtierd.layout import Layout
+from kvtierd.server.daemon_process import DaemonProcess, small_daemon_args
 from kvtierd.v1 import kvtier_pb2 as pb
 from kvtierd.v1 import kvtier_pb2_grpc
 from kvtierd.wire.conversions import layout_to_proto
@@ -29,7 +29,8 @@ def daemon(tmp_path_factory):
     tokens.write_text("acme acme-token\nglobex globex-token\n")
     tokens.chmod(0o600)
     args = small_daemon_args(str(directory), t0_bytes="64KiB",
-                             extra=["--tokens-file", str(tokens), "--set", f"server.max_message_bytes={MAX_MESSAGE_BYTES}"])
+                             extra=["--tokens-file", str(tokens),
+                                    "--set", f"server.max_message_bytes={MAX_MESSAGE_BYTES}"])
     with DaemonProcess(args) as process:
         yield process
 

@@ -17,11 +17,11 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.factories import check_copy_block_copies_exactly_one, fill_pattern, small_layout
+from kvtierd.errors import FailedPrecondition, InvalidArgument, NotFound
 from kvtierd.t0.factory import attach_device_pool, create_device_pool
 from kvtierd.t0.pool_handle import PoolHandle
-from kvtierd.errors import FailedPrecondition, InvalidArgument, NotFound
 from kvtierd.t0.shm_pool import ShmDevicePool
+from tests.factories import check_copy_block_copies_exactly_one, fill_pattern, small_layout
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 NUM_BLOCKS = 4

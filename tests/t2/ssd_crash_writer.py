@@ -16,8 +16,8 @@ import signal
 import numpy as np
 import torch
 
-from kvtierd.layout import Layout
 from kvtierd.index.slot_index import BlockMeta
+from kvtierd.layout import Layout
 from kvtierd.t2.ssd_tier import SsdTier, SsdTierConfig
 
 # 3 × 2 × 16 × 5 × 24 × 2 = 23,040 bytes a block: not a multiple of 4096, so slots are padded

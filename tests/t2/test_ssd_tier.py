@@ -11,10 +11,10 @@ import os
 import pytest
 import torch
 
-from kvtierd.t2 import ssd_files
 from kvtierd.errors import FailedPrecondition, InvalidArgument
-from kvtierd.layout import Layout
 from kvtierd.index.slot_index import BlockMeta
+from kvtierd.layout import Layout
+from kvtierd.t2 import ssd_files
 from kvtierd.t2.ssd_tier import SsdTier, SsdTierConfig
 from tests.factories import small_layout
 from tests.t2.ssd_crash_writer import expected_bytes, expected_tokens

@@ -43,7 +43,8 @@ def run_threads(manager, num_threads: int = 4) -> list[int]:
     errors: list[str] = []
     counts: list[int] = []
     deadline = time.monotonic() + RUN_SECONDS
-    threads = [threading.Thread(target=worker, args=(manager, seed, deadline, errors, counts)) for seed in range(num_threads)]
+    threads = [threading.Thread(target=worker, args=(manager, seed, deadline, errors, counts))
+               for seed in range(num_threads)]
     for thread in threads:
         thread.start()
     for thread in threads:

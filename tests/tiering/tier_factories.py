@@ -33,8 +33,8 @@ def prefill(manager: TierManager, request_id, token_ids: list[int], num_extra_bl
         manager.device_pool.tensor[acquisition.block_ids[position]] = content_for(chain[position])
     if num_ready < len(chain):
         parent = chain[num_ready - 1] if num_ready else NAMESPACE.root
-        manager.commit(request_id, num_ready, chain[num_ready:], token_ids[num_ready * BLOCK_SIZE:len(chain) * BLOCK_SIZE],
-                       parent)
+        manager.commit(request_id, num_ready, chain[num_ready:],
+                       token_ids[num_ready * BLOCK_SIZE:len(chain) * BLOCK_SIZE], parent)
     return acquisition, num_ready, chain
 
 

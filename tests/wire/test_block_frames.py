@@ -4,10 +4,15 @@ from __future__ import annotations
 
 import pytest
 
-from kvtierd.wire.block_frames import (PutFrame, decode_fields, decode_get_response, encode_get_response,
-                                       encode_put_request)
 from kvtierd.errors import InvalidArgument
 from kvtierd.v1 import kvtier_pb2 as pb
+from kvtierd.wire.block_frames import (
+    PutFrame,
+    decode_fields,
+    decode_get_response,
+    encode_get_response,
+    encode_put_request,
+)
 
 LAYOUT = pb.Layout(model_id="m", num_layers=2, num_kv_heads=2, head_dim=16, block_size=4)
 DATA = bytes(range(256)) * 8  # 2 KiB: a length that needs a two-byte varint

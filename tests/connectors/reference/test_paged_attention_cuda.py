@@ -13,8 +13,12 @@ import torch
 
 from kvtierd.connectors.reference import paged_attention as paged_attention_module
 from kvtierd.connectors.reference.paged_attention import paged_attention, paged_attention_reference
-from kvtierd.connectors.reference.paged_attention_cuda import (KERNEL_NAMES, KERNEL_SOURCE, paged_attention_cuda,
-                                                     uses_paged_kernel)
+from kvtierd.connectors.reference.paged_attention_cuda import (
+    KERNEL_NAMES,
+    KERNEL_SOURCE,
+    paged_attention_cuda,
+    uses_paged_kernel,
+)
 from kvtierd.errors import InvalidArgument
 
 NUM_LAYERS, LAYER = 3, 1  # the caches are views of layer 1 of a 3-layer block-major pool

@@ -14,8 +14,8 @@ from tests.conftest import REPO
 @pytest.mark.timeout(900)
 def test_the_connector_unit_tests_pass_on_the_installed_vllms_objects(vllm_python):
     """Every test of tests/connectors/vllm/on_vllm runs and passes there: none skipped, none failed."""
-    done = subprocess.run([vllm_python, "-m", "pytest", "tests/connectors/vllm/on_vllm", "-q", "-p", "no:cacheprovider"], cwd=REPO,
-                          capture_output=True, text=True, timeout=840)
+    command = [vllm_python, "-m", "pytest", "tests/connectors/vllm/on_vllm", "-q", "-p", "no:cacheprovider"]
+    done = subprocess.run(command, cwd=REPO, capture_output=True, text=True, timeout=840)
     summary = done.stdout.strip().splitlines()[-1] if done.stdout.strip() else ""
     assert done.returncode == 0, done.stdout[-6000:] + done.stderr[-3000:]
     passed = re.search(r"(\d+) passed", summary)

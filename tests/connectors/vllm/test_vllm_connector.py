@@ -13,8 +13,17 @@ from kvtierd.connectors.vllm.connector import KvtierdConnector
 from kvtierd.connectors.vllm.scheduler import LookupHits, SchedulerSide
 from kvtierd.server.daemon_process import DaemonProcess, small_daemon_args, wait_until
 from tests.connectors.vllm.vllm_fakes import (
-    BLOCK_SIZE, KV_LAYOUTS, CachedRequestData, Engine, KVCacheBlocks, KVCacheConfig, Request, SchedulerOutput,
-    block_value, vllm_config)
+    BLOCK_SIZE,
+    KV_LAYOUTS,
+    CachedRequestData,
+    Engine,
+    KVCacheBlocks,
+    KVCacheConfig,
+    Request,
+    SchedulerOutput,
+    block_value,
+    vllm_config,
+)
 
 
 @pytest.fixture(scope="module")
