@@ -52,4 +52,4 @@ def test_the_source_tree_imports_the_connectors_as_installed():
             f"print(m.__file__)")
     done = subprocess.run([sys.executable, "-S", "-P", "-c", code], capture_output=True, text=True, timeout=60)
     assert done.returncode == 0, done.stderr
-    assert done.stdout.strip() == str(REPO / "kvtierd" / "connectors" / "model_fetch.py")
+    assert done.stdout.strip() == str(REPO / "kvtierd" / "connectors" / "demo" / "model_fetch.py")
