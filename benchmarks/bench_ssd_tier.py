@@ -165,8 +165,8 @@ def main(argv=None) -> None:
         assert torch.equal(raw_out, aligned_source)
         _report.print_table(["operation", "ours MB/s", "raw MB/s", "ratio", "goal", "verdict"], rows)
         stats = tier.stats()
-        print(f"tier: o_direct={stats['o_direct']}, bytes_written={stats['bytes_written']:,}, "
-              f"bytes_read={stats['bytes_read']:,}, num_corrupted={stats['num_corrupted']}")
+        print(f"tier: o_direct={stats.o_direct}, bytes_written={stats.bytes_written:,}, "
+              f"bytes_read={stats.bytes_read:,}, num_corrupted={stats.num_corrupted_blocks}")
         tier.close()
     finally:
         shutil.rmtree(directory, ignore_errors=True)
