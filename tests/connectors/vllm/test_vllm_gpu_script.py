@@ -6,7 +6,7 @@ import os
 import subprocess
 import sys
 
-SCRIPT = os.path.join(os.path.dirname(__file__), "..", "scripts", "run-vllm-gpu")
+SCRIPT = os.path.join(os.path.dirname(__file__), "..", "..", "..", "scripts", "run-vllm-gpu")
 
 
 def test_the_gpu_script_compiles_and_is_executable():
