@@ -16,16 +16,12 @@ import grpc.aio
 
 from kvtierd.client.base import (
     AcquireResult,
-    BlockData,
     Call,
     ClientBase,
     EventStreamBase,
-    PutResult,
-    PutStream,
     Retry,
     SessionBase,
     TlsOptions,
-    TokenIds,
     attach_request,
     drain_call,
     events_request,
@@ -34,6 +30,7 @@ from kvtierd.client.base import (
     map_rpc_error,
     tenant_stats_call,
 )
+from kvtierd.client.block_data import BlockData, PutResult, PutStream, TokenIds
 from kvtierd.layout import Layout
 from kvtierd.v1 import kvtier_pb2 as pb
 

@@ -16,15 +16,14 @@ from __future__ import annotations
 import dataclasses
 import os
 import random
-import sys
 import time
-from collections.abc import Callable, Iterable, Iterator, Sequence
-from typing import TYPE_CHECKING, Any, Union
+from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING, Any
 
 import grpc
-import numpy as np
 
-from kvtierd.block_hash import Namespace, pack_token_ids
+from kvtierd.block_hash import Namespace
+from kvtierd.client.block_data import TokenIds, hash_list, optional_tokens
 from kvtierd.endpoints import default_socket_path
 from kvtierd.errors import (
     DRAINING_DETAILS,
@@ -37,23 +36,11 @@ from kvtierd.errors import (
 from kvtierd.layout import Layout
 from kvtierd.v1 import kvtier_pb2 as pb
 from kvtierd.v1 import kvtier_pb2_grpc
-from kvtierd.wire.block_frames import decode_get_response, encode_put_request
+from kvtierd.wire.block_frames import decode_get_response
 from kvtierd.wire.conversions import READ_CHUNK_OPTIONS, handle_from_proto, layout_to_proto
 
 if TYPE_CHECKING:
-    import torch
-
     from kvtierd.t0.device_pool import DevicePool
-
-TokenIds = Union[Sequence[int], np.ndarray, "torch.Tensor", bytes]
-BlockData = Union[bytes, bytearray, memoryview, "torch.Tensor"]
-
-
-def is_tensor(value: object) -> bool:
-    """Whether `value` is a torch.Tensor, without importing torch: a caller holding a tensor has
-    imported torch already, so the client never pulls it in itself."""
-    torch = sys.modules.get("torch")
-    return torch is not None and isinstance(value, torch.Tensor)
 
 PUT_METHOD = "/kvtierd.v1.KvTier/Put"
 GET_METHOD = "/kvtierd.v1.KvTier/Get"
@@ -85,12 +72,6 @@ class AcquireResult:
     num_t1_blocks: int
     num_t2_blocks: int
     pending: bool
-
-
-@dataclasses.dataclass(frozen=True, slots=True)
-class PutResult:
-    num_blocks: int
-    num_already_cached_blocks: int
 
 
 def default_target() -> str:
@@ -187,66 +168,6 @@ class Call:
     request: Any
     parse: Callable[[Any], Any] = lambda response: response
     timeout_s: float | None = None  # None: the client's timeout_s
-
-
-def optional_tokens(token_ids: TokenIds | None) -> bytes:
-    if token_ids is None:
-        return b""
-    if is_tensor(token_ids):
-        token_ids = token_ids.detach().cpu().numpy()
-    return pack_token_ids(token_ids)
-
-
-def hash_list(block_hashes: Iterable[bytes]) -> list[bytes]:
-    """The hashes as a list of bytes (what a protobuf repeated bytes field takes)."""
-    if isinstance(block_hashes, list) and set(map(type, block_hashes)) <= {bytes}:
-        return block_hashes  # the common case, checked at C speed
-    return [bytes(block_hash) for block_hash in block_hashes]
-
-
-def check_block_size(data: BlockData, layout: Layout) -> None:
-    nbytes = data.numel() * data.element_size() if is_tensor(data) else memoryview(data).nbytes
-    if nbytes != layout.bytes_per_block:
-        raise InvalidArgument(f"a block of this layout is {layout.bytes_per_block} bytes, got {nbytes}")
-
-
-def block_buffer(data: BlockData, layout: Layout) -> BlockData | np.ndarray:
-    """A block's bytes in block-major order, as a buffer (a tensor's host bytes, not copied
-    when it is already a contiguous CPU tensor)."""
-    check_block_size(data, layout)
-    if is_tensor(data):
-        return data.detach().contiguous().cpu().reshape(-1).view(sys.modules["torch"].uint8).numpy()
-    return data
-
-
-class PutStream:
-    """The requests of one Put: layout and parent hash in the first message only, then one
-    message per block. Block sizes of a sequence are checked before anything is sent; a
-    malformed block met mid-stream aborts the stream (grpc cancels the call) and is kept in
-    `error`, for the client to raise rather than grpc's "Exception iterating requests!"."""
-
-    def __init__(self, layout: Layout, blocks: Iterable[tuple[bytes, TokenIds, BlockData]],
-                 parent_hash: bytes | None) -> None:
-        if isinstance(blocks, Sequence):
-            for _, _, data in blocks:
-                check_block_size(data, layout)
-        self.layout = layout
-        self.blocks = blocks
-        self.parent_hash = bytes(parent_hash or b"")
-        self.error: KvtierError | None = None
-
-    def requests(self) -> Iterator[bytes]:
-        """Serialized PutRequests (block_frames.py: the block is copied once, into the message)."""
-        for index, (block_hash, token_ids, data) in enumerate(self.blocks):
-            try:
-                yield encode_put_request(bytes(block_hash), optional_tokens(token_ids), block_buffer(data, self.layout),
-                                         *((layout_to_proto(self.layout), self.parent_hash) if index == 0 else ()))
-            except KvtierError as error:
-                self.error = error
-                raise
-
-    def result(self, response: pb.PutResponse) -> PutResult:
-        return PutResult(response.num_blocks, response.num_already_cached_blocks)
 
 
 def attach_request(layout: Layout, hash_algo: str) -> pb.AttachRequest:

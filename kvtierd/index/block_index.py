@@ -339,12 +339,8 @@ class BlockIndex:
             num_evicted = 0
             for block_hash in dict.fromkeys(block_hashes):
                 copies = [block for block in self.hash_to_blocks.copies(block_hash) if block.ref_cnt == 0]
-                if not copies:
-                    continue
-                num_evicted += self._evictor.evict(copies, now)
-                for block in copies:
-                    self.free_queue.remove(block)
-                    self.free_queue.appendleft(block)
+                if copies:
+                    num_evicted += self._evictor.evict_free(copies, now)
             return num_evicted
 
     def reset(self) -> bool:

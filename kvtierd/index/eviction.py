@@ -70,3 +70,13 @@ class Evictor:
         for block in victims:
             block.block_hash = block.parent_hash = block.token_ids = None  # as KVBlock.forget_content
         return len(leaving)
+
+    def evict_free(self, blocks: list[KVBlock], now: float) -> int:
+        """The operator's evict of cached blocks nobody holds: drop their content now and move them
+        to the head of the free queue, reused first. Returns how many hashes left."""
+        assert all(block.ref_cnt == 0 for block in blocks)
+        num_left = self.evict(blocks, now)
+        for block in blocks:
+            self.free_queue.remove(block)
+            self.free_queue.appendleft(block)
+        return num_left

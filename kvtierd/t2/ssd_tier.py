@@ -177,11 +177,8 @@ class SsdTier:
         """Store blocks not already here; returns how many were stored (0 when not admitting or
         on a write error, which stops admission). Raises only for malformed items.
 
-        The two phases of the slot index (prepare_store, complete_store) happen inside this one
-        call, around the slot writes, unlike T1 whose caller (offload.py) runs them with the copy
-        engine's write between: here each phase must also commit the LMDB index, in the order
-        (a)-(d) that makes a crash at any point safe, and no caller should have to sequence that.
-        Blocking (pwritev, fdatasync, LMDB commits): run it on a spill thread, never the loop."""
+        The slot index's two phases run inside this call (T1's caller, offload.py, runs them itself):
+        each also commits LMDB, in the crash-safe order (a)-(e) above. Blocking: a spill thread's."""
         metas, sources = self._check_items(items)
         with self._operation():
             if not self._admitting or not metas:
