@@ -53,6 +53,8 @@ class WriteBacks:
         """A future that resolves once none of the blocks has a write-back in flight; None when
         none has one now (the common case: no wait at all)."""
         with self._lock:
+            if not self._num_in_flight:  # the common case, without a pass over the blocks
+                return None
             blocks = frozenset(b for b in block_ids if b in self._num_in_flight)
             if not blocks:
                 return None
