@@ -34,9 +34,12 @@ EDGE_POLICIES = ("write_through", "on_evict", "off")
 HASH_ALGOS = ("sha256", "xxh3_128")
 DURABILITY_POLICIES = ("fdatasync", "none")
 LOG_LEVELS = ("debug", "info", "warning", "error", "critical")
+EVENT_FORMATS = ("map", "array")  # vLLM KV events: tagged maps (vLLM #42892 on, 0.32 here), positional (older)
+EVENT_SALTS = ("tenant", "none")
 CHOICES = {"pool.hash_algo": HASH_ALGOS, "host.codec": CODECS, "ssd.codec": CODECS,  # key -> its allowed values
            "ssd.durability": DURABILITY_POLICIES, "policy.t0_to_t1": EDGE_POLICIES,
-           "policy.t1_to_t2": EDGE_POLICIES, "log_level": LOG_LEVELS}
+           "policy.t1_to_t2": EDGE_POLICIES, "events.format": EVENT_FORMATS, "events.salt": EVENT_SALTS,
+           "log_level": LOG_LEVELS}
 CONFIG_ENV = "KVTIERD_CONFIG"  # names the config file when load_config gets no path
 FOREIGN_ENV_PREFIXES = ("KVTIERD_BENCH_", "KVTIERD_TOKEN",
                         "KVTIERD_ADDRESS")  # of the client and benchmarks; serve ignores them
@@ -99,6 +102,24 @@ class PolicyConfig:
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
+class EventsConfig:
+    """The KV event feed in vLLM's wire format (server/zmq_publisher.py). It reveals every tenant's
+    prefixes: off by default, and only on this machine unless allow_remote."""
+
+    zmq_endpoint: str = ""  # ZMQ PUB: "tcp://127.0.0.1:5557", "ipc:///run/kvtierd/events"; "" = off
+    replay_endpoint: str = ""  # ZMQ ROUTER answering "batches from seq N" (vLLM's replay); "" = none
+    connect: bool = False  # connect the PUB socket to zmq_endpoint (a subscriber that binds) instead of binding
+    topic: str = "kvtierd"  # first frame of every message; "{model}" is replaced by the pool's model id
+    buffer_steps: int = 10_000  # batches kept for replay
+    max_queued_events: int = 100_000  # events waiting for the publisher thread; beyond it they are dropped, counted
+    format: str = "map"  # "map" | "array"
+    int_block_hashes: bool = False  # hashes as u64 ints (vLLM's VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES), else bytes
+    salt: str = "tenant"  # "tenant": a chain's first block carries its tenant's name in extra_keys | "none"
+    lower_tiers: bool = True  # also publish T1 (medium CPU) and T2 (medium STORAGE), not only T0 (GPU)
+    allow_remote: bool = False  # allow a non-loopback endpoint (prefixes leave the machine)
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
 class Quota:
     t0_bytes: int = 0  # bytes of T0 one tenant may hold; 0 = unlimited
     t1_bytes: int = 0  # bytes of T1; 0 = unlimited
@@ -112,11 +133,13 @@ class DaemonConfig:
     host: HostConfig = dataclasses.field(default_factory=HostConfig)
     ssd: SsdConfig = dataclasses.field(default_factory=SsdConfig)
     policy: PolicyConfig = dataclasses.field(default_factory=PolicyConfig)
+    events: EventsConfig = dataclasses.field(default_factory=EventsConfig)
     quotas: dict[str, Quota] = dataclasses.field(default_factory=dict)  # tenant -> quota
     log_level: str = "info"  # "debug" | "info" | "warning" | "error" | "critical"
 
 
-SECTIONS = {"server": ServerConfig, "pool": PoolConfig, "host": HostConfig, "ssd": SsdConfig, "policy": PolicyConfig}
+SECTIONS = {"server": ServerConfig, "pool": PoolConfig, "host": HostConfig, "ssd": SsdConfig, "policy": PolicyConfig,
+            "events": EventsConfig}
 # Dotted key -> type of its value (str, int, float or bool), for every key but the quotas.
 KEY_TYPES = {f"{section}.{field.name}": type(getattr(cls(), field.name))
              for section, cls in SECTIONS.items() for field in dataclasses.fields(cls)} | {"log_level": str}
@@ -243,13 +266,36 @@ def _validate(config: DaemonConfig) -> None:
          f"pool.device must be auto, cpu, cuda or cuda:N; got {pool.device!r}"),
         (config.policy.recompute_s_per_token >= 0, "policy.recompute_s_per_token must be >= 0 (0: always load)"),
     )
-    for ok, message in rules:
+    for ok, message in rules + _events_rules(config.events):
         if not ok:
             raise InvalidArgument(message)
     for key, allowed in CHOICES.items():
         value = functools.reduce(getattr, key.split("."), config)
         if value not in allowed:
             raise InvalidArgument(f"{key} must be one of {', '.join(allowed)}; got {value!r}")
+
+
+def _events_rules(events: EventsConfig) -> tuple:
+    endpoints = [("events.zmq_endpoint", events.zmq_endpoint), ("events.replay_endpoint", events.replay_endpoint)]
+    rules = [(not events.replay_endpoint or events.zmq_endpoint, "events.replay_endpoint needs events.zmq_endpoint"),
+             (events.buffer_steps >= 1, f"events.buffer_steps must be >= 1, got {events.buffer_steps}"),
+             (events.max_queued_events >= 1, f"events.max_queued_events must be >= 1, got {events.max_queued_events}")]
+    for key, endpoint in endpoints:
+        if endpoint:
+            rules.append((re.fullmatch(r"(tcp://\S+:(\d+|\*)|ipc://\S+|inproc://\S+)", endpoint),
+                          f"{key} must be tcp://HOST:PORT, ipc://PATH or inproc://NAME; got {endpoint!r}"))
+            rules.append((events.allow_remote or is_local_endpoint(endpoint),
+                          f"{key} {endpoint!r} is not a loopback address: KV events reveal every tenant's prefixes; "
+                          "bind 127.0.0.1 or ipc://, or set events.allow_remote = true"))
+    return tuple(rules)
+
+
+def is_local_endpoint(endpoint: str) -> bool:
+    """A ZMQ endpoint only this machine reaches: ipc://, inproc://, or tcp on a loopback address."""
+    if endpoint.startswith(("ipc://", "inproc://")):
+        return True
+    host = endpoint.removeprefix("tcp://").rpartition(":")[0].strip("[]")
+    return host == "localhost" or host == "::1" or re.fullmatch(r"127(\.\d{1,3}){3}", host) is not None
 
 
 def _is_host_port(address: str) -> bool:
@@ -341,4 +387,10 @@ def config_lines(config: DaemonConfig) -> list[str]:
                  if policy.recompute_s_per_token > 0 else "always load lower-tier hits")
     lines.append(f"policy: T0->T1 {policy.t0_to_t1}, T1->T2 {policy.t1_to_t2}; {recompute}")
     lines.append(f"quotas: {len(config.quotas)} tenants" if config.quotas else "quotas: none (unlimited)")
+    events = config.events
+    media = "GPU, CPU, STORAGE" if events.lower_tiers else "GPU"
+    replay = f", replay {events.replay_endpoint}" if events.replay_endpoint else ""
+    lines.append(f"kv events: {'connect' if events.connect else 'bind'} {events.zmq_endpoint}{replay}, topic "
+                 f"{events.topic!r}, {events.format} format, media {media}, salt {events.salt}"
+                 if events.zmq_endpoint else "kv events: off")
     return lines

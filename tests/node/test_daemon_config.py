@@ -260,3 +260,42 @@ def test_config_lines_show_addresses_sizes_and_auth_but_never_a_token(tmp_path):
     assert "T2 ssd: off" in text and "metrics: off" in text and "quotas: 2 tenants" in text
     default_text = "\n".join(config_lines(load_config(environ={})))
     assert f"unix peer (socket owner uid {os.getuid()})" in default_text and "T2 ssd: 4.0 GiB in" in default_text
+
+
+@pytest.mark.parametrize("endpoint", ["tcp://0.0.0.0:5557", "tcp://*:5557", "tcp://10.1.2.3:5557", "tcp://[::]:5557",
+                                      "tcp://node-7.example:5557"])
+def test_kv_events_refuse_a_non_loopback_endpoint_unless_allow_remote(endpoint):
+    """Events reveal every tenant's prefixes: a PUB or replay endpoint others can reach needs allow_remote."""
+    for key in ("events.zmq_endpoint", "events.replay_endpoint"):
+        overrides = {"events.zmq_endpoint": "tcp://127.0.0.1:5557", key: endpoint}
+        with pytest.raises(InvalidArgument, match=f"{key} .* is not a loopback address"):
+            load_config(environ={}, overrides=overrides)
+        assert load_config(environ={}, overrides={**overrides, "events.allow_remote": "true"}).events.allow_remote
+
+
+@pytest.mark.parametrize("overrides, fragment", [
+    ({"events.replay_endpoint": "tcp://127.0.0.1:5558"}, "replay_endpoint needs events.zmq_endpoint"),
+    ({"events.zmq_endpoint": "udp://127.0.0.1:5557"}, "must be tcp://HOST:PORT"),
+    ({"events.zmq_endpoint": "tcp://127.0.0.1"}, "must be tcp://HOST:PORT"),
+    ({"events.zmq_endpoint": "ipc:///tmp/e", "events.buffer_steps": 0}, "buffer_steps must be >= 1"),
+    ({"events.zmq_endpoint": "ipc:///tmp/e", "events.max_queued_events": 0}, "max_queued_events must be >= 1"),
+    ({"events.format": "json"}, "events.format must be one of map, array"),
+    ({"events.salt": "cache_salt"}, "events.salt must be one of tenant, none"),
+])
+def test_kv_events_validation_rules(overrides, fragment):
+    with pytest.raises(InvalidArgument, match=fragment):
+        load_config(environ={}, overrides=overrides)
+
+
+def test_kv_events_are_off_by_default_and_loopback_ipc_and_env_spellings_are_accepted():
+    assert load_config(environ={}).events.zmq_endpoint == ""
+    assert "kv events: off" in config_lines(load_config(environ={}))
+    for endpoint in ("tcp://127.0.0.1:5557", "tcp://localhost:0", "tcp://[::1]:5557", "tcp://127.0.0.1:*",
+                     "ipc:///run/kvtierd/events"):
+        assert load_config(environ={}, overrides={"events.zmq_endpoint": endpoint}).events.zmq_endpoint == endpoint
+    config = load_config(environ={"KVTIERD_EVENTS_ZMQ_ENDPOINT": "tcp://127.0.0.1:5557",
+                                  "KVTIERD_EVENTS_REPLAY_ENDPOINT": "tcp://127.0.0.1:5558",
+                                  "KVTIERD_EVENTS_LOWER_TIERS": "false", "KVTIERD_EVENTS_TOPIC": "kv@node@{model}"})
+    line, = [line for line in config_lines(config) if line.startswith("kv events:")]
+    assert line == ("kv events: bind tcp://127.0.0.1:5557, replay tcp://127.0.0.1:5558, topic 'kv@node@{model}', "
+                    "map format, media GPU, salt tenant")
