@@ -44,13 +44,14 @@ class PoolSettings:
     ssd_durability: str = "fdatasync"
     ssd_o_direct: bool = True
     max_layouts: int = 4
+    remote: object | None = None  # kvtierd.t3.remote_config.RemoteConfig; None = no T3
 
 
 class LayoutPool:
     """One layout's tiers, and what clients of that layout need to know."""
 
     def __init__(self, layout: Layout, settings: PoolSettings, observer=None, quotas: QuotaBook | None = None,
-                 engines: CopyEngines | None = None) -> None:
+                 engines: CopyEngines | None = None, remote_store=None) -> None:
         num_blocks = settings.t0_bytes // layout.bytes_per_block
         if num_blocks < 1:
             raise FailedPrecondition(
@@ -68,7 +69,8 @@ class LayoutPool:
                                        o_direct=settings.ssd_o_direct)
         self.manager = TierManager(layout, num_blocks, settings.tier_config, ssd_config=ssd_config,
                                    device=settings.device, hash_size=daemon_key_size(self.digest_size),
-                                   observer=observer, max_pending_events=MAX_PENDING_EVENTS, engines=engines)
+                                   observer=observer, max_pending_events=MAX_PENDING_EVENTS, engines=engines,
+                                   remote_store=remote_store)
         tiers = self.manager.tiers
         if quotas is not None and quotas.limits_lower_tiers:
             for tier, store in (("t1", tiers.host), ("t2", tiers.ssd)):
@@ -109,6 +111,11 @@ class PoolRegistry:
         self._lock = threading.Lock()  # creation only; lookups read the dict
         self.on_created = []  # callbacks (pool) → None, e.g. metrics sources
         self.engines = CopyEngines()  # one copy engine per device, shared by the layouts on it
+        self.remote_store = None  # the node's client of the shared store (T3), shared by the layouts
+        if settings.remote is not None:
+            from kvtierd.t3.redis_store import RedisStore
+
+            self.remote_store = RedisStore(settings.remote)  # connects on first use: starts with the store down
 
     def get(self, layout: Layout) -> LayoutPool | None:
         return self._pools.get(layout)
@@ -140,7 +147,7 @@ class PoolRegistry:
                     f"the daemon serves {len(self._pools)} layouts already (pool.max_layouts); "
                     f"cannot create a pool for {layout.model_id}")
             observer = self._observer_for(layout.model_id) if self._observer_for else None
-            pool = LayoutPool(layout, self.settings, observer, self.quotas, self.engines)
+            pool = LayoutPool(layout, self.settings, observer, self.quotas, self.engines, self.remote_store)
             self._pools[layout] = pool
         for line in pool.capacity_lines():
             log.info("%s", line)
@@ -154,3 +161,5 @@ class PoolRegistry:
             pools, self._pools = list(self._pools.values()), {}
         for pool in pools:
             pool.close()
+        if self.remote_store is not None:
+            self.remote_store.close()

@@ -10,6 +10,9 @@
   T1 meanwhile. `on_evict`: the rows of entries T1 evicts are copied out of their slots before
   the slots are reused, then written to T2 on the spill thread (spills.py: a slow disk delays
   only the evictions that feed it).
+- Into T3 (the shared store), from T1 (`t1_to_t3`: write_through or on_evict) or T2 (`t2_to_t3`:
+  write_through): the rows are framed (copied) on the thread that has them and queued for the
+  store's writer (t3/remote_writes.py: bounded, dropped beyond its backlog), never waited for.
 A failed copy completes its store with success=False: no entry points at bytes that did not land.
 """
 
@@ -23,7 +26,7 @@ from kvtierd.index.slot_index import BlockMeta, SlotEntry, StorePlan
 from kvtierd.movers.copy_engine import Direction
 from kvtierd.tiering.spills import Spills
 from kvtierd.tiering.tier_config import EdgePolicy
-from kvtierd.tiering.tiers import Tiers
+from kvtierd.tiering.tiers import Tiers, recoded
 
 log = logging.getLogger(__name__)
 
@@ -129,22 +132,34 @@ class Offloader:
         the event loop and without the index lock, before writing the plan's slots: it waits
         while the spill backlog is full."""
         tiers = self.tiers
-        if not plan.evicted or tiers.ssd is None or tiers.config.t1_to_t2 is not EdgePolicy.ON_EVICT:
+        if not plan.evicted:
             return
-        self.spills.queue(plan.evicted, tiers.t1_rows_for_t2([e.slot for e in plan.evicted]))  # indexing copies
+        if tiers.remote is not None and tiers.config.t1_to_t3 is EdgePolicy.ON_EVICT:
+            self._offer_t3(plan.evicted, tiers.host.codec, tiers.host.slots[[e.slot for e in plan.evicted]], "t1_t3")
+        if tiers.ssd is not None and tiers.config.t1_to_t2 is EdgePolicy.ON_EVICT:
+            self.spills.queue(plan.evicted, tiers.t1_rows_for_t2([e.slot for e in plan.evicted]))  # indexing copies
 
     # ----------------------------------------------------------------------------- T1 → T2
 
     def _after_t1_store(self, entries: list[SlotEntry]) -> None:
-        """Write-through T1 → T2 of entries just stored in T1, pinned until written."""
+        """Write-through T1 → T2 and T1 → T3 of entries just stored in T1, pinned until written
+        (T2) or framed (T3)."""
         tiers = self.tiers
-        if tiers.ssd is None or tiers.config.t1_to_t2 is not EdgePolicy.WRITE_THROUGH:
+        to_t2 = tiers.ssd is not None and tiers.config.t1_to_t2 is EdgePolicy.WRITE_THROUGH
+        to_t3 = tiers.remote is not None and tiers.config.t1_to_t3 is EdgePolicy.WRITE_THROUGH
+        if not (to_t2 or to_t3):
             return
         pinned = tiers.host.index.pin_present([e.block_hash for e in entries])
         if not pinned:
             return
-        transfer = tiers.engine.submit(Direction.HOST_TO_HOST, lambda: self._write_t2(pinned),
-                                       len(pinned) * tiers.host.codec.slot_nbytes)
+
+        def write() -> None:
+            if to_t3:
+                self._offer_t3(pinned, tiers.host.codec, tiers.host.slots[[e.slot for e in pinned]], "t1_t3")
+            if to_t2:
+                self._write_t2(pinned)
+
+        transfer = tiers.engine.submit(Direction.HOST_TO_HOST, write, len(pinned) * tiers.host.codec.slot_nbytes)
         tiers.after(transfer, lambda error: tiers.host.index.unpin(pinned))
 
     def _write_t2(self, entries: list[SlotEntry]) -> int:
@@ -162,5 +177,20 @@ class Offloader:
             tiers.counters.add("num_failed_offload_blocks", len(entries))
             return 0
         tiers.counters.add("num_offloaded_blocks", num_stored, "t1_t2")
+        if num_stored and tiers.remote is not None and tiers.config.t2_to_t3 is EdgePolicy.WRITE_THROUGH:
+            self._offer_t3(entries, tiers.ssd_codec, rows, "t2_t3")
         return num_stored
+
+    # ----------------------------------------------------------------------------- into T3
+
+    def _offer_t3(self, entries: list[SlotEntry], codec, rows, edge: str) -> None:
+        """Queue the entries' blocks (`rows` in `codec`) for the shared store; never waits."""
+        tiers = self.tiers
+        try:
+            num_queued = tiers.remote.offer([e.meta for e in entries], recoded(codec, rows, tiers.remote_codec))
+        except Exception:
+            log.exception("framing %d blocks for the T3 store failed", len(entries))
+            tiers.counters.add("num_failed_offload_blocks", len(entries))
+            return
+        tiers.counters.add("num_offloaded_blocks", num_queued, edge)
 

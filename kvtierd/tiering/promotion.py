@@ -1,31 +1,34 @@
-"""Promotion: prefix hits in T1 and T2 copied up into freshly allocated T0 blocks.
+"""Promotion: prefix hits in T1, T2 and T3 copied up into freshly allocated T0 blocks.
 
 `acquire` allocates the request's blocks in T0 (T0 hits first), then continues the hash chain
-in T1 and after that in T2. Each lower-tier segment is loaded only if its copy is expected to be
-faster than recomputing its tokens (tier_config.worth_loading). Loads run in the background,
-submitted from a mover thread once the targets' evicted bytes have landed (write_backs.py);
+in T1, after that in T2, then in T3 (the shared store: asking it is a network round trip, so
+with T3 the daemon calls `acquire` and `lookup` off its loop). Each lower-tier segment is
+loaded only if its copy is expected to be faster than recomputing its tokens
+(tier_config.worth_loading). Loads run in the background, submitted from a mover thread once
+the targets' evicted bytes have landed (write_backs.py);
 the caller gets a Ticket whose result is how many leading blocks are ready in T0: it computes
 the rest. Protection while in flight: the T0 targets are held by the request itself, T1 entries
-are pinned (prepare_load), T2 entries are pinned by the SSD tier during its read. Promoted
+are pinned (prepare_load), T2 entries are pinned by the SSD tier during its read, T3 values
+are the store's (a key it dropped meanwhile is a miss). Promoted
 blocks are committed in T0 only when every segment before them landed, so a failed transfer is
 a miss — the runner recomputes into blocks that are still its own — and never a hit.
-T2 hits also land in T1 on their way up (inclusive tiers). `prefetch` runs that T2 → T1 step
-ahead of use, while a request still queues.
+T2 and T3 hits also land in T1 on their way up (inclusive tiers, lower_reads.py). `prefetch`
+runs that step into T1 ahead of use, while a request still queues.
 """
 
 from __future__ import annotations
 
 import concurrent.futures
 import dataclasses
+import functools
 import logging
 import threading
-
-import torch
 
 from kvtierd.block_hash import pack_token_ids
 from kvtierd.errors import KvtierError
 from kvtierd.index.slot_index import BlockMeta, SlotEntry
 from kvtierd.movers.copy_engine import Direction
+from kvtierd.tiering.lower_reads import LowerReads, Segment
 from kvtierd.tiering.offload import Offloader
 from kvtierd.tiering.tier_config import worth_loading
 from kvtierd.tiering.tiers import Tiers
@@ -56,6 +59,7 @@ class AcquiredBlocks:
     num_t0_hit_blocks: int
     num_t1_blocks: int  # being loaded from the host tier
     num_t2_blocks: int  # being loaded from the SSD tier
+    num_t3_blocks: int  # being loaded from the shared store (present when asked; the ticket says what landed)
     ticket: Ticket
     # resolves once every block may be written (evicted contents copied down); None: at once
     writable: concurrent.futures.Future[None] | None = None
@@ -68,37 +72,33 @@ class TierHits:
     t0: int
     t1: int
     t2: int
-
-
-@dataclasses.dataclass
-class _Segment:
-    """One tier's part of a promotion; touched only on the finalizer thread once in flight."""
-
-    metas: list[BlockMeta]
-    num_loaded: int | None = None  # None while in flight
-    source: tuple | None = None  # T2 only, once read: (rows, row ids, codec) the upload decodes from
+    t3: int = 0
 
 
 class Promoter:
     def __init__(self, tiers: Tiers, offloader: Offloader) -> None:
         self.tiers = tiers
         self.offloader = offloader  # reserves T1 slots (spilling T1's victims to T2 by policy)
+        self.reads = LowerReads(tiers, offloader)
         self._pending: dict[object, Ticket] = {}
         self._lock = threading.Lock()
 
     # ----------------------------------------------------------------------------- queries
 
     def lookup(self, block_hashes: list[bytes], token_ids=None) -> TierHits:
-        """Where the chain's prefix lives, tier by tier. Changes nothing."""
+        """Where the chain's prefix lives, tier by tier (T3: the keys present; a network round
+        trip, skipped when the local tiers hold the whole chain). Changes nothing."""
         tiers = self.tiers
         token_bytes = pack_token_ids(token_ids) if token_ids is not None else None
         n0 = tiers.index.lookup(block_hashes, token_bytes)
-        n1 = n2 = 0
+        n1 = n2 = n3 = 0
         if tiers.host is not None:
             n1 = tiers.host.index.lookup(*self._rest(block_hashes, token_bytes, n0))
         if tiers.ssd is not None:
             n2 = tiers.ssd.lookup(*self._rest(block_hashes, token_bytes, n0 + n1))
-        return TierHits(n0, n1, n2)
+        if tiers.remote is not None:
+            n3 = tiers.remote.probe(block_hashes[n0 + n1 + n2:])
+        return TierHits(n0, n1, n2, n3)
 
     def pending(self, request_id: object) -> Ticket | None:
         with self._lock:
@@ -115,17 +115,18 @@ class Promoter:
         n0 = allocation.num_hit_blocks
         t1_entries = self._t1_hits(block_hashes, token_bytes, n0, cost)
         t2_metas = self._t2_hits(block_hashes, token_bytes, n0 + len(t1_entries), cost)
+        t3_metas = self._t3_hits(block_hashes, token_bytes, n0 + len(t1_entries) + len(t2_metas), cost)
         tiers.counters.add("num_hit_blocks", n0, "t0")
         tiers.counters.add("num_query_blocks", len(block_hashes))
         writable = tiers.write_backs.when_landed(allocation.block_ids[n0:])
-        if not t1_entries and not t2_metas:
-            return AcquiredBlocks(allocation.block_ids, n0, 0, 0, self._ticket_when_writable(allocation.block_ids, n0),
-                               writable)
+        if not t1_entries and not t2_metas and not t3_metas:
+            return AcquiredBlocks(allocation.block_ids, n0, 0, 0, 0,
+                                  self._ticket_when_writable(allocation.block_ids, n0), writable)
         ticket = Ticket()
         with self._lock:
             self._pending[request_id] = ticket
         targets = allocation.block_ids[n0:]
-        segments = [_Segment([e.meta for e in t1_entries]), _Segment(t2_metas)]
+        segments = [Segment("t1", [e.meta for e in t1_entries]), Segment("t2", t2_metas), Segment("t3", t3_metas)]
         # An empty segment is settled before any load starts: a load can finish (and call `done`,
         # on the finalizer thread) before this thread reaches its next line, and `_finish` resolves
         # the ticket only once every segment is settled.
@@ -136,12 +137,19 @@ class Promoter:
 
         def start_loads() -> None:  # on a mover thread: submit may wait for the engine's budget
             if t1_entries:
-                self._start(self._load_t1, t1_entries, targets[:len(t1_entries)], segments[0], done)
-            if t2_metas:
-                self._start(self._load_t2, t2_metas, targets[len(t1_entries):], segments[1], done)
+                self._start(functools.partial(self._load_t1, t1_entries), targets[:len(t1_entries)], segments[0],
+                            done)
+            lower = len(t1_entries)
+            for segment, read, codec in ((segments[1], self.reads.read_t2, tiers.ssd_codec),
+                                         (segments[2], self.reads.read_t3, tiers.remote_codec)):
+                if segment.metas:
+                    self._start(functools.partial(self._load_lower, read, codec),
+                                targets[lower:lower + len(segment.metas)], segment, done)
+                lower += len(segment.metas)
 
         self.after_writable(targets, start_loads)
-        return AcquiredBlocks(allocation.block_ids, n0, len(t1_entries), len(t2_metas), ticket, writable)
+        return AcquiredBlocks(allocation.block_ids, n0, len(t1_entries), len(t2_metas), len(t3_metas), ticket,
+                              writable)
 
     def _ticket_when_writable(self, block_ids: list[int], num_ready_blocks: int) -> Ticket:
         """A ticket that resolves once the blocks may be written (at once, usually)."""
@@ -161,19 +169,23 @@ class Promoter:
         else:
             landed.add_done_callback(lambda _: tiers.dispatch(work))
 
-    def prefetch(self, block_hashes: list[bytes], token_ids=None) -> int:
-        """Start copying the chain's T2 segment into T1; returns how many blocks that is."""
+    def prefetch(self, block_hashes: list[bytes], token_ids=None, hits: TierHits | None = None) -> int:
+        """Start copying the chain's T2 and T3 segments into T1; returns how many blocks that is."""
         tiers = self.tiers
-        if tiers.host is None or tiers.ssd is None:
+        if tiers.host is None or (tiers.ssd is None and tiers.remote is None):
             return 0
         token_bytes = pack_token_ids(token_ids) if token_ids is not None else None
-        hits = self.lookup(block_hashes, token_bytes)
-        metas = self._t2_hits(block_hashes, token_bytes, hits.t0 + hits.t1, None)
-        if metas:
-            segment = _Segment(metas)
-            tiers.dispatch(lambda: tiers.engine.submit(Direction.HOST_TO_HOST, lambda: self._read_t2_into_t1(segment),
-                                                       len(metas) * tiers.ssd_codec.slot_nbytes))
-        return len(metas)
+        hits = hits or self.lookup(block_hashes, token_bytes)
+        start = hits.t0 + hits.t1
+        t2_metas = self._t2_hits(block_hashes, token_bytes, start, None)
+        t3_metas = self._t3_hits(block_hashes, token_bytes, start + len(t2_metas), None, hits.t3)
+        for tier, metas, read, codec in (("t2", t2_metas, self.reads.read_t2, tiers.ssd_codec),
+                                         ("t3", t3_metas, self.reads.read_t3, tiers.remote_codec)):
+            if metas:
+                segment = Segment(tier, metas)
+                tiers.dispatch(lambda read=read, segment=segment, codec=codec: tiers.engine.submit(
+                    Direction.HOST_TO_HOST, lambda: read(segment), len(segment.metas) * codec.slot_nbytes))
+        return len(t2_metas) + len(t3_metas)
 
     # ----------------------------------------------------------------------------- planning
 
@@ -210,12 +222,31 @@ class Promoter:
             return []
         return tiers.ssd.metas(rest[0][:num_hits])
 
+    def _t3_hits(self, block_hashes, token_bytes, start: int, cost, num_present: int | None = None) -> list[BlockMeta]:
+        """Candidates for a T3 load: the chain's next blocks the store holds (asked now unless
+        `num_present` says), chained to their parents; token ids b"" where the caller sent none."""
+        tiers = self.tiers
+        if tiers.remote is None or start == len(block_hashes):
+            return []
+        hashes, parent, rest_tokens, block_size = self._rest(block_hashes, token_bytes, start)
+        num_hits = tiers.remote.probe(hashes) if num_present is None else min(num_present, len(hashes))
+        path = [(tiers.remote.read, num_hits * tiers.remote_codec.slot_nbytes),
+                (tiers.engine.bandwidth[Direction.HOST_TO_DEVICE], num_hits * tiers.layout.bytes_per_block)]
+        if num_hits and not worth_loading(num_hits * block_size, path, cost):
+            tiers.counters.add("num_skipped_slow_blocks", num_hits)
+            return []
+        stride = 4 * block_size
+        parents = [parent, *hashes[:num_hits - 1]]
+        return [BlockMeta(h, p, rest_tokens[i * stride:(i + 1) * stride] if rest_tokens is not None else b"")
+                for i, (h, p) in enumerate(zip(hashes[:num_hits], parents))]
+
     # ----------------------------------------------------------------------------- loading
 
-    def _start(self, load, items, targets: list[int], segment: _Segment, done) -> None:
-        """Start one segment's load; one that cannot start is a miss, settled on the finalizer thread."""
+    def _start(self, load, targets: list[int], segment: Segment, done) -> None:
+        """Start one segment's load (`load(targets, segment, done)`); one that cannot start is a
+        miss, settled on the finalizer thread."""
         try:
-            load(items, targets, segment, done)
+            load(targets, segment, done)
         except Exception:
             log.exception("starting a load of %d blocks failed", len(targets))
 
@@ -226,7 +257,7 @@ class Promoter:
 
             self.tiers.finalizer.submit(settle)
 
-    def _load_t1(self, entries: list[SlotEntry], targets: list[int], segment: _Segment, done) -> None:
+    def _load_t1(self, entries: list[SlotEntry], targets: list[int], segment: Segment, done) -> None:
         tiers = self.tiers
         slot_ids = [e.slot for e in entries]
         job = lambda: tiers.host.codec.decode(tiers.host.slots, slot_ids, tiers.pool.tensor, targets)  # noqa: E731
@@ -243,20 +274,20 @@ class Promoter:
 
         tiers.after(transfer, finalize)
 
-    def _load_t2(self, metas: list[BlockMeta], targets: list[int], segment: _Segment, done) -> None:
-        """SSD → host (landing in T1 too) on a host thread, then host → T0 on the load stream."""
+    def _load_lower(self, read, codec, targets: list[int], segment: Segment, done) -> None:
+        """T2 or T3 → host (landing in T1 too) on a host thread, then host → T0 on the load stream."""
         tiers = self.tiers
-        read = tiers.engine.submit(Direction.HOST_TO_HOST, lambda: self._read_t2_into_t1(segment),
-                                   len(metas) * tiers.ssd_codec.slot_nbytes)
+        read_transfer = tiers.engine.submit(Direction.HOST_TO_HOST, lambda: read(segment),
+                                            len(segment.metas) * codec.slot_nbytes)
 
         def after_read(error: BaseException | None) -> None:
             if error is not None or not segment.source[1]:  # source is set when the read returned
                 segment.num_loaded = 0
                 done()
                 return
-            rows, ids, codec = segment.source
-            job = lambda: codec.decode(rows, ids, tiers.pool.tensor, targets[:len(ids)])  # noqa: E731
-            upload = tiers.engine.submit(Direction.HOST_TO_DEVICE, job, len(ids) * codec.slot_nbytes)
+            rows, ids, source_codec = segment.source
+            job = lambda: source_codec.decode(rows, ids, tiers.pool.tensor, targets[:len(ids)])  # noqa: E731
+            upload = tiers.engine.submit(Direction.HOST_TO_DEVICE, job, len(ids) * source_codec.slot_nbytes)
 
             def after_upload(upload_error: BaseException | None) -> None:
                 segment.num_loaded = 0 if upload_error is not None else len(ids)
@@ -264,46 +295,9 @@ class Promoter:
 
             tiers.after(upload, after_upload)
 
-        tiers.after(read, after_read)
+        tiers.after(read_transfer, after_read)
 
-    def _read_t2_into_t1(self, segment: _Segment) -> None:
-        """Read the segment's blocks from T2 (verified) and store them in T1. Sets the rows the
-        upload decodes from: T1 slots when T1 took every block in the same codec (read into
-        directly, O_DIRECT without staging), else a host buffer."""
-        tiers = self.tiers
-        metas = segment.metas
-        hashes = [m.block_hash for m in metas]
-        host = tiers.host
-        plan = self.offloader.prepare_t1_store(metas) if host is not None else None
-        if plan is not None:
-            self.offloader.spill_t1_victims(plan)
-        direct = plan is not None and len(plan.stores) == len(metas) and host.codec.name == tiers.ssd_codec.name
-        if direct:
-            slot_ids = [e.slot for e in plan.stores]
-            with tiers.ssd_read.measure(len(metas) * tiers.ssd_codec.slot_nbytes):
-                num_read = tiers.ssd.load(hashes, [host.slots[s] for s in slot_ids], parent=metas[0].parent_hash)
-            host.index.complete_store(plan.stores[:num_read], success=True)
-            host.index.complete_store(plan.stores[num_read:], success=False)
-            segment.source = (host.slots, slot_ids[:num_read], host.codec)
-        else:
-            raw = torch.empty((len(metas), tiers.ssd_codec.slot_nbytes), dtype=torch.uint8)
-            with tiers.ssd_read.measure(raw.numel()):
-                num_read = tiers.ssd.load(hashes, raw, parent=metas[0].parent_hash)
-            if host is None:
-                segment.source = (raw, list(range(num_read)), tiers.ssd_codec)
-            else:
-                rows = tiers.t2_rows_for_t1(raw[:num_read])
-                row_of = {m.block_hash: i for i, m in enumerate(metas[:num_read])}
-                stored = [e for e in plan.stores if e.block_hash in row_of]
-                for entry in stored:
-                    host.slots[entry.slot].copy_(rows[row_of[entry.block_hash]])
-                host.index.complete_store(stored, success=True)
-                host.index.complete_store([e for e in plan.stores if e.block_hash not in row_of], success=False)
-                segment.source = (rows, list(range(num_read)), host.codec)
-        if num_read < len(metas):
-            tiers.counters.add("num_failed_load_blocks", len(metas) - num_read)
-
-    def _finish(self, request_id, start: int, targets: list[int], segments: list[_Segment], ticket: Ticket) -> None:
+    def _finish(self, request_id, start: int, targets: list[int], segments: list[Segment], ticket: Ticket) -> None:
         """When every segment has landed: commit the contiguous prefix that loaded, resolve."""
         if any(s.num_loaded is None for s in segments):
             return
@@ -322,8 +316,11 @@ class Promoter:
                 num_committed = len(loaded)
             except KvtierError as e:  # the request went away meanwhile
                 log.info("promoted blocks of %r not committed: %s", request_id, e)
-        tiers.counters.add("num_hit_blocks", min(num_committed, len(segments[0].metas)), "t1")
-        tiers.counters.add("num_hit_blocks", max(0, num_committed - len(segments[0].metas)), "t2")
+        num_uncounted = num_committed
+        for segment in segments:  # the committed blocks, tier by tier in chain order
+            num_hits = min(num_uncounted, len(segment.metas))
+            tiers.counters.add("num_hit_blocks", num_hits, segment.tier)
+            num_uncounted -= num_hits
         with self._lock:
             self._pending.pop(request_id, None)
         ticket.future.set_result(start + num_committed)

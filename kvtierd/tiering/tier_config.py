@@ -1,6 +1,6 @@
 """What moves between tiers and when: edge policies, capacities, codecs, the recompute cost.
 
-Per edge (T0→T1, T1→T2):
+Per edge (T0→T1, T1→T2, and into the shared tier T3 from T1 or from T2):
 - `write_through`: committed blocks are copied down in the background at once, so a later
   eviction from the upper tier costs nothing (the lower tier already holds the block);
 - `on_evict`: a block is copied down when the upper tier evicts it;
@@ -33,13 +33,19 @@ class TierConfig:
     ssd_codec: str = "raw"  # T2 may store fp8 below a raw T1 (converted on the host)
     t0_to_t1: EdgePolicy = EdgePolicy.ON_EVICT
     t1_to_t2: EdgePolicy = EdgePolicy.WRITE_THROUGH
+    t1_to_t3: EdgePolicy = EdgePolicy.WRITE_THROUGH  # with a T3 store only: what T1 takes goes on to T3
+    t2_to_t3: EdgePolicy = EdgePolicy.OFF  # write_through: what T2 takes goes on to T3 as well
+    remote_codec: str = "raw"  # what T3 values hold ("raw" | "fp8")
     recompute_s_per_token: float | None = None  # None: lower-tier hits are always loaded
 
     def __post_init__(self) -> None:
         if self.host_capacity_bytes < 0:
             raise InvalidArgument(f"host_capacity_bytes must be >= 0, got {self.host_capacity_bytes}")
-        for name in ("t0_to_t1", "t1_to_t2"):
+        for name in ("t0_to_t1", "t1_to_t2", "t1_to_t3", "t2_to_t3"):
             object.__setattr__(self, name, EdgePolicy(getattr(self, name)))
+        if self.t2_to_t3 is EdgePolicy.ON_EVICT:
+            raise InvalidArgument("t2_to_t3 = on_evict is not supported: use write_through (T2's victims are "
+                                  "overwritten in place), or t1_to_t3")
         if self.recompute_s_per_token is not None and self.recompute_s_per_token <= 0:
             raise InvalidArgument("recompute_s_per_token must be positive")
 

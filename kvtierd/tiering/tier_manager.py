@@ -1,12 +1,14 @@
 """The tiers of one namespace behind one interface: acquire, commit, release, fork, lookup,
 and the Put and Get use cases (block_io.py).
 
-Builds T0 (device pool + block index), T1 (host tier), T2 (SSD tier, optional) and the copy
-engine, and wires the T0 eviction hook to the offloader. Offload (down) is in offload.py,
+Builds T0 (device pool + block index), T1 (host tier), T2 (SSD tier, optional), T3 (this
+layout's part of the node's shared store, optional) and the copy engine, and wires the T0 eviction hook to the offloader. Offload (down) is in offload.py,
 promotion (up) in promotion.py; this module only composes them.
 
 No method waits on a copy or a disk, except where it says so (release behind a promotion,
 prepare_write behind a write-back, Put's writes, close): the daemon calls those off its loop.
+With T3 (`has_remote`), `lookup` and `acquire` ask the store too (a network round trip, bounded
+by its timeout and breaker): the daemon calls them off its loop then.
 Blocks a call hands out may still be having their evicted bytes copied down: such calls return
 a `writable` future, and the caller lets nobody write the blocks before it resolves.
 """
@@ -42,9 +44,10 @@ class TierManager:
     def __init__(self, layout: Layout, num_device_blocks: int, config: TierConfig = TierConfig(), *,
                  ssd_config=None, device: str = "auto", root: BlockHash | None = None, hash_size: int = 32,
                  observer: IndexObserver | None = None, copy_threads: int = 2,
-                 max_pending_events: int = 0, engines: CopyEngines | None = None) -> None:
+                 max_pending_events: int = 0, engines: CopyEngines | None = None, remote_store=None) -> None:
         """`engines`: the node's copy engines, one per device, shared with the other layouts on it
-        (None: a private set, of `copy_threads` threads without CUDA)."""
+        (None: a private set, of `copy_threads` threads without CUDA). `remote_store`: the node's
+        kvtierd.t3.redis_store.RedisStore (None: no T3)."""
         pool = create_device_pool(layout, num_device_blocks, device)
         write_backs = WriteBacks()
 
@@ -66,10 +69,16 @@ class TierManager:
             from kvtierd.t2.ssd_tier import SsdTier
 
             ssd = SsdTier.open(ssd_config, layout, make_codec(config.ssd_codec, layout).slot_nbytes)
+        remote = None
+        if remote_store is not None:
+            from kvtierd.t3.remote_tier import RemoteTier
+
+            remote = RemoteTier(remote_store, layout, config.remote_codec,
+                                make_codec(config.remote_codec, layout).slot_nbytes)
         self._closed = False
         self._engines = engines if engines is not None else CopyEngines(num_cpu_threads=copy_threads)
         engine = self._engines.acquire(str(pool.device))
-        self.tiers = Tiers(layout, index, pool, host, ssd, engine, config, write_backs=write_backs)
+        self.tiers = Tiers(layout, index, pool, host, ssd, engine, config, write_backs=write_backs, remote=remote)
         self.offloader = Offloader(self.tiers)
         self.promoter = Promoter(self.tiers, self.offloader)
         index.on_evict = self.offloader.on_t0_evict
@@ -81,6 +90,11 @@ class TierManager:
     @property
     def device_pool(self) -> DevicePool:
         return self.tiers.pool
+
+    @property
+    def has_remote(self) -> bool:
+        """Does this layout have T3 (so `lookup` and `acquire` may wait on the network)?"""
+        return self.tiers.remote is not None
 
     def acquire(self, request_id, block_hashes: list[bytes], num_extra_blocks: int = 0, token_ids=None,
                 **kwargs) -> AcquiredBlocks:
@@ -143,13 +157,16 @@ class TierManager:
 
     def lookup(self, block_hashes: list[bytes], token_ids=None, prefetch: bool = False) -> TierHits:
         hits = self.promoter.lookup(block_hashes, token_ids)
-        if prefetch and hits.t2:
-            self.promoter.prefetch(block_hashes, token_ids)
+        if prefetch and (hits.t2 or hits.t3):
+            self.promoter.prefetch(block_hashes, token_ids, hits)
         return hits
 
     def drain(self) -> None:
-        """Wait until every copy in flight has landed and been finalized."""
+        """Wait until every copy in flight has landed and been finalized, and every T3 write
+        queued went out (or failed)."""
         self.tiers.wait_quiet()
+        if self.tiers.remote is not None:
+            self.tiers.remote.drain()
 
     def stats(self) -> TieringStats:
         return tiering_stats(self.tiers)
@@ -163,6 +180,8 @@ class TierManager:
         self.drain()
         self._engines.release(tiers.engine)
         tiers.close_threads()
+        if tiers.remote is not None:
+            tiers.remote.close()
         if tiers.ssd is not None:
             tiers.ssd.close()
         if tiers.host is not None:

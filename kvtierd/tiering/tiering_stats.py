@@ -11,6 +11,7 @@ import dataclasses
 from collections.abc import Mapping
 
 from kvtierd.t2.ssd_stats import SsdStats
+from kvtierd.t3.remote_tier import RemoteTierStats
 from kvtierd.tiering.tiers import Tiers
 
 
@@ -38,6 +39,7 @@ class TieringStats:
     t1: TierUsage | None
     t2: TierUsage | None
     ssd: SsdStats | None  # T2's health and I/O, when T2 is configured
+    t3: RemoteTierStats | None  # this layout's traffic with the shared store, when T3 is configured
     num_query_blocks: int  # blocks asked for by Acquire, Put and Get (a Lookup takes nothing: not counted)
     num_skipped_slow_blocks: int  # lower-tier hits recomputed because loading was slower
     num_failed_load_blocks: int
@@ -70,6 +72,7 @@ def tiering_stats(tiers: Tiers) -> TieringStats:
     bandwidth = tiers.engine.bandwidth
     return TieringStats(
         num_blocks=index.num_blocks, num_free_blocks=index.num_free_blocks, t0=t0, t1=t1, t2=t2, ssd=ssd,
+        t3=tiers.remote.stats() if tiers.remote is not None else None,
         num_query_blocks=counters.num_query_blocks, num_skipped_slow_blocks=counters.num_skipped_slow_blocks,
         num_failed_load_blocks=counters.num_failed_load_blocks,
         num_failed_offload_blocks=counters.num_failed_offload_blocks,

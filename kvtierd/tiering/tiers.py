@@ -30,18 +30,19 @@ from kvtierd.tiering.write_backs import WriteBacks
 
 log = logging.getLogger(__name__)
 
-TIER_NAMES = ("t0", "t1", "t2")
+TIER_NAMES = ("t0", "t1", "t2", "t3")
 
 
 @dataclasses.dataclass
 class TierCounters:
-    """Monotonic counters an operator reads (per tier: t0 device, t1 host, t2 ssd)."""
+    """Monotonic counters an operator reads (per tier: t0 device, t1 host, t2 ssd, t3 shared store)."""
 
     num_query_blocks: int = 0  # blocks asked for by Acquire, Put and Get: the hit rate's denominator
     num_hit_blocks: dict[str, int] = dataclasses.field(default_factory=lambda: dict.fromkeys(TIER_NAMES, 0))
     num_skipped_slow_blocks: int = 0  # lower-tier hits not loaded: recompute was expected faster
     num_failed_load_blocks: int = 0  # promotions that failed: a miss, never a hit
-    num_offloaded_blocks: dict[str, int] = dataclasses.field(default_factory=lambda: {"t0_t1": 0, "t1_t2": 0})
+    num_offloaded_blocks: dict[str, int] = dataclasses.field(  # by edge; into T3: queued for the store's writer
+        default_factory=lambda: dict.fromkeys(("t0_t1", "t1_t2", "t1_t3", "t2_t3"), 0))
     num_failed_offload_blocks: int = 0
     lock: threading.Lock = dataclasses.field(default_factory=threading.Lock, repr=False)
 
@@ -55,7 +56,8 @@ class TierCounters:
 
 @dataclasses.dataclass
 class Tiers:
-    """T0 (index + pool), T1 (host), T2 (ssd, optional), and the means to move bytes."""
+    """T0 (index + pool), T1 (host), T2 (ssd, optional), T3 (the shared store, optional), and the
+    means to move bytes."""
 
     layout: Layout
     index: BlockIndex
@@ -65,6 +67,8 @@ class Tiers:
     engine: CopyEngine
     config: TierConfig
     ssd_codec: BlockCodec | None = None
+    remote: object | None = None  # kvtierd.t3.remote_tier.RemoteTier
+    remote_codec: BlockCodec | None = None
     ssd_read: Bandwidth = dataclasses.field(default_factory=lambda: Bandwidth(2e9))
     ssd_write: Bandwidth = dataclasses.field(default_factory=lambda: Bandwidth(1e9))
     counters: TierCounters = dataclasses.field(default_factory=TierCounters)
@@ -79,6 +83,8 @@ class Tiers:
     def __post_init__(self) -> None:
         if self.ssd is not None and self.ssd_codec is None:
             self.ssd_codec = make_codec(self.config.ssd_codec, self.layout)
+        if self.remote is not None and self.remote_codec is None:
+            self.remote_codec = make_codec(self.config.remote_codec, self.layout)
         self._num_unfinished = 0  # finalizers (`after`) and moves (`dispatch`) that have not returned
         self._unfinished = threading.Condition()
 
@@ -129,11 +135,16 @@ class Tiers:
 
     def t1_rows_for_t2(self, slot_ids: list[int]) -> torch.Tensor:
         """T1 slot rows in the SSD tier's codec (converted on the host when the codecs differ)."""
-        rows = self.host.slots[slot_ids]
-        return rows if self.host.codec.name == self.ssd_codec.name else transcode(self.host.codec, rows, self.ssd_codec)
+        return recoded(self.host.codec, self.host.slots[slot_ids], self.ssd_codec)
 
-    def t2_rows_for_t1(self, rows: torch.Tensor) -> torch.Tensor:
-        return rows if self.host.codec.name == self.ssd_codec.name else transcode(self.ssd_codec, rows, self.host.codec)
+    def recoded_for_t1(self, codec: BlockCodec, rows: torch.Tensor) -> torch.Tensor:
+        """Rows of a lower tier's `codec` in T1's."""
+        return recoded(codec, rows, self.host.codec)
+
+
+def recoded(source: BlockCodec, rows: torch.Tensor, target: BlockCodec) -> torch.Tensor:
+    """`rows` of `source`'s slots in `target`'s (the same tensor when the codecs agree)."""
+    return rows if source.name == target.name else transcode(source, rows, target)
 
 
 def transcode(source: BlockCodec, rows: torch.Tensor, target: BlockCodec) -> torch.Tensor:

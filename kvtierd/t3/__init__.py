@@ -1,0 +1,1 @@
+"""T3: a shared tier on an existing Redis Cluster, single Redis or Valkey."""

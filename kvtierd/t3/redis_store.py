@@ -1,0 +1,232 @@
+"""The shared store's client: every node of a Redis Cluster (or one Redis / Valkey) behind its
+own circuit breaker, keys batched per node.
+
+A key goes to the node that owns its hash slot (CRC16 mod 16384, from CLUSTER SLOTS; no hash
+tags, so a chain's blocks spread over every node). Each node's keys travel as one pipeline, and
+the nodes' pipelines run in parallel. Nothing here raises to the caller for the store's sake: a
+node that fails, times out or has its breaker open gives misses (`get`), False (`exists`) or
+not-written (`set`) for its keys, and the others answer normally. A MOVED reply (slots moved)
+is a miss too, and the slot table is read again on the next call.
+
+Called from the movers' threads and executors, never from the event loop: each call may wait up
+to the socket timeout per node.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import dataclasses
+import logging
+import threading
+from collections.abc import Callable, Sequence
+
+import redis
+from redis.backoff import NoBackoff
+from redis.crc import REDIS_CLUSTER_HASH_SLOTS, key_slot
+from redis.retry import Retry
+
+from kvtierd.t3.circuit_breaker import BreakerState, CircuitBreaker
+from kvtierd.t3.remote_config import RemoteConfig
+
+log = logging.getLogger(__name__)
+Address = tuple[str, int]
+
+
+@dataclasses.dataclass(eq=False)
+class StoreNode:
+    address: Address
+    client: redis.Redis
+    breaker: CircuitBreaker
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class StoreHealth:
+    mode: str  # "cluster", "single", or "unknown" while no seed answered
+    state: BreakerState  # the worst node's: open if any node (or the seeds) is open
+    num_nodes: int
+    num_open_nodes: int
+    num_errors: int  # failed calls to a node, since start
+    num_opened: int  # times a breaker opened, since start
+
+
+class RedisStore:
+    """Thread-safe. `_slot_nodes` is replaced whole (never mutated) under `_lock`."""
+
+    def __init__(self, config: RemoteConfig, max_parallel_nodes: int = 8) -> None:
+        self.config = config
+        self.mode = "unknown" if config.mode == "auto" else config.mode
+        self._lock = threading.Lock()
+        self._nodes: dict[Address, StoreNode] = {}
+        self._slot_nodes: list[StoreNode | None] | None = None  # slot → owner; None: not read yet
+        self._seeds = CircuitBreaker(config.breaker_failures, config.breaker_open_s)  # topology reads
+        self._parallel = concurrent.futures.ThreadPoolExecutor(max_parallel_nodes, thread_name_prefix="kvtierd-t3")
+        self.num_errors = 0
+
+    # ----------------------------------------------------------------------------- the three calls
+
+    def get(self, keys: Sequence[bytes]) -> list[bytes | None]:
+        """Each key's value, None for a miss (absent, or its node failed or is open)."""
+        return self._each_node(keys, lambda pipe, key: pipe.get(key), lambda reply: reply
+                               if isinstance(reply, bytes) else None, None)
+
+    def exists(self, keys: Sequence[bytes]) -> list[bool]:
+        return self._each_node(keys, lambda pipe, key: pipe.exists(key), lambda reply: reply == 1, False)
+
+    def set(self, items: Sequence[tuple[bytes, bytes]], ttl_s: int = 0) -> list[bool]:
+        """SET each (key, value), with a TTL when `ttl_s`; True where the node took it."""
+        values = dict(items)
+        return self._each_node([key for key, _ in items],
+                               lambda pipe, key: pipe.set(key, values[key], ex=ttl_s or None),
+                               lambda reply: reply is True, False)
+
+    def health(self) -> StoreHealth:
+        with self._lock:
+            nodes = list(self._nodes.values())
+        states = [node.breaker.state for node in nodes] + [self._seeds.state]
+        num_open = sum(state is BreakerState.OPEN for state in states[:-1])
+        worst = (BreakerState.OPEN if BreakerState.OPEN in states else
+                 BreakerState.HALF_OPEN if BreakerState.HALF_OPEN in states else BreakerState.CLOSED)
+        return StoreHealth(self.mode, worst, len(nodes), num_open, self.num_errors,
+                           sum(node.breaker.num_opened for node in nodes) + self._seeds.num_opened)
+
+    def close(self) -> None:
+        self._parallel.shutdown(wait=True)
+        with self._lock:
+            nodes, self._nodes = list(self._nodes.values()), {}
+        for node in nodes:
+            node.client.close()
+
+    # ----------------------------------------------------------------------------- routing
+
+    def _each_node(self, keys: Sequence[bytes], command: Callable, parse: Callable, failed):
+        """Run `command(pipe, key)` for every key, one pipeline per owning node; `parse` each
+        reply; a key whose node gave no reply gets `failed`."""
+        results = [failed] * len(keys)
+        groups = self._group(keys)
+        if not groups:
+            return results
+
+        def run(node: StoreNode, positions: list[int]) -> None:
+            if not node.breaker.allow():
+                return
+            pipe = node.client.pipeline(transaction=False)
+            for position in positions:
+                command(pipe, keys[position])
+            try:
+                replies = pipe.execute(raise_on_error=False)
+            except (redis.RedisError, OSError) as e:
+                self._node_failed(node, e)
+                return
+            node.breaker.succeeded()
+            for position, reply in zip(positions, replies):
+                if isinstance(reply, redis.ResponseError):
+                    self._reply_error(node, reply)
+                else:
+                    results[position] = parse(reply)
+
+        if len(groups) == 1:
+            run(*next(iter(groups.items())))
+        else:
+            for future in [self._parallel.submit(run, node, positions) for node, positions in groups.items()]:
+                future.result()
+        return results
+
+    def _group(self, keys: Sequence[bytes]) -> dict[StoreNode, list[int]]:
+        """Positions of `keys` by the node that owns them; {} while no seed answers."""
+        slot_nodes = self._slot_table()
+        if slot_nodes is None:
+            return {}
+        groups: dict[StoreNode, list[int]] = {}
+        single = slot_nodes[0] if self.mode == "single" else None
+        for position, key in enumerate(keys):
+            node = single or slot_nodes[key_slot(key)]
+            if node is not None:  # a slot no master serves: a miss
+                groups.setdefault(node, []).append(position)
+        return groups
+
+    def _slot_table(self) -> list[StoreNode | None] | None:
+        with self._lock:
+            table = self._slot_nodes
+        if table is not None or not self._seeds.allow():
+            return table
+        try:
+            table = self._read_topology()
+        except (redis.RedisError, OSError) as e:
+            self._seeds.failed()
+            self.num_errors += 1
+            log.warning("T3 store unreachable at %s: %s", _names(self.config.endpoints), e)
+            return None
+        self._seeds.succeeded()
+        with self._lock:
+            self._slot_nodes = table
+        return table
+
+    def _read_topology(self) -> list[StoreNode | None]:
+        """The slot table from the first seed (or known node) that answers."""
+        error: Exception | None = None
+        with self._lock:
+            known = [node.address for node in self._nodes.values()]
+        for address in dict.fromkeys([*self.config.endpoints, *known]):
+            node = self._node(address)
+            try:
+                if self.mode == "single":
+                    node.client.ping()
+                    return [node]
+                try:
+                    ranges = node.client.execute_command("CLUSTER SLOTS")
+                except redis.ResponseError as e:
+                    if self.config.mode == "auto" and "cluster support disabled" in str(e).lower():
+                        self.mode = "single"
+                        return [node]
+                    raise
+            except (redis.RedisError, OSError) as e:
+                error = e
+                continue
+            self.mode = "cluster"
+            table: list[StoreNode | None] = [None] * REDIS_CLUSTER_HASH_SLOTS
+            for first, last, master, *_ in ranges:
+                host = master[0].decode() if isinstance(master[0], bytes) else master[0]
+                owner = self._node((host or address[0], int(master[1])))
+                table[first:last + 1] = [owner] * (last - first + 1)
+            return table
+        raise error or redis.ConnectionError("no endpoints")
+
+    def _node(self, address: Address) -> StoreNode:
+        with self._lock:
+            node = self._nodes.get(address)
+            if node is None:
+                node = self._nodes[address] = StoreNode(address, self._client(address), CircuitBreaker(
+                    self.config.breaker_failures, self.config.breaker_open_s))
+            return node
+
+    def _client(self, address: Address) -> redis.Redis:
+        config = self.config
+        tls = {}
+        if config.tls:
+            tls = dict(ssl=True, ssl_ca_certs=config.tls_ca_file or None, ssl_certfile=config.tls_cert_file or None,
+                       ssl_keyfile=config.tls_key_file or None)
+        return redis.Redis(host=address[0], port=address[1], username=config.username or None,
+                           password=config.password or None, socket_timeout=config.timeout_s,
+                           socket_connect_timeout=config.timeout_s, retry=Retry(NoBackoff(), 0),
+                           socket_read_size=1 << 20, **tls)
+
+    def _node_failed(self, node: StoreNode, error: BaseException) -> None:
+        self.num_errors += 1
+        was_open = node.breaker.state is BreakerState.OPEN
+        node.breaker.failed()
+        if not was_open and node.breaker.state is BreakerState.OPEN:
+            log.warning("T3 node %s:%d failing (%s): its keys are misses for %.0f s", *node.address,
+                        type(error).__name__, self.config.breaker_open_s)
+
+    def _reply_error(self, node: StoreNode, error: redis.ResponseError) -> None:
+        text = str(error)
+        if text.startswith(("MOVED", "ASK", "CLUSTERDOWN")):
+            with self._lock:
+                self._slot_nodes = None  # read the slot table again on the next call
+        elif text.startswith(("NOAUTH", "WRONGPASS", "NOPERM")):
+            self._node_failed(node, error)
+        self.num_errors += 1
+
+
+def _names(endpoints) -> str:
+    return ",".join(f"{host}:{port}" for host, port in endpoints)

@@ -1,0 +1,179 @@
+"""T3 of one layout: blocks in the shared store, one object per block, verified on every read.
+
+Keys: `<key_prefix>:<layout digest hex>:<tenant tag hex>:<client hash hex>` (bytes). The layout
+digest (block_frame.layout_digest) covers the layout and the codec, so daemons with different
+layouts never read each other's values; the tenant's tag is in every key, so another tenant's
+prefix is a plain miss on every node; no hash tag, so a chain spreads over all the store's slots.
+
+Reads: `probe` counts the chain's leading keys present (EXISTS, one pipeline per node: Lookup);
+`load` GETs the chain and verifies each value against the block asked for (block_frame.py). The
+first value missing, short, of another layout, another chain or with a bad checksum ends the run:
+the blocks before it are hits, it and the rest are misses, and a bad value is counted by reason.
+Writes go through RemoteWrites (bounded; dropped beyond the backlog). Capacity and eviction are
+the store's (maxmemory + an allkeys-* policy); a key the store dropped is a miss.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import threading
+from collections.abc import Sequence
+
+import torch
+
+from kvtierd.daemon_key import TAG_BYTES
+from kvtierd.index.slot_index import BlockMeta
+from kvtierd.layout import Layout
+from kvtierd.movers.copy_engine import Bandwidth
+from kvtierd.t3.block_frame import FrameMismatch, frame_block, layout_digest, read_frame
+from kvtierd.t3.redis_store import RedisStore
+from kvtierd.t3.remote_writes import RemoteWrites
+
+MAX_KNOWN_KEYS = 1 << 16  # keys recently written or read: not written again
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class RemoteTierStats:
+    """One layout's T3 traffic since start (the store-wide breaker state is RedisStore.health)."""
+
+    codec: str
+    num_hit_blocks: int  # blocks read, verified and loaded
+    num_miss_blocks: int  # blocks asked for and not found (absent, dropped, node down)
+    num_corrupt_blocks: int  # values found but refused by the frame check
+    corrupt_reasons: dict[str, int]
+    num_written_blocks: int
+    num_failed_writes: int  # frames the store did not take
+    num_dropped_writes: int  # frames dropped because the write backlog was full
+    read_bytes: int
+    written_bytes: int
+    write_backlog_bytes: int
+    read_bytes_per_s: float
+    write_bytes_per_s: float
+
+
+class RemoteTier:
+    def __init__(self, store: RedisStore, layout: Layout, codec_name: str, slot_nbytes: int) -> None:
+        config = store.config
+        self.store = store
+        self.codec_name = codec_name
+        self.slot_nbytes = slot_nbytes
+        self.digest = layout_digest(layout, codec_name)
+        self._key_head = f"{config.key_prefix}:{self.digest.hex()}:".encode()
+        self.ttl_s = config.ttl_s
+        self.read = Bandwidth(0.5e9)  # measured GETs, for cost-aware hits
+        self.write = Bandwidth(0.5e9)
+        self._lock = threading.Lock()
+        self._known: collections.OrderedDict[bytes, None] = collections.OrderedDict()
+        self._counts = collections.Counter()
+        self._corrupt = collections.Counter()
+        self.writes = RemoteWrites(self._write, config.max_write_backlog_bytes, self._written)
+
+    def key(self, block_hash: bytes) -> bytes:
+        """The store key of a daemon key (tenant tag + client hash)."""
+        tag, client_hash = block_hash[:TAG_BYTES], block_hash[TAG_BYTES:]
+        return b"%s%s:%s" % (self._key_head, tag.hex().encode(), client_hash.hex().encode())
+
+    # ----------------------------------------------------------------------------- reads
+
+    def probe(self, block_hashes: Sequence[bytes]) -> int:
+        """How many leading blocks of the chain the store holds (not verified until `load`)."""
+        if not block_hashes:
+            return 0
+        present = self.store.exists([self.key(h) for h in block_hashes])
+        return next((i for i, here in enumerate(present) if not here), len(present))
+
+    def load(self, block_hashes: Sequence[bytes], parent: bytes | None, token_bytes: bytes | None,
+             block_size: int) -> tuple[list[BlockMeta], list[memoryview]]:
+        """GET the chain's blocks (one pipeline per node) and verify them in order: the metas of
+        the leading blocks that passed (token ids from their frames) and views of their payloads.
+        `parent`: the first block's parent; None when the caller does not know it (a chain's first
+        block: the index has no fixed root), which then comes from the frame."""
+        if not block_hashes:
+            return [], []
+        keys = [self.key(h) for h in block_hashes]
+        with self.read.measure(len(block_hashes) * self.slot_nbytes):
+            values = self.store.get(keys)
+        stride = 4 * block_size
+        metas: list[BlockMeta] = []
+        payloads: list[memoryview] = []
+        for i, (block_hash, value) in enumerate(zip(block_hashes, values)):
+            if value is None:
+                break
+            tokens = token_bytes[i * stride:(i + 1) * stride] if token_bytes is not None else None
+            try:
+                frame = read_frame(value, self.digest, block_hash, parent, self.slot_nbytes, tokens)
+            except FrameMismatch as e:
+                self._refused(block_hash, e.reason)
+                break
+            metas.append(BlockMeta(block_hash, frame.parent_hash, frame.token_ids))
+            payloads.append(frame.payload)
+            parent = block_hash
+        with self._lock:
+            self._counts["hit"] += len(metas)
+            self._counts["miss"] += len(block_hashes) - len(metas)
+            self._counts["read_bytes"] += sum(len(v) for v in values[:len(metas)])
+            for key in keys[:len(metas)]:
+                self._remember(key)
+        return metas, payloads
+
+    # ----------------------------------------------------------------------------- writes
+
+    def offer(self, metas: Sequence[BlockMeta], rows: torch.Tensor) -> int:
+        """Frame the blocks (copying `rows`, which the caller may reuse at once) and queue their
+        writes; returns how many were queued. Blocks written recently are skipped."""
+        assert rows.dtype == torch.uint8 and rows.shape[1] == self.slot_nbytes
+        items = []
+        with self._lock:
+            fresh = [(i, m, self.key(m.block_hash)) for i, m in enumerate(metas)]
+            fresh = [(i, m, key) for i, m, key in fresh if key not in self._known]
+        for i, meta, key in fresh:
+            items.append((key, frame_block(self.digest, meta.block_hash, meta.parent_hash, meta.token_ids,
+                                           rows[i].numpy())))
+        return self.writes.offer(items)
+
+    def _write(self, items: list[tuple[bytes, bytes]]) -> list[bool]:
+        with self.write.measure(sum(len(frame) for _, frame in items)):
+            return self.store.set(items, self.ttl_s)
+
+    def _written(self, items: list[tuple[bytes, bytes]], written: list[bool]) -> None:
+        with self._lock:
+            for (key, frame), ok in zip(items, written):
+                if ok:
+                    self._remember(key)
+                    self._counts["written"] += 1
+                    self._counts["written_bytes"] += len(frame)
+                else:
+                    self._counts["failed_writes"] += 1
+
+    def _remember(self, key: bytes) -> None:
+        """Under _lock."""
+        self._known[key] = None
+        self._known.move_to_end(key)
+        if len(self._known) > MAX_KNOWN_KEYS:
+            self._known.popitem(last=False)
+
+    def _refused(self, block_hash: bytes, reason: str) -> None:
+        with self._lock:
+            self._corrupt[reason] += 1
+            self._known.pop(self.key(block_hash), None)  # ours may be written again
+
+    # ----------------------------------------------------------------------------- state
+
+    def stats(self) -> RemoteTierStats:
+        with self._lock:
+            counts, corrupt = dict(self._counts), dict(self._corrupt)
+        return RemoteTierStats(
+            codec=self.codec_name, num_hit_blocks=counts.get("hit", 0), num_miss_blocks=counts.get("miss", 0),
+            num_corrupt_blocks=sum(corrupt.values()), corrupt_reasons=corrupt,
+            num_written_blocks=counts.get("written", 0), num_failed_writes=counts.get("failed_writes", 0),
+            num_dropped_writes=self.writes.num_dropped, read_bytes=counts.get("read_bytes", 0),
+            written_bytes=counts.get("written_bytes", 0), write_backlog_bytes=self.writes.backlog_bytes,
+            read_bytes_per_s=self.read.bytes_per_s, write_bytes_per_s=self.write.bytes_per_s)
+
+    def drain(self, timeout_s: float | None = None) -> bool:
+        """Until every queued write went out (or failed)."""
+        return self.writes.wait_idle(timeout_s)
+
+    def close(self) -> None:
+        self.writes.close()

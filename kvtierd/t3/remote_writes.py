@@ -1,0 +1,86 @@
+"""Writes to the shared store, bounded: a queue drained by one writer thread.
+
+`offer` never waits: the movers and the spill thread hand over framed blocks and go on. Frames
+queued or in flight hold at most `max_backlog_bytes`; a frame beyond that is dropped and counted
+(the store is a cache: a block not written is a later miss, never wrong bytes), so a slow or
+dead store costs memory up to the bound and nothing else. The writer batches what is queued,
+up to `batch_bytes`, into one call (one pipeline per store node).
+"""
+
+from __future__ import annotations
+
+import collections
+import logging
+import threading
+from collections.abc import Callable, Sequence
+
+log = logging.getLogger(__name__)
+
+
+class RemoteWrites:
+    def __init__(self, write: Callable[[list[tuple[bytes, bytes]]], list[bool]], max_backlog_bytes: int,
+                 on_written: Callable[[list[tuple[bytes, bytes]], list[bool]], None],
+                 batch_bytes: int = 64 << 20) -> None:
+        self.max_backlog_bytes = max_backlog_bytes
+        self.batch_bytes = batch_bytes
+        self._write = write
+        self._on_written = on_written
+        self._queue: collections.deque[tuple[bytes, bytes]] = collections.deque()
+        self._cond = threading.Condition()
+        self.backlog_bytes = 0  # queued + in flight; guarded by _cond
+        self._num_in_flight = 0
+        self.num_dropped = 0
+        self._closed = False
+        self._thread = threading.Thread(target=self._run, name="kvtierd-t3-writer", daemon=True)
+        self._thread.start()
+
+    def offer(self, items: Sequence[tuple[bytes, bytes]]) -> int:
+        """Queue (key, frame) pairs; returns how many were queued (the rest were dropped)."""
+        num_queued = 0
+        with self._cond:
+            for key, frame in items:
+                if self._closed or self.backlog_bytes + len(frame) > self.max_backlog_bytes:
+                    self.num_dropped += 1
+                    continue
+                self._queue.append((key, frame))
+                self.backlog_bytes += len(frame)
+                num_queued += 1
+            if num_queued:
+                self._cond.notify_all()
+        return num_queued
+
+    def wait_idle(self, timeout_s: float | None = None) -> bool:
+        """Until nothing is queued or in flight; False on timeout."""
+        with self._cond:
+            return self._cond.wait_for(lambda: not self._queue and not self._num_in_flight, timeout_s)
+
+    def close(self) -> None:
+        """Write what is queued, then stop the writer."""
+        with self._cond:
+            self._closed = True
+            self._cond.notify_all()
+        self._thread.join()
+
+    def _run(self) -> None:
+        while True:
+            with self._cond:
+                self._cond.wait_for(lambda: self._queue or self._closed)
+                if not self._queue:
+                    return
+                batch, nbytes = [], 0
+                while self._queue and (not batch or nbytes + len(self._queue[0][1]) <= self.batch_bytes):
+                    batch.append(self._queue.popleft())
+                    nbytes += len(batch[-1][1])
+                self._num_in_flight += len(batch)
+            try:
+                written = self._write(batch)
+            except Exception:  # the store reports its own failures as False; anything else is a bug
+                log.exception("writing %d blocks to the T3 store failed", len(batch))
+                written = [False] * len(batch)
+            try:
+                self._on_written(batch, written)
+            finally:
+                with self._cond:
+                    self._num_in_flight -= len(batch)
+                    self.backlog_bytes -= nbytes
+                    self._cond.notify_all()

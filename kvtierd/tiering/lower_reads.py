@@ -1,0 +1,103 @@
+"""Reads from below the host tier on their way up to T0: T2 (the SSD) and T3 (the shared store).
+
+Each read runs on a copy engine thread (it waits on a disk or the network, never on the event
+loop). The blocks read land in T1 as well when there is one (inclusive tiers), and the read
+leaves `segment.source`, the host rows the T0 upload decodes from: T1's own slots where T1 took
+every block in the same codec (the SSD reads into them directly, O_DIRECT without staging), else
+a host buffer. A block that did not come back (absent, refused by its checksum, a failed node)
+ends the segment there: `source` names only the leading blocks that did.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+
+from kvtierd.index.slot_index import BlockMeta, StorePlan
+from kvtierd.movers.block_codec import BlockCodec
+from kvtierd.tiering.offload import Offloader
+from kvtierd.tiering.tiers import Tiers
+
+
+@dataclasses.dataclass
+class Segment:
+    """One tier's part of a promotion; touched only on the finalizer thread once in flight."""
+
+    tier: str  # "t1", "t2" or "t3"
+    metas: list[BlockMeta]  # T3: candidates until read (token ids b"" when the caller sent none)
+    num_loaded: int | None = None  # None while in flight
+    source: tuple | None = None  # T2/T3, once read: (rows, row ids, codec) the upload decodes from
+
+
+class LowerReads:
+    def __init__(self, tiers: Tiers, offloader: Offloader) -> None:
+        self.tiers = tiers
+        self.offloader = offloader  # reserves T1 slots (spilling T1's victims by policy)
+
+    def read_t2(self, segment: Segment) -> None:
+        """Read the segment's blocks from T2 (verified by the SSD tier) and store them in T1."""
+        tiers = self.tiers
+        metas = segment.metas
+        hashes = [m.block_hash for m in metas]
+        host = tiers.host
+        plan = self._plan_t1(metas)
+        if plan is not None and len(plan.stores) == len(metas) and host.codec.name == tiers.ssd_codec.name:
+            slot_ids = [e.slot for e in plan.stores]
+            with tiers.ssd_read.measure(len(metas) * tiers.ssd_codec.slot_nbytes):
+                num_read = tiers.ssd.load(hashes, [host.slots[s] for s in slot_ids], parent=metas[0].parent_hash)
+            host.index.complete_store(plan.stores[:num_read], success=True)
+            host.index.complete_store(plan.stores[num_read:], success=False)
+            segment.source = (host.slots, slot_ids[:num_read], host.codec)
+        else:
+            raw = torch.empty((len(metas), tiers.ssd_codec.slot_nbytes), dtype=torch.uint8)
+            with tiers.ssd_read.measure(raw.numel()):
+                num_read = tiers.ssd.load(hashes, raw, parent=metas[0].parent_hash)
+            self._land(segment, metas[:num_read], raw[:num_read], tiers.ssd_codec, plan)
+        if num_read < len(metas):
+            tiers.counters.add("num_failed_load_blocks", len(metas) - num_read)
+
+    def read_t3(self, segment: Segment) -> None:
+        """GET the segment's candidates from T3 (each verified, block_frame.py) and store the
+        leading run that passed in T1; its metas replace the candidates' (token ids included)."""
+        tiers = self.tiers
+        candidates = segment.metas
+        if not candidates:
+            segment.source = (None, [], tiers.remote_codec)
+            return
+        stride = 4 * tiers.layout.block_size
+        known_tokens = all(len(m.token_ids) == stride for m in candidates)
+        metas, payloads = tiers.remote.load([m.block_hash for m in candidates], candidates[0].parent_hash,
+                                            b"".join(m.token_ids for m in candidates) if known_tokens else None,
+                                            tiers.layout.block_size)
+        segment.metas = metas + candidates[len(metas):]
+        raw = torch.empty((len(metas), tiers.remote_codec.slot_nbytes), dtype=torch.uint8)
+        for row, payload in zip(raw.numpy(), payloads):
+            row[:] = payload
+        self._land(segment, metas, raw, tiers.remote_codec, self._plan_t1(metas) if metas else None)
+
+    def _plan_t1(self, metas: list[BlockMeta]) -> StorePlan | None:
+        """T1 slots for blocks on their way up (None without T1), T1's victims spilled first."""
+        if self.tiers.host is None:
+            return None
+        plan = self.offloader.prepare_t1_store(metas)
+        self.offloader.spill_t1_victims(plan)
+        return plan
+
+    def _land(self, segment: Segment, metas: list[BlockMeta], rows: torch.Tensor, codec: BlockCodec,
+              plan: StorePlan | None) -> None:
+        """Store the leading blocks read (`rows`, in `codec`) in T1's reserved slots, give back the
+        slots of those that did not come, and set the rows the upload decodes from."""
+        host = self.tiers.host
+        if host is None:
+            segment.source = (rows, list(range(len(metas))), codec)
+            return
+        rows = self.tiers.recoded_for_t1(codec, rows)
+        row_of = {m.block_hash: i for i, m in enumerate(metas)}
+        stored = [e for e in plan.stores if e.block_hash in row_of] if plan is not None else []
+        for entry in stored:
+            host.slots[entry.slot].copy_(rows[row_of[entry.block_hash]])
+        if plan is not None:
+            host.index.complete_store(stored, success=True)
+            host.index.complete_store([e for e in plan.stores if e.block_hash not in row_of], success=False)
+        segment.source = (rows, list(range(len(metas))), host.codec)
