@@ -246,7 +246,8 @@ class BlockIndex:
                 first = self.hash_to_blocks.first
                 for block in stored:
                     if first[block.block_hash] is block:  # the first copy: the hash became cached here
-                        self._events.put(BlockStored(block.block_hash, block.parent_hash, block.block_id))
+                        self._events.put(BlockStored(block.block_hash, block.parent_hash, block.block_id,
+                                                     block.token_ids))
             return num_already_held + len(stored)
 
     def free(self, request_id: RequestId) -> None:

@@ -1,7 +1,9 @@
-"""Events of the block index, for prefix-aware routers: what became cached and what left.
+"""Events of the block indexes, for prefix-aware routers: what became cached and what left.
 
 One pair per hash, not per copy: BlockStored when the first block holding a hash is committed,
-BlockRemoved when the last one leaves, so a router that keeps a set of hashes stays exact.
+BlockRemoved when the last one leaves, so a router that keeps a set of hashes stays exact. The
+device tier's BlockIndex queues them; a lower tier's SlotIndex does too once its events are
+enabled (only while the KV event publisher is on), with the slot in `block_id`.
 """
 
 from __future__ import annotations
@@ -14,16 +16,17 @@ from kvtierd.block_hash import BlockHash
 
 @dataclasses.dataclass(frozen=True, slots=True)
 class BlockStored:
-    """`block_hash` became cached in the device tier: its first copy, in block `block_id`."""
+    """`block_hash` became cached in the tier: its first copy, in block (or slot) `block_id`."""
 
     block_hash: BlockHash
     parent_hash: BlockHash | None
     block_id: int
+    token_ids: bytes | None = None  # the block's tokens, packed u32 (what routers hash)
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
 class BlockRemoved:
-    """The device tier no longer holds `block_hash`: its last copy was evicted or dropped."""
+    """The tier no longer holds `block_hash`: its last copy was evicted or dropped."""
 
     block_hash: BlockHash
 

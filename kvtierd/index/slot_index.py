@@ -12,6 +12,10 @@ first. Operations that move bytes are two-phase, so a slot in flight is never ev
 - `prepare_load(hashes)` pins the leading READY hits, which leave the LRU order while pinned.
   `unpin(entries)` gives the pins back (also those of `pin_present`, a copy further down); the
   last one puts an entry back as most recently used.
+
+Events (off unless `enable_events`, which the KV event publisher calls): BlockStored when a store
+completes, BlockRemoved when a READY entry leaves (evicted, removed); a failed store, never seen,
+sends nothing. Queued under the lock and taken atomically with `take_events`.
 """
 
 from __future__ import annotations
@@ -24,6 +28,7 @@ from collections.abc import Callable, Sequence
 
 from kvtierd.block_hash import BlockHash
 from kvtierd.errors import InvalidArgument
+from kvtierd.index.index_events import BlockRemoved, BlockStored, EventQueue, IndexEvent
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -89,6 +94,7 @@ class SlotIndex:
         self._max_slots_of: Callable[[bytes], int | None] = lambda owner: None
         self._num_slots_by_owner: collections.Counter[bytes] = collections.Counter()
         self.num_quota_skips = 0  # blocks not stored: their owner was at its limit with nothing evictable
+        self._events: EventQueue | None = None  # set by enable_events
 
     # ----------------------------------------------------------------------------- queries
 
@@ -161,6 +167,7 @@ class SlotIndex:
                     continue
                 if victim is not None:
                     self._delete(victim.block_hash)
+                    self._removed(victim)
                     evicted.append(victim)
                     self.num_evictions += 1
                     slot = victim.slot
@@ -177,6 +184,8 @@ class SlotIndex:
                 if success:
                     entry.storing = False
                     self._lru[entry.block_hash] = entry
+                    if self._events is not None:
+                        self._events.put(_stored(entry))
                 else:
                     self._delete(entry.block_hash)
                     self._free_slots.append(entry.slot)
@@ -248,6 +257,7 @@ class SlotIndex:
                 if entry is None:
                     continue
                 self._delete(block_hash)
+                self._removed(entry)
                 self._free_slots.append(entry.slot)
                 removed.append(entry)
             return removed
@@ -260,10 +270,36 @@ class SlotIndex:
             while self._lru and len(evicted) < num_entries:
                 _, entry = self._lru.popitem(last=False)
                 self._delete(entry.block_hash)
+                self._removed(entry)
                 self._free_slots.append(entry.slot)
                 evicted.append(entry)
             self.num_evictions += len(evicted)
             return evicted
+
+    # ----------------------------------------------------------------------------- events
+
+    def enable_events(self, max_pending: int) -> None:
+        """Queue events from now on, at most `max_pending` (the oldest are dropped, counted); the
+        READY entries already here (restored from disk) are queued first, as stored, oldest first."""
+        with self._lock:
+            if self._events is None:
+                self._events = EventQueue(max_pending)
+                for entry in self._entries.values():
+                    if not entry.storing:
+                        self._events.put(_stored(entry))
+
+    def take_events(self) -> list[IndexEvent]:
+        """Every event since the last call, atomically; empty unless events were enabled."""
+        with self._lock:
+            return self._events.take() if self._events is not None else []
+
+    @property
+    def num_dropped_events(self) -> int:
+        return self._events.num_dropped if self._events is not None else 0
+
+    def _removed(self, entry: SlotEntry) -> None:
+        if self._events is not None and not entry.storing:
+            self._events.put(BlockRemoved(entry.block_hash))
 
     # ----------------------------------------------------------------------------- owners
 
@@ -307,6 +343,10 @@ class SlotIndex:
             hits.append(entry)
             parent = block_hash
         return hits
+
+
+def _stored(entry: SlotEntry) -> BlockStored:
+    return BlockStored(entry.block_hash, entry.meta.parent_hash, entry.slot, entry.meta.token_ids)
 
 
 def slots_within(limit_bytes: int | None, slot_stride_bytes: int) -> int | None:

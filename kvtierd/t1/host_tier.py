@@ -7,6 +7,7 @@ from collections.abc import Callable
 
 import torch
 
+from kvtierd.index.index_events import IndexEvent
 from kvtierd.index.slot_index import SlotIndex, slots_within
 from kvtierd.layout import Layout
 from kvtierd.movers.block_codec import make_codec
@@ -38,6 +39,13 @@ class HostTier:
     @property
     def used_bytes(self) -> int:
         return self.index.num_used_slots * self.slab.stride
+
+    def enable_events(self, max_pending: int) -> None:
+        """Queue stored/removed events of this tier (SlotIndex.enable_events), for the KV event feed."""
+        self.index.enable_events(max_pending)
+
+    def take_events(self) -> list[IndexEvent]:
+        return self.index.take_events()
 
     def set_owner_quota(self, owner_of, limit_bytes) -> None:
         """Per-owner byte limits (None = none), enforced in slots; see SlotIndex.set_owner_quota."""

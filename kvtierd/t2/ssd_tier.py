@@ -35,6 +35,7 @@ import torch
 import xxhash
 
 from kvtierd.errors import FailedPrecondition, InvalidArgument
+from kvtierd.index.index_events import IndexEvent
 from kvtierd.index.slot_index import BlockMeta, SlotEntry, SlotIndex, slots_within
 from kvtierd.layout import Layout
 from kvtierd.t2.ssd_config import SsdTierConfig, describe_error, lock_directory
@@ -150,6 +151,13 @@ class SsdTier:
     def metas(self, hashes: Sequence[bytes]) -> list[BlockMeta]:
         """The stored keys (hash, parent, token ids) of the leading held blocks named."""
         return self._index.metas(hashes)
+
+    def enable_events(self, max_pending: int) -> None:
+        """Queue stored/removed events of this tier (SlotIndex.enable_events), for the KV event feed."""
+        self._index.enable_events(max_pending)
+
+    def take_events(self) -> list[IndexEvent]:
+        return self._index.take_events()
 
     def set_owner_quota(self, owner_of, limit_bytes) -> None:
         """Per-owner byte limits (None = none), enforced in slots; see SlotIndex.set_owner_quota."""

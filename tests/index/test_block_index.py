@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 
+from kvtierd.block_hash import pack_token_ids
 from kvtierd.errors import FailedPrecondition, InvalidArgument, NotFound, ResourceExhausted
 from kvtierd.index.index_events import AllBlocksCleared, BlockRemoved, BlockStored
 from kvtierd.index.kv_block import BlockState
@@ -56,8 +57,10 @@ def test_commit_makes_a_full_block_shareable():
     assert [index.hash_to_block[h].block_id for h in chain] == [0, 1, 2]
     assert index.blocks[1].state is BlockState.IN_USE_SHAREABLE
     assert index.blocks[1].parent_hash == chain[0]
-    assert index.take_events() == [BlockStored(chain[0], NAMESPACE.root, 0), BlockStored(chain[1], chain[0], 1),
-                                   BlockStored(chain[2], chain[1], 2)]
+    packed = [pack_token_ids(PROMPT[i * BLOCK_SIZE:(i + 1) * BLOCK_SIZE]) for i in range(3)]
+    assert index.take_events() == [BlockStored(chain[0], NAMESPACE.root, 0, packed[0]),
+                                   BlockStored(chain[1], chain[0], 1, packed[1]),
+                                   BlockStored(chain[2], chain[1], 2, packed[2])]
 
 
 def test_free_walks_tail_first_and_keeps_content():

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import pytest
 
+from kvtierd.block_hash import pack_token_ids
 from kvtierd.index.hash_to_blocks import HashToBlocks
 from kvtierd.index.index_events import AllBlocksCleared, BlockRemoved, BlockStored
 from kvtierd.index.kv_block import BlockState, KVBlock
@@ -88,7 +89,7 @@ def test_a_second_writer_of_a_hash_commits_a_second_copy_that_queues_behind_the_
     assert ids(index.hash_to_blocks.copies(chain[0])) == [a0, b0] and index.hash_to_block[chain[0]].block_id == a0
     assert index.blocks[b0].state is BlockState.IN_USE_SHAREABLE
     assert index.num_cached_blocks == 1 and index.num_duplicate_blocks == 1 and index.cached_hashes() == [chain[0]]
-    assert index.take_events() == [BlockStored(chain[0], NAMESPACE.root, a0)]  # once per hash
+    assert index.take_events() == [BlockStored(chain[0], NAMESPACE.root, a0, pack_token_ids(PROMPT[:BLOCK_SIZE]))]
     index.free("a")
     index.free("b")
     assert index.allocate("c", chain[:1]).block_ids == [a0]  # a hit takes the oldest copy

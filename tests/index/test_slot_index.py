@@ -205,3 +205,38 @@ def test_owner_counts_follow_every_removal_and_a_zero_limit_stores_nothing():
     index.complete_store(failed.stores, success=False)
     assert index.num_slots_of(b"a") == 2
     assert store(index, owned(b"z", chain(1))).stores == []
+
+
+def test_events_are_off_until_enabled_then_stored_on_completion_and_removed_when_a_ready_entry_leaves():
+    """Per hash, strictly stored then removed: a failed store says nothing, an eviction or removal
+    of a READY entry says removed, and the entries already there are announced on enabling."""
+    from kvtierd.index.index_events import BlockRemoved, BlockStored
+
+    index = SlotIndex(3)
+    metas = chain(6)
+    store(index, metas[:1])
+    assert index.take_events() == []  # off
+    index.enable_events(max_pending=100)
+    assert index.take_events() == [BlockStored(metas[0].block_hash, metas[0].parent_hash, 0, metas[0].token_ids)]
+    store(index, metas[1:2], success=False)  # never visible: no event
+    store(index, metas[1:3])
+    assert index.take_events() == [BlockStored(m.block_hash, m.parent_hash, slot, m.token_ids)
+                                   for m, slot in zip(metas[1:3], (1, 2))]
+    store(index, metas[3:4])  # full: the least recently used (metas[0]) makes room
+    assert index.take_events() == [BlockRemoved(metas[0].block_hash),
+                                   BlockStored(metas[3].block_hash, metas[3].parent_hash, 0, metas[3].token_ids)]
+    pinned = index.prepare_load(hashes(metas[1:2]))
+    assert hashes(e.meta for e in index.remove(hashes(metas[1:3]))) == [metas[2].block_hash]
+    assert index.take_events() == [BlockRemoved(metas[2].block_hash)]  # metas[1] is pinned: it stays
+    index.unpin(pinned)
+    index.evict_lru(5)
+    assert sorted(index.take_events(), key=lambda e: e.block_hash) == sorted(
+        [BlockRemoved(metas[1].block_hash), BlockRemoved(metas[3].block_hash)], key=lambda e: e.block_hash)
+    assert index.take_events() == []
+
+
+def test_event_queue_is_bounded_and_counts_what_it_dropped():
+    index = SlotIndex(8)
+    index.enable_events(max_pending=3)
+    store(index, chain(5))
+    assert [e.block_id for e in index.take_events()] == [2, 3, 4] and index.num_dropped_events == 2

@@ -3,6 +3,7 @@ verification, O_DIRECT and its fallback, write errors."""
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import fcntl
 import logging
@@ -127,6 +128,29 @@ def test_restart_keeps_hits_bytes_and_lru_order(tmp_path):
         assert [load_bytes(tier, [h]) for h in kept] == [(1, [expected_bytes(h, 512)]) for h in kept]
     finally:
         tier.close()
+
+
+def test_events_announce_the_blocks_recovered_on_open_then_stores_and_evictions(tmp_path):
+    """After a restart, enabling events queues every recovered block as stored (a router learns
+    what T2 holds); a later store that evicts says removed then stored."""
+    from kvtierd.index.index_events import BlockRemoved, BlockStored
+
+    cfg = config(tmp_path, 4, high_watermark=1.0, low_watermark=1.0)
+    items = chain(5)
+    with contextlib.closing(SsdTier.open(cfg, LAYOUT)) as tier:
+        tier.store(items[:4])
+        assert tier.take_events() == []  # off by default
+    with contextlib.closing(SsdTier.open(cfg, LAYOUT)) as tier:
+        tier.enable_events(100)
+        recovered = tier.take_events()
+        assert sorted((e.block_hash, e.parent_hash, e.token_ids) for e in recovered) == sorted(
+            (m.block_hash, m.parent_hash, m.token_ids) for m, _ in items[:4])
+        assert all(isinstance(e, BlockStored) for e in recovered)
+        tier.store(items[4:])
+        removed, stored = tier.take_events()
+        assert isinstance(removed, BlockRemoved) and removed.block_hash in hashes(items[:4])
+        assert stored == BlockStored(items[4][0].block_hash, items[4][0].parent_hash, stored.block_id,
+                                     items[4][0].token_ids)
 
 
 def test_another_layouts_entries_are_dropped_on_open(tmp_path):
