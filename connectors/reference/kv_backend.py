@@ -29,6 +29,7 @@ class StartedSequence:
     num_t0_hit_tokens: int = 0
     num_t1_hit_tokens: int = 0
     num_t2_hit_tokens: int = 0
+    num_t3_hit_tokens: int = 0
 
 
 def num_blocks_for(num_tokens: int, block_size: int) -> int:

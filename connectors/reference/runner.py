@@ -56,10 +56,11 @@ class GenerationResult:
     num_t1_hit_tokens: int
     num_t2_hit_tokens: int
     step_logits: list[list[torch.Tensor]] | None = None  # per sample, the logits of each token, if recorded
+    num_t3_hit_tokens: int = 0  # loaded from the shared store
 
     @property
     def num_hit_tokens(self) -> int:
-        return self.num_t0_hit_tokens + self.num_t1_hit_tokens + self.num_t2_hit_tokens
+        return self.num_t0_hit_tokens + self.num_t1_hit_tokens + self.num_t2_hit_tokens + self.num_t3_hit_tokens
 
 
 @dataclasses.dataclass(slots=True)
@@ -107,7 +108,8 @@ class ReferenceRunner:
                 chunks.append(SequenceChunk(prompt[first:], first, started.block_ids, started.num_cached_tokens))
                 results.append(GenerationResult(
                     request.request_id, [], 0.0, len(prompt), len(prompt) - started.num_cached_tokens,
-                    started.num_t0_hit_tokens, started.num_t1_hit_tokens, started.num_t2_hit_tokens))
+                    started.num_t0_hit_tokens, started.num_t1_hit_tokens, started.num_t2_hit_tokens,
+                    num_t3_hit_tokens=started.num_t3_hit_tokens))
             logits = self.model.forward(ForwardBatch.build(chunks, self.block_size, self.model.device),
                                         self.backend.pool)
             for request, chunk, row, result in zip(requests, chunks, logits, results):

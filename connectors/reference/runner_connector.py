@@ -66,16 +66,17 @@ class KvtierdConnector:
         num_blocks = num_blocks_for(len(prompt_token_ids) + 1, block_size)
         acquired = self.session.acquire(request_id, block_hashes, num_blocks - len(block_hashes),
                                         prompt_token_ids[:len(block_hashes) * block_size])
-        num_loaded = acquired.num_t1_blocks + acquired.num_t2_blocks
+        num_loaded = acquired.num_loading_blocks
         num_ready = self.session.wait(request_id) if acquired.pending else acquired.num_t0_hit_blocks
         num_ready = min(num_ready, acquired.num_t0_hit_blocks + num_loaded)
         self._chains[request_id] = _Chain(extras, list(block_hashes[:num_ready]), list(acquired.block_ids))
         # Tier counts as the daemon reported them; a failed load (num_ready short) is recomputed.
         num_t1 = min(acquired.num_t1_blocks, max(0, num_ready - acquired.num_t0_hit_blocks))
-        num_t2 = max(0, num_ready - acquired.num_t0_hit_blocks - num_t1)
+        num_t2 = min(acquired.num_t2_blocks, max(0, num_ready - acquired.num_t0_hit_blocks - num_t1))
+        num_t3 = max(0, num_ready - acquired.num_t0_hit_blocks - num_t1 - num_t2)
         return StartedSequence(list(acquired.block_ids), min(num_ready * block_size, len(prompt_token_ids)),
                                min(num_ready, acquired.num_t0_hit_blocks) * block_size,
-                               num_t1 * block_size, num_t2 * block_size)
+                               num_t1 * block_size, num_t2 * block_size, num_t3 * block_size)
 
     def grow(self, request_id: str, num_blocks: int) -> list[int]:
         new_block_ids = self.session.append_blocks(request_id, num_blocks)

@@ -51,15 +51,16 @@ log = logging.getLogger(__name__)
 
 @dataclasses.dataclass(frozen=True, slots=True)
 class LookupHits:
-    """Leading blocks the daemon holds, by tier: T0's come first in the chain, then T1's, then T2's."""
+    """Leading blocks the daemon holds, by tier: T0's come first in the chain, then T1's, T2's, T3's."""
 
     num_t0_blocks: int = 0
     num_t1_blocks: int = 0
     num_t2_blocks: int = 0
+    num_t3_blocks: int = 0  # in the shared store: present when asked, verified when loaded
 
     @property
     def num_blocks(self) -> int:
-        return self.num_t0_blocks + self.num_t1_blocks + self.num_t2_blocks
+        return self.num_t0_blocks + self.num_t1_blocks + self.num_t2_blocks + self.num_t3_blocks
 
 
 NO_HITS = LookupHits()
@@ -84,7 +85,8 @@ def daemon_lookup(link: DaemonLink, *, prefetch: bool = True) -> LookupFn:
             link.failed(session, error)
             log.warning("kvtierd connector: lookup failed (%s: %s); counting no hit", type(error).__name__, error)
             return NO_HITS
-        return LookupHits(response.num_t0_blocks, response.num_t1_blocks, response.num_t2_blocks)
+        return LookupHits(response.num_t0_blocks, response.num_t1_blocks, response.num_t2_blocks,
+                          response.num_t3_blocks)
     return lookup
 
 
@@ -171,11 +173,12 @@ class SchedulerSide:
         return hits.num_blocks * block_size, tracked.load_async
 
     def hit_tokens_per_tier(self, request_id: str, num_external_tokens: int) -> tuple[int, int, int]:
-        """The leading `num_external_tokens` of the request's last lookup split over T0, T1, T2."""
+        """The leading `num_external_tokens` of the request's last lookup split over T0, T1, and
+        the tiers below (T2 and T3: storage, as vLLM's metrics see it)."""
         tracked = self._tracked.get(request_id)
         hits = tracked.hits if tracked is not None else NO_HITS
         split, left = [], num_external_tokens
-        for num_blocks in (hits.num_t0_blocks, hits.num_t1_blocks, hits.num_t2_blocks):
+        for num_blocks in (hits.num_t0_blocks, hits.num_t1_blocks, hits.num_t2_blocks + hits.num_t3_blocks):
             split.append(min(left, num_blocks * self.block_size))
             left -= split[-1]
         split[-1] += left  # tokens the lookup did not attribute (it never happens: they are its hits)

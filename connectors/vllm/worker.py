@@ -149,7 +149,7 @@ class WorkerSide:
                 self.link.failed(session, error)
                 log.warning("kvtierd connector: promotion for %s failed (%s: %s)", spec.request_id,
                             type(error).__name__, error)
-        num_hits = acquired.num_t0_hit_blocks + acquired.num_t1_blocks + acquired.num_t2_blocks
+        num_hits = acquired.num_t0_hit_blocks + acquired.num_loading_blocks
         num_ready = max(0, min(num_ready, num_hits, spec.num_blocks))
         event = None
         try:
@@ -195,7 +195,7 @@ class WorkerSide:
             log.warning("kvtierd connector: no store for %s (%s: %s)", spec.request_id, type(error).__name__, error)
             return
         try:
-            num_hits = acquired.num_t0_hit_blocks + acquired.num_t1_blocks + acquired.num_t2_blocks
+            num_hits = acquired.num_t0_hit_blocks + acquired.num_loading_blocks
             fresh_block_ids = acquired.block_ids[num_hits:spec.num_blocks]
             if fresh_block_ids:
                 self._copy_to_pool(spec.engine_block_ids[num_hits:], session.pool.tensor, fresh_block_ids, event)

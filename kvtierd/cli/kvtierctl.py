@@ -164,13 +164,15 @@ def run_against_daemon(args: argparse.Namespace) -> int:
             if args.wait is not None and result.draining:
                 return wait_for_sessions(client, args.wait)
             return 0
-        problems, notes = health_problems(client.stats())
+        stats = client.stats()
+        problems, notes = health_problems(stats)
         for line in problems:
             print(f"PROBLEM: {line}")
         for line in notes:
             print(f"note: {line}")
         if not problems:
-            print(f"healthy: {client.target} answers; no leaked blocks; no T2 errors")
+            print(f"healthy: {client.target} answers; no leaked blocks; no T2 errors"
+                  + ("; the shared store (T3) answers" if stats.remote.enabled else ""))
         return EXIT_PROBLEMS if problems else 0
 
 

@@ -35,6 +35,8 @@ class StatsView:
         s = self.stats
         lines = [f"kvtierd {s.version} at {address}: {s.num_sessions} sessions, "
                  f"{s.num_reclaimed_refs:,} block refs reclaimed from dead sessions"]
+        if s.remote.enabled:
+            lines.append(store_line(s.remote))
         if not s.pools:
             lines.append("no pools yet: a pool is created when the first client attaches a layout")
         for pool in s.pools:
@@ -44,6 +46,8 @@ class StatsView:
     def pool_lines(self, pool: pb.PoolStats) -> list[str]:
         layout, before = pool.layout, self._previous_pool(pool)
         hits = {t.tier: t.num_hit_blocks for t in pool.tiers}
+        if pool.HasField("t3"):
+            hits["t3"] = pool.t3.num_hit_blocks
         queries = pool.num_query_blocks
         rate = (f"hit rate {sum(hits.values()) / queries:.1%} of {queries * layout.block_size:,} query tokens ("
                 + ", ".join(f"{tier.upper()} {n / queries:.1%}" for tier, n in hits.items()) + ")"
@@ -76,7 +80,23 @@ class StatsView:
                      f"{pool.num_t2_io_errors:,} T2 I/O errors, {pool.num_failed_load_blocks:,} failed loads, "
                      f"{pool.num_failed_offload_blocks:,} failed offloads"
                      + ("" if pool.t2_admitting or not _has_t2(pool) else f"; T2 NOT admitting: {pool.t2_reason}"))
+        if pool.HasField("t3"):
+            t3 = pool.t3
+            lines.append(f"  t3 (shared store, {t3.codec}): {t3.num_hit_blocks:,} hit blocks "
+                         f"({format_bytes(t3.read_bytes)} read), {t3.num_miss_blocks:,} misses, "
+                         f"{t3.num_corrupt_blocks:,} refused values; {t3.num_written_blocks:,} written "
+                         f"({format_bytes(t3.written_bytes)}), {t3.num_dropped_writes:,} dropped, "
+                         f"{t3.num_failed_writes:,} failed, backlog {format_bytes(t3.write_backlog_bytes)}")
         return lines
+
+
+def store_line(remote: pb.RemoteStoreStats) -> str:
+    """The node's shared store (T3) in one line."""
+    state = {"closed": "serving", "open": "BREAKER OPEN", "half_open": "probing (half-open)"}.get(
+        remote.breaker_state, remote.breaker_state)
+    return (f"shared store (T3): {remote.mode}, {remote.num_nodes} nodes, {state}"
+            f"{f' ({remote.num_open_nodes} nodes open)' if remote.num_open_nodes else ''}; "
+            f"{remote.num_errors:,} failed calls, breakers opened {remote.num_breaker_opens:,} times")
 
 
 def _has_t2(pool: pb.PoolStats) -> bool:
@@ -112,6 +132,17 @@ def health_problems(stats: pb.StatsResponse) -> tuple[list[str], list[str]]:
         if pool.num_failed_load_blocks or pool.num_failed_offload_blocks:
             notes.append(f"{name}: {pool.num_failed_load_blocks:,} failed loads (recomputed), "
                          f"{pool.num_failed_offload_blocks:,} failed offloads")
+    remote = stats.remote
+    if remote.enabled and (remote.breaker_state == "open" or remote.mode == "unknown"):
+        problems.append(f"shared store (T3): {remote.num_open_nodes} of {remote.num_nodes} nodes unreachable"
+                        if remote.num_nodes and remote.mode != "unknown" else
+                        "shared store (T3) unreachable: no endpoint answered yet")
+    elif remote.enabled and remote.breaker_state == "half_open":
+        notes.append("shared store (T3): probing a node that failed (half-open)")
+    for pool in stats.pools:
+        if pool.HasField("t3") and pool.t3.num_corrupt_blocks:
+            notes.append(f"{pool.layout.model_id}: {pool.t3.num_corrupt_blocks:,} T3 values refused by their "
+                         "check (overwritten by another writer, or another layout): served as misses")
     if stats.num_reclaimed_refs:
         notes.append(f"{stats.num_reclaimed_refs:,} block refs were reclaimed from sessions that died or lost "
                      "their lease (runners that crashed: the daemon returned their blocks)")

@@ -4,8 +4,9 @@ retries, the mapping of gRPC errors onto kvtierd.errors, and the building of req
 Retry policy: a call is retried on UNAVAILABLE only (the daemon could not be reached), with
 exponential backoff (50 ms, 100 ms, 200 ms … capped at 1 s, jittered), at most `max_attempts`
 attempts, and never past the call's overall deadline. Every other code is final. Streams are
-retried only before any data has flowed (Get, Events before their first message; Put and
-KeepAlive never: their requests may come from a one-shot iterator).
+retried only before any data has flowed (Get before its first message; Put and KeepAlive never:
+their requests may come from a one-shot iterator), except Events, which resumes after the last
+event it delivered (EventsRequest.resume_after_seq; a LOST event says what the daemon no longer held).
 
 No call waits for a channel to become ready (no `wait_for_ready`): a daemon that is down fails
 every attempt at once, so the caller gets Unavailable in well under a second, not at the deadline.
@@ -47,7 +48,7 @@ GET_METHOD = "/kvtierd.v1.KvTier/Get"
 RETRY_BASE_S = 0.05
 RETRY_CAP_S = 1.0
 WAIT_MARGIN_S = 1.0  # Wait's RPC deadline is the daemon-side timeout plus this
-EVENTS_RETRY_WINDOW_S = 5.0  # how long Events retries UNAVAILABLE before its first event
+EVENTS_RETRY_WINDOW_S = 5.0  # how long Events retries UNAVAILABLE, from its start or its last event
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -72,6 +73,12 @@ class AcquireResult:
     num_t1_blocks: int
     num_t2_blocks: int
     pending: bool
+    num_t3_blocks: int = 0  # being loaded from the shared store: Wait says how many landed
+
+    @property
+    def num_loading_blocks(self) -> int:
+        """Blocks after the T0 hits being loaded from the lower tiers."""
+        return self.num_t1_blocks + self.num_t2_blocks + self.num_t3_blocks
 
 
 def default_target() -> str:
@@ -180,8 +187,12 @@ def get_request(layout: Layout, block_hashes: Sequence[bytes], token_ids: TokenI
                          token_ids=optional_tokens(token_ids))
 
 
-def events_request(layout: Layout | None) -> pb.EventsRequest:
-    return pb.EventsRequest() if layout is None else pb.EventsRequest(layout=layout_to_proto(layout))
+def events_request(layout: Layout | None, resume_after_seq: int | None = None, feed_id: int = 0) -> pb.EventsRequest:
+    request = pb.EventsRequest() if layout is None else pb.EventsRequest(layout=layout_to_proto(layout))
+    if resume_after_seq is not None:
+        request.resume_after_seq = resume_after_seq
+        request.feed_id = feed_id
+    return request
 
 
 OPERATION_TIMEOUT_S = 120.0  # Evict may copy a pool's worth of blocks down before it answers
@@ -279,7 +290,8 @@ class SessionBase:
                                     block_hashes=hash_list(block_hashes), token_ids=optional_tokens(token_ids),
                                     num_extra_blocks=num_extra_blocks)
         return Call("Acquire", request, lambda r: AcquireResult(list(r.block_ids), r.num_t0_hit_blocks,
-                                                           r.num_t1_blocks, r.num_t2_blocks, r.pending))
+                                                           r.num_t1_blocks, r.num_t2_blocks, r.pending,
+                                                           r.num_t3_blocks))
 
     def _wait(self, request_id, timeout_s: float | None, default_timeout_s: float) -> Call:
         """The daemon waits `timeout_s` (None: the client's timeout); the RPC deadline adds a margin."""
@@ -316,13 +328,29 @@ class SessionBase:
 
 
 class EventStreamBase:
-    """What the blocking and asyncio event streams share: the call, and its retry before the
-    first event (UNAVAILABLE is retried like a unary call until an event has arrived)."""
+    """What the blocking and asyncio event streams share: the call, and its retry: UNAVAILABLE is
+    retried like a unary call, and once an event has arrived the new call resumes after it
+    (`last_seq`, `feed_id`: pass them to `events()` to resume in another process)."""
 
     def __init__(self, client: ClientBase, request: pb.EventsRequest, timeout_s: float | None) -> None:
         self._client = client
-        self._open = lambda: client._stub.Events(request, timeout=timeout_s, metadata=client._metadata)
+        self._request = request
+        self._timeout_s = timeout_s
+        self.last_seq: int | None = request.resume_after_seq if request.HasField("resume_after_seq") else None
+        self.feed_id = request.feed_id
         self._retry = Retry(client.max_attempts, EVENTS_RETRY_WINDOW_S)
-        self._received = False
         self._cancelled = False
         self._call = self._open()
+
+    def _open(self):
+        request = pb.EventsRequest()
+        request.CopyFrom(self._request)
+        if self.last_seq is not None:
+            request.resume_after_seq, request.feed_id = self.last_seq, self.feed_id
+        return self._client._stub.Events(request, timeout=self._timeout_s, metadata=self._client._metadata)
+
+    def _delivered(self, event: pb.Event) -> pb.Event:
+        """Note where the stream is; a later outage gets a retry budget of its own."""
+        self.last_seq, self.feed_id = event.seq, event.feed_id
+        self._retry = Retry(self._client.max_attempts, EVENTS_RETRY_WINDOW_S)
+        return event

@@ -123,6 +123,10 @@ class DaemonMetrics:
         assert block_size_tokens > 0 and bytes_per_block > 0, (block_size_tokens, bytes_per_block)  # from a Layout
         self._tiers.add_pool(model_id, PoolSource(block_size_tokens, bytes_per_block, stats))
 
+    def add_store_source(self, health: Callable[[], object]) -> None:
+        """Report the node's shared store (T3) at every scrape from `health()` (RedisStore.health)."""
+        self._tiers.store_health = health
+
     def add_tenant_source(self, usage_rows: Callable[[], list[dict]], quota_of) -> None:
         """Report per-tenant usage and quotas at every scrape (tenant_metrics.py)."""
         from kvtierd.metrics.tenant_metrics import TenantCollector

@@ -90,6 +90,30 @@ _FAMILIES: dict[str, tuple[type, str, str, tuple[str, ...]]] = {
     "ssd_io_errors": (CounterMetricFamily, "kvtierd_ssd_io_errors", "SSD read or write errors.", ()),
     "ssd_admitting": (GaugeMetricFamily, "kvtierd_ssd_admitting",
                       "1 while the SSD tier accepts new blocks, 0 after it stopped (disk full, I/O error).", ()),
+    "t3_hits": (CounterMetricFamily, "kvtierd_t3_hit_blocks", "Blocks read from the shared store, verified and "
+                "loaded.", ()),
+    "t3_misses": (CounterMetricFamily, "kvtierd_t3_miss_blocks",
+                  "Blocks asked of the shared store and not loaded (absent, dropped, a node down, refused).", ()),
+    "t3_corrupt": (CounterMetricFamily, "kvtierd_t3_corrupt_blocks",
+                   "Shared-store values refused by the frame check (another layout or chain, short, bad checksum).",
+                   ()),
+    "t3_read_bytes": (CounterMetricFamily, "kvtierd_t3_read_bytes", "Value bytes read from the shared store.", ()),
+    "t3_written_bytes": (CounterMetricFamily, "kvtierd_t3_written_bytes", "Value bytes the shared store took.", ()),
+    "t3_written": (CounterMetricFamily, "kvtierd_t3_written_blocks", "Blocks the shared store took.", ()),
+    "t3_failed_writes": (CounterMetricFamily, "kvtierd_t3_failed_writes",
+                         "Writes the shared store did not take (a node failed or its breaker was open).", ()),
+    "t3_dropped_writes": (CounterMetricFamily, "kvtierd_t3_dropped_writes",
+                          "Writes dropped because the bounded write backlog was full.", ()),
+    "t3_backlog": (GaugeMetricFamily, "kvtierd_t3_write_backlog_bytes", "Bytes queued or in flight to the shared "
+                   "store.", ()),
+}
+# The node's shared store, no model label: name → (family kind, help)
+_STORE_FAMILIES: dict[str, tuple[type, str]] = {
+    "kvtierd_t3_breaker_open": (GaugeMetricFamily, "1 while any shared-store node's circuit breaker is open (its "
+                                "keys are misses), else 0."),
+    "kvtierd_t3_open_nodes": (GaugeMetricFamily, "Shared-store nodes whose circuit breaker is open."),
+    "kvtierd_t3_nodes": (GaugeMetricFamily, "Shared-store nodes known from the slot table."),
+    "kvtierd_t3_errors": (CounterMetricFamily, "Calls to a shared-store node that failed."),
 }
 
 
@@ -100,6 +124,7 @@ class TierCollector:
         self._lock = threading.Lock()  # guards the two dicts below, never held while calling stats()
         self._pools: dict[str, PoolSource] = {}
         self._observers: dict[str, list[IndexCounts]] = {}
+        self.store_health: Callable[[], object] | None = None  # RedisStore.health of the node's T3, if any
 
     def add_pool(self, model_id: str, source: PoolSource) -> None:
         with self._lock:
@@ -115,7 +140,17 @@ class TierCollector:
             self._observers.setdefault(model_id, []).append(observer)
 
     def describe(self) -> list[Metric]:
-        return list(_new_families().values())
+        return list(_new_families().values()) + (self._store_metrics() if self.store_health else [])
+
+    def _store_metrics(self) -> list[Metric]:
+        families = {name: kind(name, help_text) for name, (kind, help_text) in _STORE_FAMILIES.items()}
+        if self.store_health is not None:
+            health = self.store_health()
+            families["kvtierd_t3_breaker_open"].add_metric([], 1 if health.state.value == "open" else 0)
+            families["kvtierd_t3_open_nodes"].add_metric([], health.num_open_nodes)
+            families["kvtierd_t3_nodes"].add_metric([], health.num_nodes)
+            families["kvtierd_t3_errors"].add_metric([], health.num_errors)
+        return list(families.values())
 
     def collect(self) -> Iterator[Metric]:
         with self._lock:
@@ -140,6 +175,8 @@ class TierCollector:
                 continue
             _add_pool(families, model, source, stats)
         yield from families.values()
+        if self.store_health is not None:
+            yield from self._store_metrics()
 
 
 def _new_families() -> dict[str, Metric]:
@@ -174,6 +211,15 @@ def _add_pool(families: dict[str, Metric], model: str, source: PoolSource, stats
         add("bandwidth", bytes_per_s, direction)
     for edge, num_blocks in stats.num_offloaded_blocks.items():
         add("offloaded_blocks", num_blocks, edge)
+    if (t3 := stats.t3) is not None:
+        add("hit_blocks", t3.num_hit_blocks, "t3")
+        add("hit_tokens", t3.num_hit_blocks * source.block_size_tokens, "t3")
+        for key, value in (("t3_hits", t3.num_hit_blocks), ("t3_misses", t3.num_miss_blocks),
+                           ("t3_corrupt", t3.num_corrupt_blocks), ("t3_read_bytes", t3.read_bytes),
+                           ("t3_written_bytes", t3.written_bytes), ("t3_written", t3.num_written_blocks),
+                           ("t3_failed_writes", t3.num_failed_writes), ("t3_dropped_writes", t3.num_dropped_writes),
+                           ("t3_backlog", t3.write_backlog_bytes)):
+            add(key, value)
     add("failed_loads", stats.num_failed_load_blocks)
     add("failed_offloads", stats.num_failed_offload_blocks)
     add("skipped_slow", stats.num_skipped_slow_blocks)

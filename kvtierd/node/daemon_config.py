@@ -27,6 +27,7 @@ from collections.abc import Iterable, Iterator, Mapping
 
 from kvtierd.endpoints import default_socket_path
 from kvtierd.errors import InvalidArgument
+from kvtierd.node.remote_section import RemoteSection, remote_summary
 from kvtierd.units import GiB, MiB, parse_bytes
 
 CODECS = ("raw", "fp8")
@@ -36,9 +37,12 @@ DURABILITY_POLICIES = ("fdatasync", "none")
 LOG_LEVELS = ("debug", "info", "warning", "error", "critical")
 EVENT_FORMATS = ("map", "array")  # vLLM KV events: tagged maps (vLLM #42892 on, 0.32 here), positional (older)
 EVENT_SALTS = ("tenant", "none")
+REMOTE_MODES = ("auto", "cluster", "single")
 CHOICES = {"pool.hash_algo": HASH_ALGOS, "host.codec": CODECS, "ssd.codec": CODECS,  # key -> its allowed values
            "ssd.durability": DURABILITY_POLICIES, "policy.t0_to_t1": EDGE_POLICIES,
-           "policy.t1_to_t2": EDGE_POLICIES, "events.format": EVENT_FORMATS, "events.salt": EVENT_SALTS,
+           "policy.t1_to_t2": EDGE_POLICIES, "policy.t1_to_t3": EDGE_POLICIES,
+           "policy.t2_to_t3": ("write_through", "off"), "remote.mode": REMOTE_MODES, "remote.codec": CODECS,
+           "events.format": EVENT_FORMATS, "events.salt": EVENT_SALTS,
            "log_level": LOG_LEVELS}
 CONFIG_ENV = "KVTIERD_CONFIG"  # names the config file when load_config gets no path
 FOREIGN_ENV_PREFIXES = ("KVTIERD_BENCH_", "KVTIERD_TOKEN",
@@ -99,6 +103,8 @@ class PolicyConfig:
     t0_to_t1: str = "on_evict"  # "write_through" | "on_evict" | "off"
     t1_to_t2: str = "write_through"  # "write_through" | "on_evict" | "off"
     recompute_s_per_token: float = 0.0  # seconds per token; 0 = always load lower-tier hits
+    t1_to_t3: str = "write_through"  # into T3 (with remote.endpoints): "write_through" | "on_evict" | "off"
+    t2_to_t3: str = "off"  # "write_through" | "off"
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -134,12 +140,13 @@ class DaemonConfig:
     ssd: SsdConfig = dataclasses.field(default_factory=SsdConfig)
     policy: PolicyConfig = dataclasses.field(default_factory=PolicyConfig)
     events: EventsConfig = dataclasses.field(default_factory=EventsConfig)
+    remote: RemoteSection = dataclasses.field(default_factory=RemoteSection)
     quotas: dict[str, Quota] = dataclasses.field(default_factory=dict)  # tenant -> quota
     log_level: str = "info"  # "debug" | "info" | "warning" | "error" | "critical"
 
 
 SECTIONS = {"server": ServerConfig, "pool": PoolConfig, "host": HostConfig, "ssd": SsdConfig, "policy": PolicyConfig,
-            "events": EventsConfig}
+            "events": EventsConfig, "remote": RemoteSection}
 # Dotted key -> type of its value (str, int, float or bool), for every key but the quotas.
 KEY_TYPES = {f"{section}.{field.name}": type(getattr(cls(), field.name))
              for section, cls in SECTIONS.items() for field in dataclasses.fields(cls)} | {"log_level": str}
@@ -265,6 +272,8 @@ def _validate(config: DaemonConfig) -> None:
         (re.fullmatch(r"auto|cpu|cuda(:\d+)?", pool.device),
          f"pool.device must be auto, cpu, cuda or cuda:N; got {pool.device!r}"),
         (config.policy.recompute_s_per_token >= 0, "policy.recompute_s_per_token must be >= 0 (0: always load)"),
+        (not (config.remote.password and config.remote.password_file),
+         "remote.password and remote.password_file: set one of them"),
     )
     for ok, message in rules + _events_rules(config.events):
         if not ok:
@@ -385,6 +394,7 @@ def config_lines(config: DaemonConfig) -> list[str]:
                  else "T2 ssd: off")
     recompute = (f"load a lower-tier hit only when faster than recomputing at {policy.recompute_s_per_token:g} s/token"
                  if policy.recompute_s_per_token > 0 else "always load lower-tier hits")
+    lines += remote_summary(config.remote, policy)
     lines.append(f"policy: T0->T1 {policy.t0_to_t1}, T1->T2 {policy.t1_to_t2}; {recompute}")
     lines.append(f"quotas: {len(config.quotas)} tenants" if config.quotas else "quotas: none (unlimited)")
     events = config.events

@@ -124,10 +124,13 @@ class PoolRegistry:
         return list(self._pools.values())
 
     def get_stored(self, layout: Layout) -> LayoutPool | None:
-        """The layout's pool, created when T2 has a directory for it: after a restart, T2 may hold
-        its blocks before any Attach or Put of it. None when neither exists. Blocking (opens T2)."""
+        """The layout's pool, created when T2 has a directory for it (after a restart, T2 may hold
+        its blocks before any Attach or Put of it) or when there is a shared store (T3 may hold
+        blocks another node put). None when neither exists. Blocking (opens T2)."""
         pool = self._pools.get(layout)
         settings = self.settings
+        if pool is None and self.remote_store is not None:
+            return self.get_or_create(layout)
         if pool is not None or not (settings.ssd_directory and settings.ssd_capacity_bytes):
             return pool
         if not os.path.isdir(os.path.join(settings.ssd_directory, layout_id(layout))):

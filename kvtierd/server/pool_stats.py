@@ -1,8 +1,11 @@
-"""A pool's part of the Stats response, from its TieringStats (tiering/tiering_stats.py), as proto."""
+"""A pool's part of the Stats response, from its TieringStats (tiering/tiering_stats.py), and
+the node's shared store (T3) part, as proto."""
 
 from __future__ import annotations
 
 from kvtierd.node.pools import LayoutPool
+from kvtierd.t3.redis_store import RedisStore
+from kvtierd.t3.remote_tier import RemoteTierStats
 from kvtierd.tiering.tiering_stats import TierUsage
 from kvtierd.v1 import kvtier_pb2 as pb
 from kvtierd.wire.conversions import layout_to_proto
@@ -28,4 +31,24 @@ def pool_stats(pool: LayoutPool) -> pb.PoolStats:
                         num_t2_io_errors=ssd.num_io_errors if ssd else 0,
                         num_failed_load_blocks=stats.num_failed_load_blocks,
                         num_failed_offload_blocks=stats.num_failed_offload_blocks,
-                        t2_admitting=ssd.admitting if ssd else False, t2_reason=ssd.reason if ssd else "")
+                        t2_admitting=ssd.admitting if ssd else False, t2_reason=ssd.reason if ssd else "",
+                        t3=remote_tier_message(stats.t3) if stats.t3 is not None else None)
+
+
+def remote_tier_message(t3: RemoteTierStats) -> pb.RemoteTierStats:
+    return pb.RemoteTierStats(
+        codec=t3.codec, num_hit_blocks=t3.num_hit_blocks, num_miss_blocks=t3.num_miss_blocks,
+        num_corrupt_blocks=t3.num_corrupt_blocks, num_written_blocks=t3.num_written_blocks,
+        num_failed_writes=t3.num_failed_writes, num_dropped_writes=t3.num_dropped_writes, read_bytes=t3.read_bytes,
+        written_bytes=t3.written_bytes, write_backlog_bytes=t3.write_backlog_bytes,
+        read_bytes_per_s=t3.read_bytes_per_s, write_bytes_per_s=t3.write_bytes_per_s)
+
+
+def remote_store_message(store: RedisStore | None) -> pb.RemoteStoreStats:
+    """The node's shared store: its breaker state over all nodes (disabled: enabled = False)."""
+    if store is None:
+        return pb.RemoteStoreStats(enabled=False)
+    health = store.health()
+    return pb.RemoteStoreStats(enabled=True, mode=health.mode, breaker_state=health.state.value,
+                               num_nodes=health.num_nodes, num_open_nodes=health.num_open_nodes,
+                               num_errors=health.num_errors, num_breaker_opens=health.num_opened)

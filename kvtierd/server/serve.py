@@ -31,12 +31,15 @@ from kvtierd.node.daemon_config import DaemonConfig, admin_tenant_names, config_
 from kvtierd.node.operations import Operations
 from kvtierd.node.pools import PoolRegistry, PoolSettings
 from kvtierd.node.quotas import QuotaBook
+from kvtierd.node.remote_section import remote_config_of
 from kvtierd.node.sessions import SessionTable
 from kvtierd.node.tenants import Authenticator, TokenBook
 from kvtierd.planning.capacity import PoolCapacity
 from kvtierd.server.event_feed import EventFeed
 from kvtierd.server.interceptor import StatusInterceptor
 from kvtierd.server.servicer import KvTierServicer
+from kvtierd.server.vllm_events import BatchEncoder, WireFormat
+from kvtierd.server.zmq_publisher import ZmqEventPublisher
 from kvtierd.tiering.tier_config import TierConfig
 from kvtierd.v1 import kvtier_pb2
 from kvtierd.wire.conversions import READ_CHUNK_OPTIONS
@@ -50,11 +53,13 @@ def pool_settings(config: DaemonConfig) -> PoolSettings:
     policy = config.policy
     tier_config = TierConfig(host_capacity_bytes=config.host.capacity_bytes, host_codec=config.host.codec,
                              ssd_codec=config.ssd.codec, t0_to_t1=policy.t0_to_t1, t1_to_t2=policy.t1_to_t2,
+                             t1_to_t3=policy.t1_to_t3, t2_to_t3=policy.t2_to_t3, remote_codec=config.remote.codec,
                              recompute_s_per_token=policy.recompute_s_per_token or None)
     return PoolSettings(t0_bytes=config.pool.t0_bytes, tier_config=tier_config, device=config.pool.device,
                         hash_algo=config.pool.hash_algo, ssd_directory=config.ssd.directory,
                         ssd_capacity_bytes=config.ssd.capacity_bytes, ssd_durability=config.ssd.durability,
-                        ssd_o_direct=config.ssd.o_direct, max_layouts=config.pool.max_layouts)
+                        ssd_o_direct=config.ssd.o_direct, max_layouts=config.pool.max_layouts,
+                        remote=remote_config_of(config.remote))
 
 
 def planning_lines(config: DaemonConfig, request_tokens: int = 8192) -> list[str]:
@@ -84,13 +89,17 @@ class Daemon:
         self.registry = PoolRegistry(pool_settings(config), self.metrics.index_observer, quotas)
         self.registry.on_created.append(lambda pool: self.metrics.add_pool_source(
             pool.layout.model_id, pool.layout.block_size, pool.layout.bytes_per_block, pool.manager.stats))
+        if self.registry.remote_store is not None:
+            self.metrics.add_store_source(self.registry.remote_store.health)
         self.sessions = SessionTable(server_config.lease_s, quotas, self.metrics.session_opened,
                                      self.metrics.session_closed)
-        self.feed = EventFeed(self.registry)
         known = [self.authenticator.socket_tenant.name, *config.quotas]
         if tokens is not None:
             known += tokens.tenant_names()
         self.operations = Operations(self.registry, self.sessions, admin_tenant_names(server_config), known)
+        self.publisher = kv_event_publisher(config, self.operations.name_of)
+        self.feed = EventFeed(self.registry, publisher=self.publisher, lower_tiers=config.events.lower_tiers)
+        self.registry.on_created.append(self.feed.enable_lower_tiers)
         self.metrics.add_tenant_source(self.operations.usage_rows, quotas.limits)
         self.health = health.aio.HealthServicer()
         self.server: grpc.aio.Server | None = None
@@ -104,6 +113,11 @@ class Daemon:
 
     async def start(self) -> None:
         server_config = self.config.server
+        if self.publisher is not None:
+            try:
+                self.publisher.start()
+            except OSError as e:
+                raise FailedPrecondition(f"cannot publish KV events: {e.strerror}; see the [events] section") from None
         limit = server_config.max_message_bytes
         self.server = grpc.aio.server(
             interceptors=[StatusInterceptor(self.authenticator, self.metrics.observe_rpc)],
@@ -181,6 +195,10 @@ class Daemon:
             lines.append(f"kvtierd: health checks on {self.health_address}")
         if self.metrics_port is not None:
             lines.append(f"kvtierd: metrics on http://{self.config.server.metrics_host}:{self.metrics_port}/metrics")
+        if self.publisher is not None:
+            lines.append(f"kvtierd: kv events on {self.publisher.endpoint}")
+            if self.publisher.replay_endpoint:
+                lines.append(f"kvtierd: kv event replay on {self.publisher.replay_endpoint}")
         lines.append(f"kvtierd: tenants from {self.authenticator.describe()}")
         return config_lines(self.config) + planning_lines(self.config) + lines
 
@@ -200,6 +218,9 @@ class Daemon:
             await self.health_server.stop(0)
         for task in self._tasks:
             task.cancel()
+        if self.publisher is not None:
+            self.feed.pump_once()  # what the last sessions' releases changed
+            await asyncio.to_thread(self.publisher.stop)
         num_refs = await self.sessions.close_all()
         if num_refs:
             log.info("released %d block references of sessions open at shutdown", num_refs)
@@ -208,6 +229,16 @@ class Daemon:
         if self.config.server.socket:
             with contextlib.suppress(FileNotFoundError):
                 os.unlink(self.config.server.socket)
+
+
+def kv_event_publisher(config: DaemonConfig, tenant_name) -> ZmqEventPublisher | None:
+    """The [events] section's ZMQ publisher (not started), or None when it is off."""
+    events = config.events
+    if not events.zmq_endpoint:
+        return None
+    wire = WireFormat(format=events.format, int_block_hashes=events.int_block_hashes, salt=events.salt)
+    return ZmqEventPublisher(BatchEncoder(wire, tenant_name), events.zmq_endpoint, events.replay_endpoint,
+                             events.topic, events.buffer_steps, events.max_queued_events, events.connect)
 
 
 def kvtier_handlers(servicer: KvTierServicer) -> grpc.GenericRpcHandler:

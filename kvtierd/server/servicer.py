@@ -14,6 +14,7 @@ blocks still being written back (tiering/write_backs.py) answers once their `wri
 from __future__ import annotations
 
 import asyncio
+import functools
 import itertools
 from collections.abc import Awaitable, Callable
 
@@ -28,7 +29,7 @@ from kvtierd.node.sessions import SessionLease, SessionTable
 from kvtierd.node.tenants import Tenant
 from kvtierd.server.event_feed import EventFeed
 from kvtierd.server.interceptor import current_tenant
-from kvtierd.server.pool_stats import pool_stats
+from kvtierd.server.pool_stats import pool_stats, remote_store_message
 from kvtierd.tiering.block_io import BlockGet, PutBlock
 from kvtierd.v1 import kvtier_pb2 as pb
 from kvtierd.v1 import kvtier_pb2_grpc
@@ -113,24 +114,29 @@ class KvTierServicer(kvtier_pb2_grpc.KvTierServicer):
     async def Lookup(self, request: pb.LookupRequest, context) -> pb.LookupResponse:
         session = self._session(request.session_id)
         keys = _keys(session.tenant, session.pool, request.block_hashes)
-        hits = session.pool.manager.lookup(keys, _tokens(request.token_ids), prefetch=request.prefetch)
-        return pb.LookupResponse(num_hit_blocks=hits.t0 + hits.t1 + hits.t2, num_t0_blocks=hits.t0,
-                                 num_t1_blocks=hits.t1, num_t2_blocks=hits.t2)
+        manager = session.pool.manager
+        lookup = functools.partial(manager.lookup, keys, _tokens(request.token_ids), prefetch=request.prefetch)
+        hits = await asyncio.to_thread(lookup) if manager.has_remote else lookup()  # T3: a network round trip
+        return pb.LookupResponse(num_hit_blocks=hits.t0 + hits.t1 + hits.t2 + hits.t3, num_t0_blocks=hits.t0,
+                                 num_t1_blocks=hits.t1, num_t2_blocks=hits.t2, num_t3_blocks=hits.t3)
 
     async def Acquire(self, request: pb.AcquireRequest, context) -> pb.AcquireResponse:
         session = self._session(request.session_id)
         session.check_new(request.request_id)
         keys = _keys(session.tenant, session.pool, request.block_hashes)
         self.sessions.check_quota(session, len(keys) + request.num_extra_blocks)
-        acquired = session.pool.manager.acquire(session.key(request.request_id), keys, request.num_extra_blocks,
-                                                _tokens(request.token_ids))
-        pending = acquired.num_t1_blocks + acquired.num_t2_blocks > 0
+        manager, request_key = session.pool.manager, session.key(request.request_id)
+        acquire = functools.partial(manager.acquire, request_key, keys, request.num_extra_blocks,
+                                    _tokens(request.token_ids))
+        acquired = (await _off_loop_owned(acquire, lambda _: manager.release(request_key)) if manager.has_remote
+                    else acquire())
+        pending = acquired.num_t1_blocks + acquired.num_t2_blocks + acquired.num_t3_blocks > 0
         self.sessions.hold(session, request.request_id, len(acquired.block_ids), acquired.ticket if pending else None)
         if acquired.writable is not None:  # evicted bytes still being copied down: the client writes after
             await asyncio.wrap_future(acquired.writable)
         return pb.AcquireResponse(block_ids=acquired.block_ids, num_t0_hit_blocks=acquired.num_t0_hit_blocks,
                                   num_t1_blocks=acquired.num_t1_blocks, num_t2_blocks=acquired.num_t2_blocks,
-                                  pending=pending)
+                                  num_t3_blocks=acquired.num_t3_blocks, pending=pending)
 
     async def Wait(self, request: pb.WaitRequest, context) -> pb.WaitResponse:
         if request.timeout_s < 0:
@@ -253,9 +259,10 @@ class KvTierServicer(kvtier_pb2_grpc.KvTierServicer):
         if pool is None:
             return
         quotas, bytes_per_block = self.sessions.quotas, pool.layout.bytes_per_block
-        get = pool.manager.start_get(("get", next(self._put_ids)), _keys(tenant, pool, request.block_hashes),
-                                     _tokens(request.token_ids),
-                                     lambda num_blocks: quotas.check(tenant.name, num_blocks * bytes_per_block))
+        start_get = functools.partial(pool.manager.start_get, ("get", next(self._put_ids)),
+                                      _keys(tenant, pool, request.block_hashes), _tokens(request.token_ids),
+                                      lambda num_blocks: quotas.check(tenant.name, num_blocks * bytes_per_block))
+        get = await _off_loop_owned(start_get, BlockGet.close) if pool.manager.has_remote else start_get()
         if get.future is None:
             return
         nbytes = get.num_blocks * bytes_per_block
@@ -286,7 +293,7 @@ class KvTierServicer(kvtier_pb2_grpc.KvTierServicer):
     async def Stats(self, request: pb.StatsRequest, context) -> pb.StatsResponse:
         return pb.StatsResponse(pools=[pool_stats(pool) for pool in self.registry.pools()],
                                 num_sessions=len(self.sessions), num_reclaimed_refs=self.sessions.num_reclaimed_refs,
-                                version=__version__)
+                                version=__version__, remote=remote_store_message(self.registry.remote_store))
 
     # ----------------------------------------------------------------------------- operations
 
@@ -312,12 +319,10 @@ class KvTierServicer(kvtier_pb2_grpc.KvTierServicer):
 
     async def Events(self, request: pb.EventsRequest, context):
         layout = layout_from_proto(request.layout) if request.HasField("layout") else None
-        subscriber = self.feed.subscribe(current_tenant(), layout)
-        try:
-            async for event in self._until_shutdown(subscriber.queue.get):
-                yield event
-        finally:
-            self.feed.unsubscribe(subscriber)
+        resume = request.resume_after_seq if request.HasField("resume_after_seq") else None
+        subscription = self.feed.subscribe(current_tenant(), layout, resume, request.feed_id)
+        async for event in self._until_shutdown(subscription.next):
+            yield event
 
     # ----------------------------------------------------------------------------- helpers
 
@@ -327,6 +332,21 @@ class KvTierServicer(kvtier_pb2_grpc.KvTierServicer):
     async def _pool(self, layout: Layout) -> LayoutPool:
         pool = self.registry.get(layout)
         return pool if pool is not None else await asyncio.to_thread(self.registry.get_or_create, layout)
+
+
+async def _off_loop_owned(work: Callable[[], object], undo: Callable[[object], None]):
+    """`work()` on a thread (it may wait on the shared store). When the call is cancelled while
+    it runs, `undo(result)` gives back what it took once it returns, on that thread."""
+    future = asyncio.get_running_loop().run_in_executor(None, work)
+    try:
+        return await asyncio.shield(future)
+    except asyncio.CancelledError:
+        def give_back(done: asyncio.Future) -> None:
+            if not done.cancelled() and done.exception() is None:
+                asyncio.get_running_loop().run_in_executor(None, undo, done.result())
+
+        future.add_done_callback(give_back)
+        raise
 
 
 def _encode_blocks(get: BlockGet, hashes: list[bytes], start: int) -> list[bytes]:

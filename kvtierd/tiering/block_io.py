@@ -111,14 +111,15 @@ class BlockGet:
               admit: Admit = lambda num_blocks: None) -> BlockGet:
         """Find the chain's prefix in the tiers and start promoting what lies below T0."""
         hits = manager.lookup(keys, token_ids)
-        num_hits = hits.t0 + hits.t1 + hits.t2
+        num_hits = hits.t0 + hits.t1 + hits.t2 + hits.t3
         num_misses = len(keys) - num_hits  # the hits are counted by acquire
         manager.tiers.counters.add("num_query_blocks", num_misses)
         manager.count_query(num_misses * manager.tiers.layout.block_size)
         if num_hits == 0:
             return cls(manager, request_id, None)
         admit(num_hits)
-        return cls(manager, request_id, manager.acquire(request_id, list(keys[:num_hits]), 0, token_ids))
+        return cls(manager, request_id, manager.acquire(request_id, list(keys[:num_hits]), 0, token_ids,
+                                                        num_t3_present=hits.t3))
 
     @property
     def future(self):

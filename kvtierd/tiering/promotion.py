@@ -107,7 +107,9 @@ class Promoter:
     # ----------------------------------------------------------------------------- acquire
 
     def acquire(self, request_id, block_hashes: list[bytes], num_extra_blocks: int = 0, token_ids=None,
-                recompute_s_per_token=_FROM_CONFIG) -> AcquiredBlocks:
+                recompute_s_per_token=_FROM_CONFIG, num_t3_present: int | None = None) -> AcquiredBlocks:
+        """`num_t3_present`: how many of the chain's blocks after the local hits the shared store
+        holds, when a lookup just asked (None: ask it)."""
         tiers = self.tiers
         cost = tiers.config.recompute_s_per_token if recompute_s_per_token is _FROM_CONFIG else recompute_s_per_token
         token_bytes = pack_token_ids(token_ids) if token_ids is not None else None
@@ -115,7 +117,8 @@ class Promoter:
         n0 = allocation.num_hit_blocks
         t1_entries = self._t1_hits(block_hashes, token_bytes, n0, cost)
         t2_metas = self._t2_hits(block_hashes, token_bytes, n0 + len(t1_entries), cost)
-        t3_metas = self._t3_hits(block_hashes, token_bytes, n0 + len(t1_entries) + len(t2_metas), cost)
+        t3_metas = self._t3_hits(block_hashes, token_bytes, n0 + len(t1_entries) + len(t2_metas), cost,
+                                 num_t3_present)
         tiers.counters.add("num_hit_blocks", n0, "t0")
         tiers.counters.add("num_query_blocks", len(block_hashes))
         writable = tiers.write_backs.when_landed(allocation.block_ids[n0:])

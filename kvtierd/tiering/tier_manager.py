@@ -2,8 +2,9 @@
 and the Put and Get use cases (block_io.py).
 
 Builds T0 (device pool + block index), T1 (host tier), T2 (SSD tier, optional), T3 (this
-layout's part of the node's shared store, optional) and the copy engine, and wires the T0 eviction hook to the offloader. Offload (down) is in offload.py,
-promotion (up) in promotion.py; this module only composes them.
+layout's part of the node's shared store, optional) and the copy engine, and wires the T0
+eviction hook to the offloader. Offload (down) is in offload.py, promotion (up) in promotion.py
+(T2 and T3 reads in lower_reads.py); this module only composes them.
 
 No method waits on a copy or a disk, except where it says so (release behind a promotion,
 prepare_write behind a write-back, Put's writes, close): the daemon calls those off its loop.

@@ -1,0 +1,143 @@
+"""Two daemons ("nodes": own sockets, pools, SSD directories) sharing one real Redis Cluster."""
+
+from __future__ import annotations
+
+import contextlib
+
+import pytest
+
+from kvtierd.client import KvtierClient
+from kvtierd.server.daemon_process import DaemonProcess, small_daemon_args, wait_until
+from tests.server.e2e_runner import LAYOUT, expected_block, prompt
+from tests.t3.redis_cluster import kill_node, owner_port
+
+pytestmark = pytest.mark.timeout(180)
+TOKENS = "acme a-token\nglobex g-token\n"
+
+
+def node_args(directory, seeds: str, *extra: str) -> list[str]:
+    """A small daemon on `seeds`, writing what it computes through to T1 and on to T3 at once."""
+    return small_daemon_args(str(directory), extra=[
+        "--tokens-file", str(directory.parent / "tokens"), "--set", f"remote.endpoints={seeds}",
+        "--set", "policy.t0_to_t1=write_through", "--set", "remote.timeout_s=0.3",
+        "--set", "remote.breaker_open_s=2", *extra])
+
+
+@contextlib.contextmanager
+def two_nodes(tmp_path, seeds: str, *extra: str):
+    (tmp_path / "tokens").write_text(TOKENS)
+    (tmp_path / "a").mkdir()
+    (tmp_path / "b").mkdir()
+    with DaemonProcess(node_args(tmp_path / "a", seeds, *extra)) as a, \
+            DaemonProcess(node_args(tmp_path / "b", seeds, *extra)) as b:
+        yield a, b
+
+
+def t3_stats(client: KvtierClient):
+    pools = [p for p in client.stats().pools if p.layout.model_id == LAYOUT.model_id]
+    return pools[0].t3 if pools else None
+
+
+def put_chain(client: KvtierClient, seed: int, num_tokens: int):
+    """Put a chain through `client`; wait until the shared store took every block."""
+    tokens = prompt(seed, num_tokens)
+    hashes = client.attach(LAYOUT).namespace.hash_blocks(tokens)
+    blocks = [(h, tokens[4 * i:4 * i + 4], expected_block(h, LAYOUT.bytes_per_block)) for i, h in enumerate(hashes)]
+    before = t3_stats(client).num_written_blocks if t3_stats(client) else 0
+    assert client.put(LAYOUT, blocks).num_blocks == len(blocks)
+    assert wait_until(lambda: t3_stats(client).num_written_blocks >= before + len(blocks), timeout_s=20)
+    return tokens, hashes
+
+
+def test_a_prefix_put_through_node_a_is_a_t3_hit_on_node_b_with_its_bytes(tmp_path, redis_cluster):
+    """Node B has nothing locally; Lookup finds the chain in T3 and Get returns node A's bytes."""
+    with two_nodes(tmp_path, redis_cluster.seeds) as (a, b), \
+            KvtierClient(a.address, token="a-token") as on_a, KvtierClient(b.address, token="a-token") as on_b:
+        tokens, hashes = put_chain(on_a, 1, 64)
+        lookup = on_b.attach(LAYOUT).lookup(hashes, token_ids=tokens)
+        assert (lookup.num_t0_blocks, lookup.num_t1_blocks, lookup.num_t2_blocks, lookup.num_t3_blocks) == (0, 0, 0, 16)
+        got = on_b.get(LAYOUT, hashes, token_ids=tokens)
+        assert [h for h, _ in got] == hashes
+        assert all(data == expected_block(h, LAYOUT.bytes_per_block) for h, data in got)
+        t3 = t3_stats(on_b)
+        assert (t3.num_hit_blocks, t3.num_corrupt_blocks) == (16, 0)
+        hit_tiers = {t.tier: t.num_hit_blocks for p in on_b.stats().pools for t in p.tiers}
+        assert hit_tiers["t0"] == 0  # every block came from the shared store
+
+
+def test_another_tenant_misses_on_every_node(tmp_path, redis_cluster):
+    """The tenant's tag is in every key: globex asking for acme's chain gets nothing, on A or B."""
+    with two_nodes(tmp_path, redis_cluster.seeds) as (a, b), \
+            KvtierClient(a.address, token="a-token") as acme, KvtierClient(b.address, token="g-token") as globex_b, \
+            KvtierClient(a.address, token="g-token") as globex_a:
+        tokens, hashes = put_chain(acme, 2, 32)
+        for globex in (globex_a, globex_b):
+            assert globex.attach(LAYOUT).lookup(hashes, token_ids=tokens).num_hit_blocks == 0
+            assert globex.get(LAYOUT, hashes, token_ids=tokens) == []
+
+
+def test_a_value_overwritten_in_the_store_is_a_miss_and_counted(tmp_path, redis_cluster):
+    """Another writer's bytes under a block's key: the chain ends before it, the refusal is counted."""
+    with two_nodes(tmp_path, redis_cluster.seeds) as (a, b), \
+            KvtierClient(a.address, token="a-token") as on_a, KvtierClient(b.address, token="a-token") as on_b:
+        tokens, hashes = put_chain(on_a, 3, 32)
+        client_hash_hex = hashes[5].hex()
+        keys = [key for port in redis_cluster.ports
+                for key in redis_cluster.node_client(port).scan_iter(match=f"*:{client_hash_hex}")]
+        assert len(keys) == 1
+        with contextlib.closing(redis_cluster.node_client(owner_port(redis_cluster, keys[0]))) as node:
+            value = node.get(keys[0])
+            node.set(keys[0], value[:-1] + bytes([value[-1] ^ 0xFF]))  # one byte of the block flipped
+        got = on_b.get(LAYOUT, hashes, token_ids=tokens)
+        assert [h for h, _ in got] == hashes[:5]
+        assert all(data == expected_block(h, LAYOUT.bytes_per_block) for h, data in got)
+        assert t3_stats(on_b).num_corrupt_blocks == 1
+
+
+def test_a_killed_store_node_gives_misses_for_its_slots_and_exact_bytes_for_the_rest(tmp_path, redis_cluster):
+    """Single-block chains spread over the 3 masters; one master killed: its blocks are misses,
+    every other block comes back exactly, and the node's breaker opens (stats say so)."""
+    with two_nodes(tmp_path, redis_cluster.seeds) as (a, b), \
+            KvtierClient(a.address, token="a-token") as on_a, KvtierClient(b.address, token="a-token") as on_b:
+        chains = [put_chain(on_a, 100 + i, 4) for i in range(24)]
+        key_of = {}
+        for port in redis_cluster.ports:
+            with contextlib.closing(redis_cluster.node_client(port)) as node:
+                for key in node.scan_iter(match="kvtierd:*"):
+                    key_of[key.decode().rsplit(":", 1)[1]] = port
+        victim = redis_cluster.ports[1]
+        on_victim = {i for i, (_, hashes) in enumerate(chains) if key_of[hashes[0].hex()] == victim}
+        assert 0 < len(on_victim) < len(chains)
+        kill_node(redis_cluster, victim)
+        for i, (tokens, hashes) in enumerate(chains):
+            got = on_b.get(LAYOUT, hashes, token_ids=tokens)
+            if i in on_victim:
+                assert got == []
+            else:
+                assert got == [(hashes[0], expected_block(hashes[0], LAYOUT.bytes_per_block))]
+        remote = on_b.stats().remote
+        assert remote.enabled and remote.num_open_nodes == 1 and remote.breaker_state == "open"
+
+
+def test_a_daemon_whose_store_is_unreachable_starts_and_serves(tmp_path):
+    """No store at the endpoints: the daemon starts, Put and Get work from its own tiers, and
+    kvtierctl health reports the shared store as a problem (exit 1)."""
+    import socket
+    import subprocess
+    import sys
+
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        dead = f"127.0.0.1:{probe.getsockname()[1]}"  # nothing listens once closed
+    (tmp_path / "tokens").write_text(TOKENS)
+    (tmp_path / "a").mkdir()
+    with DaemonProcess(node_args(tmp_path / "a", dead)) as a, KvtierClient(a.address, token="a-token") as client:
+        tokens = prompt(4, 16)
+        hashes = client.attach(LAYOUT).namespace.hash_blocks(tokens)
+        blocks = [(h, tokens[4 * i:4 * i + 4], expected_block(h, LAYOUT.bytes_per_block)) for i, h in enumerate(hashes)]
+        assert client.put(LAYOUT, blocks).num_blocks == 4
+        assert client.get(LAYOUT, hashes, token_ids=tokens) == [(h, d) for h, _, d in blocks]
+        health = subprocess.run([sys.executable, "-m", "kvtierd.cli.kvtierctl", "--address", a.address,
+                                 "--token", "a-token", "health"], capture_output=True, text=True, timeout=60)
+        assert health.returncode == 1, health.stdout + health.stderr
+        assert "shared store (T3) unreachable" in health.stdout
