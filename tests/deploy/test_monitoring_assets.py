@@ -1,10 +1,12 @@
 """The monitoring assets of the chart (helm/kvtierd/files): the Prometheus rules pass promtool's
 check and their unit tests (tests/deploy/monitoring/), each alert's unit tests tell a firing series from
 a silent one, and every metric the rules and the Grafana dashboard name is one a live daemon
-exports (or a recording rule of the rules file), with labels it carries."""
+exports (or a recording rule of the rules file), with labels it carries. The live daemon runs with
+T3 on a local redis-server (tests/t3/redis_cluster.py), so the kvtierd_t3_* series are there too."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import pathlib
 import re
@@ -19,8 +21,10 @@ from prometheus_client.parser import text_string_to_metric_families
 from kvtierd.client import KvtierClient
 from kvtierd.errors import KvtierError
 from kvtierd.layout import Layout
+from kvtierd.node.daemon_config import KEY_TYPES
 from kvtierd.server.daemon_process import DaemonProcess, small_daemon_args, wait_until
 from kvtierd.v1 import kvtier_pb2
+from tests.t3.redis_cluster import running_single
 
 REPO = pathlib.Path(__file__).resolve().parents[2]
 RULES = REPO / "helm" / "kvtierd" / "files" / "prometheus-rules.yaml"
@@ -40,6 +44,14 @@ SELECTOR = re.compile(r"\b(kvtierd[_:][A-Za-z0-9_:]*)\s*\{([^{}]*)\}")
 MATCHER = re.compile(r"""([A-Za-z_][A-Za-z0-9_]*)\s*(=~|!~|!=|=)\s*("(?:[^"\\]|\\.)*"|'(?:[^'\\]|\\.)*')""")
 GROUPING = re.compile(r"\b(?:by|without|on|ignoring|group_left|group_right)\s*\(([^()]*)\)")
 VARIABLE = re.compile(r"\$\{?([A-Za-z_][A-Za-z0-9_]*)")
+# The T3 series of issue 15 (the lead's spec): the only kvtierd_t3_ names the rules and dashboard may use.
+T3_METRICS = {"kvtierd_t3_hit_blocks_total", "kvtierd_t3_miss_blocks_total", "kvtierd_t3_read_bytes_total",
+              "kvtierd_t3_written_bytes_total", "kvtierd_t3_dropped_writes_total", "kvtierd_t3_corrupt_blocks_total",
+              "kvtierd_t3_errors_total", "kvtierd_t3_breaker_open", "kvtierd_t3_open_nodes",
+              "kvtierd_t3_write_backlog_bytes"}
+T3_ALERTS = {"KvtierdT3BreakerOpen", "KvtierdT3Errors", "KvtierdT3CorruptBlocks", "KvtierdT3WritesDropped"}
+DAEMON_HAS_T3 = "remote.endpoints" in KEY_TYPES  # until the daemon has [remote], its scrape has no T3 series
+T3_TEXT = re.compile(r'kvtierd_t3_|tier\s*=\s*"t3"')
 
 
 # ------------------------------------------------------------------------------------- helpers
@@ -92,6 +104,11 @@ def rule_texts() -> list[str]:
     return texts
 
 
+def live(texts: list[str]) -> list[str]:
+    """The texts a live daemon's series can answer: all of them, or those without T3 while it has none."""
+    return texts if DAEMON_HAS_T3 else [text for text in texts if not T3_TEXT.search(text)]
+
+
 def promtool_run(promtool: str, *args: str, timeout: int = 300) -> subprocess.CompletedProcess:
     return subprocess.run([promtool, *args], capture_output=True, text=True, timeout=timeout)
 
@@ -122,7 +139,7 @@ def test_every_alert_has_for_severity_summary_and_runbook():
     assert len(names) == len(set(names)), names
     assert {"KvtierdPrefixHitRateDropped", "KvtierdPoolTooSmall", "KvtierdT0FreeBlocksFalling",
             "KvtierdReclaimedRefsRising", "KvtierdSsdCorruptedBlocks", "KvtierdSsdIoErrors",
-            "KvtierdEvictionStorm", "KvtierdT0PoolNearlyFull"} <= set(names)
+            "KvtierdEvictionStorm", "KvtierdT0PoolNearlyFull"} | T3_ALERTS <= set(names)
     for rule in alerts():
         assert re.fullmatch(r"\d+[smh]", rule.get("for", "")), rule["alert"]
         assert rule["labels"]["severity"] in {"warning", "critical"}, rule["alert"]
@@ -236,12 +253,22 @@ def test_dashboard_variables_are_defined_and_the_datasource_is_prometheus():
 def test_dashboard_has_the_rows_and_the_pool_too_small_panel():
     dashboard = load_dashboard()
     rows = [p["title"].lower() for p in all_panels(dashboard) if p["type"] == "row"]
-    for wanted in ("overview", "capacity", "movement", "eviction", "rpc", "t2"):
+    for wanted in ("overview", "capacity", "movement", "eviction", "rpc", "t2", "t3"):
         assert any(wanted in title for title in rows), (wanted, rows)
     # "reuse gap p90 > idle-before-evict p50" visible on one panel
     assert any(any("0.9" in e and "kvtierd_block_reuse_gap_seconds_bucket" in e for e in exprs) and
                any("0.5" in e and "kvtierd_block_idle_before_evict_seconds_bucket" in e for e in exprs)
                for exprs in ([t["expr"] for t in p["targets"]] for p in query_panels(dashboard)))
+
+
+def test_t3_names_are_the_specs_and_the_dashboard_shows_each():
+    """The rules and the dashboard name no T3 series outside the spec; every one of them is on a panel."""
+    dashboard_names = {name for expr in dashboard_exprs(load_dashboard()) for name in NAME.findall(expr)}
+    rule_names = {name for text in rule_texts() for name in NAME.findall(text)}
+    used = {name for name in dashboard_names | rule_names if name.startswith("kvtierd_t3_")}
+    assert used <= T3_METRICS, sorted(used - T3_METRICS)
+    assert T3_METRICS <= dashboard_names, sorted(T3_METRICS - dashboard_names)
+    assert any('tier="t3"' in expr for expr in dashboard_exprs(load_dashboard()))  # T3's share of prompt tokens
 
 
 def test_dashboard_exprs_parse_as_promql(promtool, tmp_path):
@@ -265,31 +292,49 @@ def test_dashboard_exprs_parse_as_promql(promtool, tmp_path):
 
 @pytest.fixture(scope="module")
 def live_scrape(tmp_path_factory) -> str:
-    """A real daemon's /metrics (T0 to T1 write-through, so copies run) after attach, acquire,
-    commit, release, a second acquire that hits T0 (a reuse-gap sample), a refused call (an
-    error code) and a session that ends holding a request (reclaimed references)."""
+    """A real daemon's /metrics (T0 to T1 write-through, so copies run, and T1 to T3 into a local
+    redis-server) after attach, acquire, commit, release, a second acquire that hits T0 (a reuse-gap
+    sample), a refused call (an error code) and a session that ends holding a request (reclaimed
+    references), once T3 has taken the blocks."""
     directory = tmp_path_factory.mktemp("daemon")
-    args = small_daemon_args(str(directory), extra=["--set", "policy.t0_to_t1=write_through"])
-    with DaemonProcess(args) as daemon, KvtierClient(daemon.address) as client:
-        session = client.attach(LAYOUT)
-        tokens = list(range(100, 100 + 8 * LAYOUT.block_size))
-        hashes = session.namespace.hash_blocks(tokens)
-        first = session.acquire("first", hashes, token_ids=tokens)
-        session.commit("first", first.block_ids, hashes, tokens, None)
-        session.release("first")
-        # a write-through copy holds the blocks until it lands; a hit on a held block is sharing,
-        # not reuse: wait for every block to be free again
-        assert wait_until(lambda: all(p.num_free_blocks == p.num_blocks for p in client.stats().pools))
-        again = session.acquire("again", hashes, token_ids=tokens)
-        assert again.num_t0_hit_blocks == len(hashes)
-        session.release("again")
-        with pytest.raises(KvtierError):
-            session.release("never-acquired")
-        leaving = client.attach(LAYOUT)
-        leaving.acquire("held", [], num_extra_blocks=2)
-        leaving.close()
-        assert wait_until(lambda: client.stats().num_reclaimed_refs == 2)
-        return urllib.request.urlopen(daemon.metrics_url, timeout=10).read().decode()
+    with contextlib.ExitStack() as stack:
+        extra = ["--set", "policy.t0_to_t1=write_through"]
+        if DAEMON_HAS_T3:
+            redis = stack.enter_context(running_single(tmp_path_factory.mktemp("redis")))
+            extra += ["--set", f"remote.endpoints={redis.seeds}", "--set", "remote.mode=single"]
+        daemon = stack.enter_context(DaemonProcess(small_daemon_args(str(directory), extra=extra)))
+        client = stack.enter_context(KvtierClient(daemon.address))
+        return exercise(daemon, client)
+
+
+def scrape_value(daemon: DaemonProcess, name: str) -> float:
+    text = urllib.request.urlopen(daemon.metrics_url, timeout=10).read().decode()
+    return sum(value for sample, _, value in parse_scrape(text) if sample == name)
+
+
+def exercise(daemon: DaemonProcess, client: KvtierClient) -> str:
+    """The calls the live_scrape docstring lists, then the scrape."""
+    session = client.attach(LAYOUT)
+    tokens = list(range(100, 100 + 8 * LAYOUT.block_size))
+    hashes = session.namespace.hash_blocks(tokens)
+    first = session.acquire("first", hashes, token_ids=tokens)
+    session.commit("first", first.block_ids, hashes, tokens, None)
+    session.release("first")
+    # a write-through copy holds the blocks until it lands; a hit on a held block is sharing,
+    # not reuse: wait for every block to be free again
+    assert wait_until(lambda: all(p.num_free_blocks == p.num_blocks for p in client.stats().pools))
+    again = session.acquire("again", hashes, token_ids=tokens)
+    assert again.num_t0_hit_blocks == len(hashes)
+    session.release("again")
+    with pytest.raises(KvtierError):
+        session.release("never-acquired")
+    leaving = client.attach(LAYOUT)
+    leaving.acquire("held", [], num_extra_blocks=2)
+    leaving.close()
+    assert wait_until(lambda: client.stats().num_reclaimed_refs == 2)
+    if DAEMON_HAS_T3:
+        assert wait_until(lambda: scrape_value(daemon, "kvtierd_t3_written_bytes_total") > 0)
+    return urllib.request.urlopen(daemon.metrics_url, timeout=10).read().decode()
 
 
 def parse_scrape(text: str) -> list[tuple[str, dict[str, str], float]]:
@@ -344,13 +389,13 @@ def check_names(texts: list[str], scraped: dict[str, list[dict[str, str]]], wher
 
 
 def test_every_name_in_the_rules_is_exported_or_recorded(scraped):
-    check_names(rule_texts(), scraped, "prometheus-rules.yaml")
+    check_names(live(rule_texts()), scraped, "prometheus-rules.yaml")
     # a classic histogram is queried through its suffixes: the bare name is no series
     assert "kvtierd_block_reuse_gap_seconds" not in scraped
 
 
 def test_every_name_in_the_dashboard_is_exported_or_recorded(scraped):
-    check_names(dashboard_exprs(load_dashboard()), scraped, "grafana-dashboard.json")
+    check_names(live(dashboard_exprs(load_dashboard())), scraped, "grafana-dashboard.json")
 
 
 def test_the_name_check_rejects_an_unknown_metric_label_or_tier(scraped):
@@ -359,7 +404,10 @@ def test_the_name_check_rejects_an_unknown_metric_label_or_tier(scraped):
                   'kvtierd_tier_used_bytes{layout="m"}',
                   'kvtierd_tier_used_bytes{tier="T0"}',
                   'sum by (layout) (kvtierd_t0_blocks)',
-                  'rate(kvtierd_rpc_total{method="Aquire"}[5m])'):
+                  'rate(kvtierd_rpc_total{method="Aquire"}[5m])',
+                  'rate(kvtierd_t3_hits_total[5m])',  # the spec's name is kvtierd_t3_hit_blocks_total
+                  'kvtierd_t3_breaker_open{model="m"}',  # the store's series have no model label
+                  'rate(kvtierd_prefix_hit_blocks_total{tier="T3"}[5m])'):
         with pytest.raises(AssertionError):
             check_names([wrong], scraped, "wrong")
 
@@ -377,7 +425,7 @@ def test_every_dashboard_query_and_recording_rule_returns_data_on_the_daemons_se
         input_series.append({"series": selector, "values": f"0+{value}x30" if counter.search(name) else f"{value}x30"})
     substitutions = {"$__rate_interval": "5m", "$instance": ".+", "$layout": ".+"}
     queries = []
-    for expr in dashboard_exprs(load_dashboard()):
+    for expr in live(dashboard_exprs(load_dashboard())):
         if match := re.fullmatch(r"label_values\((.*),\s*\w+\)", expr):
             expr = match.group(1)
         for variable, value in substitutions.items():

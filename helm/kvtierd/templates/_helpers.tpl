@@ -112,6 +112,29 @@ Checks of value combinations the schema cannot express; each fails the render wi
 {{- if and .Values.ssd.localPersistentVolume.create (ne .Values.ssd.type "persistentVolumeClaim") }}
 {{- fail "ssd.localPersistentVolume.create goes with ssd.type=persistentVolumeClaim (the chart's claim binds to it)" }}
 {{- end }}
+{{- $remote := .Values.remote }}
+{{- if and (not (include "kvtierd.remoteEndpoints" .)) (or $remote.existingSecret $remote.tls.enabled $remote.tls.existingSecret) }}
+{{- fail "remote.existingSecret and remote.tls configure the T3 store: set remote.endpoints too (its host:port seed nodes); without endpoints there is no T3" }}
+{{- end }}
+{{- if and $remote.tls.existingSecret (not $remote.tls.enabled) }}
+{{- fail "remote.tls.existingSecret goes with remote.tls.enabled=true" }}
+{{- end }}
+{{- if and $remote.tls.existingSecret (not (or $remote.tls.caKey $remote.tls.certKey $remote.tls.keyKey)) }}
+{{- fail "remote.tls.existingSecret needs remote.tls.caKey, or remote.tls.certKey and remote.tls.keyKey (the files to mount from it)" }}
+{{- end }}
+{{- if and $remote.tls.existingSecret (ne (empty $remote.tls.certKey) (empty $remote.tls.keyKey)) }}
+{{- fail "remote.tls.certKey and remote.tls.keyKey go together (a client certificate and its key), or are both \"\"" }}
+{{- end }}
+{{- range .Values.extraEnv }}
+{{- if and (eq (toString .name) "KVTIERD_REMOTE_PASSWORD") (hasKey . "value") }}
+{{- fail "extraEnv: KVTIERD_REMOTE_PASSWORD as a plain value puts the store's password in the pod spec; use remote.existingSecret (mounted as the file remote.password_file)" }}
+{{- end }}
+{{- end }}
+{{- range .Values.extraArgs }}
+{{- if regexMatch "^(--set=)?remote\\.password=" . }}
+{{- fail "extraArgs: remote.password on the command line puts the store's password in the pod spec; use remote.existingSecret (mounted as the file remote.password_file)" }}
+{{- end }}
+{{- end }}
 {{- end }}
 
 {{/*
@@ -152,7 +175,58 @@ chart owns because they must match the pod (listeners, mounted files, volumes, d
 {{- $ssd := get $c "ssd" | default dict }}
 {{- $_ = set $ssd "directory" (ternary "" .Values.ssd.mountPath (eq .Values.ssd.type "none")) }}
 {{- $_ = set $c "ssd" $ssd }}
+{{- $endpoints := include "kvtierd.remoteEndpoints" . }}
+{{- if $endpoints }}
+{{- $_ = set $c "remote" (include "kvtierd.remoteConfig" . | fromYaml) }}
+{{- else if hasKey $c "policy" }}
+{{- /* No store, no T3: the T3 edges stay out, so the TOML of a release without T3 does not change. */}}
+{{- $_ = unset (get $c "policy") "t1_to_t3" }}
+{{- $_ = unset (get $c "policy") "t2_to_t3" }}
+{{- end }}
 {{- toYaml $c }}
+{{- end }}
+
+{{/*
+remote.endpoints as the daemon's comma-separated "host:port" string ("" = no T3), from a list or a string.
+*/}}
+{{- define "kvtierd.remoteEndpoints" -}}
+{{- $endpoints := .Values.remote.endpoints | default list }}
+{{- if kindIs "string" $endpoints }}
+{{- $endpoints = splitList "," $endpoints }}
+{{- end }}
+{{- $seeds := list }}
+{{- range $endpoints }}
+{{- with trim (toString .) }}
+{{- $seeds = append $seeds . }}
+{{- end }}
+{{- end }}
+{{- join "," $seeds }}
+{{- end }}
+
+{{/*
+The [remote] section (T3) from remote.*: the store's settings, and the paths of the credential and TLS
+files mounted from their Secrets (kvtierd.secretVolumes). The username comes from the Secret as the
+env KVTIERD_REMOTE_USERNAME (kvtierd.env); the password is a file, never a value here.
+*/}}
+{{- define "kvtierd.remoteConfig" -}}
+{{- $r := .Values.remote }}
+{{- $remote := dict "endpoints" (include "kvtierd.remoteEndpoints" .) "mode" $r.mode "key_prefix" $r.keyPrefix
+    "codec" $r.codec "timeout_s" $r.timeoutS "max_write_backlog_bytes" $r.maxWriteBacklogBytes
+    "breaker_failures" $r.breaker.failures "breaker_open_s" $r.breaker.openS "ttl_s" $r.ttlS
+    "tls" (ternary true false $r.tls.enabled) }}
+{{- if $r.existingSecret }}
+{{- $_ := set $remote "password_file" "/etc/kvtierd/remote-auth/password" }}
+{{- end }}
+{{- if $r.tls.existingSecret }}
+{{- if $r.tls.caKey }}
+{{- $_ := set $remote "tls_ca_file" "/etc/kvtierd/remote-tls/ca.crt" }}
+{{- end }}
+{{- if $r.tls.certKey }}
+{{- $_ := set $remote "tls_cert_file" "/etc/kvtierd/remote-tls/tls.crt" }}
+{{- $_ := set $remote "tls_key_file" "/etc/kvtierd/remote-tls/tls.key" }}
+{{- end }}
+{{- end }}
+{{- toYaml $remote }}
 {{- end }}
 
 {{/*
@@ -192,12 +266,14 @@ Keys are sorted, so the rendering (and the checksum annotation) is stable.
 {{ $key }} = {{ include "kvtierd.tomlValue" $value }}
 {{- end }}
 {{- end }}
-{{- range $section := list "server" "pool" "host" "ssd" "policy" }}
+{{- range $section := list "server" "pool" "host" "ssd" "policy" "remote" }}
+{{- if hasKey $c $section }}
 {{- $table := get $c $section | default dict }}
 
 [{{ $section }}]
 {{- range $key := keys $table | sortAlpha }}
 {{ $key }} = {{ include "kvtierd.tomlValue" (get $table $key) }}
+{{- end }}
 {{- end }}
 {{- end }}
 {{- $quotas := get $c "quotas" | default dict }}
@@ -231,9 +307,9 @@ until the daemon serves). Call with (dict "root" $ "sidecar" bool).
     {{- with $v.extraArgs }}
     {{- toYaml . | nindent 4 }}
     {{- end }}
-  {{- with $v.extraEnv }}
+  {{- with include "kvtierd.env" $root | trim }}
   env:
-    {{- toYaml . | nindent 4 }}
+    {{- . | nindent 4 }}
   {{- end }}
   ports:
     - name: health
@@ -311,6 +387,34 @@ until the daemon serves). Call with (dict "root" $ "sidecar" bool).
       mountPath: /etc/kvtierd/tokens
       readOnly: true
     {{- end }}
+    {{- if and (include "kvtierd.remoteEndpoints" $root) $v.remote.existingSecret }}
+    - name: remote-auth
+      mountPath: /etc/kvtierd/remote-auth
+      readOnly: true
+    {{- end }}
+    {{- if and (include "kvtierd.remoteEndpoints" $root) $v.remote.tls.existingSecret }}
+    - name: remote-tls
+      mountPath: /etc/kvtierd/remote-tls
+      readOnly: true
+    {{- end }}
+{{- end }}
+
+{{/*
+The daemon's environment: the T3 store's username from its Secret (a secretKeyRef, so the pod spec
+holds no credential), then extraEnv.
+*/}}
+{{- define "kvtierd.env" -}}
+{{- $r := .Values.remote }}
+{{- if and (include "kvtierd.remoteEndpoints" .) $r.existingSecret $r.usernameKey }}
+- name: KVTIERD_REMOTE_USERNAME
+  valueFrom:
+    secretKeyRef:
+      name: {{ $r.existingSecret }}
+      key: {{ $r.usernameKey }}
+{{- end }}
+{{- with .Values.extraEnv }}
+{{ toYaml . }}
+{{- end }}
 {{- end }}
 
 {{/*
@@ -336,6 +440,14 @@ Volumes of the daemon other than the socket and the SSD tier (whose kind depends
     medium: Memory
     sizeLimit: {{ .Values.shm.sizeLimit }}
 {{- end }}
+{{- include "kvtierd.secretVolumes" . }}
+{{- end }}
+
+{{/*
+The Secret volumes of the daemon, shared by the DaemonSet and the sidecar example: the TLS of the TCP
+listener, the bearer tokens, and the T3 store's password and TLS files.
+*/}}
+{{- define "kvtierd.secretVolumes" -}}
 {{- if .Values.tls.enabled }}
 - name: tls
   secret:
@@ -350,5 +462,34 @@ Volumes of the daemon other than the socket and the SSD tier (whose kind depends
     items:
       - key: tokens
         path: tokens
+{{- end }}
+{{- $r := .Values.remote }}
+{{- if include "kvtierd.remoteEndpoints" . }}
+{{- if $r.existingSecret }}
+- name: remote-auth
+  secret:
+    secretName: {{ $r.existingSecret }}
+    defaultMode: 0440
+    items:
+      - key: {{ $r.passwordKey }}
+        path: password
+{{- end }}
+{{- if $r.tls.existingSecret }}
+- name: remote-tls
+  secret:
+    secretName: {{ $r.tls.existingSecret }}
+    defaultMode: 0440
+    items:
+      {{- with $r.tls.caKey }}
+      - key: {{ . }}
+        path: ca.crt
+      {{- end }}
+      {{- if $r.tls.certKey }}
+      - key: {{ $r.tls.certKey }}
+        path: tls.crt
+      - key: {{ $r.tls.keyKey }}
+        path: tls.key
+      {{- end }}
+{{- end }}
 {{- end }}
 {{- end }}
