@@ -126,10 +126,12 @@ class AsyncKvtierClient(ClientBase):
     async def drain(self, resume: bool = False) -> pb.DrainResponse:
         return await self._run(drain_call(resume))
 
-    def events(self, layout: Layout | None = None, *, timeout_s: float | None = None) -> AsyncEventStream:
-        """An async iterator of events until `.cancel()`, `close()` or `timeout_s` (None: no end)."""
+    def events(self, layout: Layout | None = None, *, timeout_s: float | None = None,
+               resume_after_seq: int | None = None, feed_id: int = 0) -> AsyncEventStream:
+        """An async iterator of events until `.cancel()`, `close()` or `timeout_s` (None: no end);
+        resuming as KvtierClient.events does."""
         self._check_open()
-        return AsyncEventStream(self, events_request(layout), timeout_s)
+        return AsyncEventStream(self, events_request(layout, resume_after_seq, feed_id), timeout_s)
 
     async def close(self) -> None:
         for session in list(self._sessions):
@@ -255,7 +257,7 @@ class AsyncEventStream(EventStreamBase):
                     raise StopAsyncIteration from None
                 if isinstance(error, asyncio.CancelledError):
                     raise
-                delay = None if self._received else self._retry.next_delay(error.code())
+                delay = self._retry.next_delay(error.code())
                 if delay is None:
                     raise map_rpc_error(error, self._client.target) from error
                 await asyncio.sleep(delay)
@@ -263,8 +265,7 @@ class AsyncEventStream(EventStreamBase):
                 continue
             if event is grpc.aio.EOF:
                 raise StopAsyncIteration
-            self._received = True
-            return event
+            return self._delivered(event)
 
     def cancel(self) -> None:
         self._cancelled = True

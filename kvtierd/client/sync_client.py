@@ -140,11 +140,14 @@ class KvtierClient(ClientBase):
     def drain(self, resume: bool = False) -> pb.DrainResponse:
         return self._run(drain_call(resume))
 
-    def events(self, layout: Layout | None = None, *, timeout_s: float | None = None) -> EventStream:
-        """The tenant's device-tier events until `.cancel()`, `close()` or `timeout_s` (None: no end)."""
+    def events(self, layout: Layout | None = None, *, timeout_s: float | None = None,
+               resume_after_seq: int | None = None, feed_id: int = 0) -> EventStream:
+        """The tenant's device-tier events until `.cancel()`, `close()` or `timeout_s` (None: no end):
+        new ones, or those after `resume_after_seq` of feed `feed_id` (an earlier stream's `last_seq`
+        and `feed_id`), with a LOST event first when the daemon no longer holds some of them."""
         if self.closed:
             raise FailedPrecondition(f"the client of {self.target} is closed")
-        return EventStream(self, events_request(layout), timeout_s)
+        return EventStream(self, events_request(layout, resume_after_seq, feed_id), timeout_s)
 
     def close(self) -> None:
         """Close every session of this client, then the channel (ending its streams). Idempotent."""
@@ -260,8 +263,8 @@ class KeepAlive:
 
 
 class EventStream(EventStreamBase):
-    """Events as an iterator. `cancel()` or closing the client ends it (StopIteration); before the
-    first event an UNAVAILABLE is retried like a unary call, after it the stream is not retried."""
+    """Events as an iterator. `cancel()` or closing the client ends it (StopIteration); an
+    UNAVAILABLE is retried like a unary call, resuming after the last event delivered."""
 
     def __iter__(self) -> EventStream:
         return self
@@ -273,14 +276,13 @@ class EventStream(EventStreamBase):
             except grpc.RpcError as error:
                 if self._cancelled or self._client.closed:
                     raise StopIteration from None
-                delay = None if self._received else self._retry.next_delay(error.code())
+                delay = self._retry.next_delay(error.code())
                 if delay is None:
                     raise map_rpc_error(error, self._client.target) from error
                 time.sleep(delay)
                 self._call = self._open()
                 continue
-            self._received = True
-            return event
+            return self._delivered(event)
 
     def cancel(self) -> None:
         self._cancelled = True

@@ -119,7 +119,7 @@ class EventsConfig:
     buffer_steps: int = 10_000  # batches kept for replay
     max_queued_events: int = 100_000  # events waiting for the publisher thread; beyond it they are dropped, counted
     format: str = "map"  # "map" | "array"
-    int_block_hashes: bool = False  # hashes as u64 ints (vLLM's VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES), else bytes
+    int_block_hashes: bool = True  # hashes as u64 ints, as vLLM by default (VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES=1)
     salt: str = "tenant"  # "tenant": a chain's first block carries its tenant's name in extra_keys | "none"
     lower_tiers: bool = True  # also publish T1 (medium CPU) and T2 (medium STORAGE), not only T0 (GPU)
     allow_remote: bool = False  # allow a non-loopback endpoint (prefixes leave the machine)

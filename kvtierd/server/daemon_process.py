@@ -25,6 +25,8 @@ READY_LINE = "kvtierd: ready"
 _LISTEN = re.compile(r"^kvtierd: listening on (\S+)$")
 _METRICS = re.compile(r"^kvtierd: metrics on (\S+)$")
 _HEALTH = re.compile(r"^kvtierd: health checks on (\S+)$")
+_KV_EVENTS = re.compile(r"^kvtierd: kv events on (\S+)$")
+_KV_REPLAY = re.compile(r"^kvtierd: kv event replay on (\S+)$")
 
 
 def python_module_command(module: str, *args: str) -> list[str]:
@@ -52,6 +54,8 @@ class DaemonProcess:
         self.tcp_address: str | None = None
         self.metrics_url: str | None = None
         self.health_address: str | None = None  # host:port of server.health_tcp
+        self.kv_events_address: str | None = None  # the ZMQ PUB endpoint of [events], as bound
+        self.kv_replay_address: str | None = None  # its replay ROUTER endpoint
         child_env = {k: v for k, v in os.environ.items() if not k.startswith("KVTIERD_")}
         child_env.update(env or {})
         self.process = subprocess.Popen(python_module_command(module, "serve", *args), env=child_env,
@@ -89,6 +93,10 @@ class DaemonProcess:
                 self.metrics_url = match.group(1)
             elif match := _HEALTH.match(line):
                 self.health_address = match.group(1)
+            elif match := _KV_EVENTS.match(line):
+                self.kv_events_address = match.group(1)
+            elif match := _KV_REPLAY.match(line):
+                self.kv_replay_address = match.group(1)
             elif line == READY_LINE:
                 self.ready = True
                 self._settled.set()

@@ -1,78 +1,112 @@
-"""The Events stream: device-tier changes of every pool, fanned out to subscribers, each seeing
-only its own tenant's blocks (with the tenant prefix taken off) and the pool-wide CLEARED.
+"""The event feed: every pool's index events, drained by one pump, to the Events stream and to the
+KV event publisher (ZMQ, vLLM's wire format) when one is on.
 
-A pump drains each pool's block-index event queue every `period_s` (take_events is atomic) and
-hands the events to subscriber queues. Queues are bounded: a subscriber that does not keep up
-loses its oldest events and the loss is counted, the daemon never buffers without bound.
+A pump drains each pool's device-tier event queue every `period_s` (take_events is atomic) into
+the history (event_history.py): each event gets the next sequence number, and every Events
+subscriber reads from its own cursor there, seeing only its own tenant's blocks (with the tenant
+prefix taken off) and the pool-wide CLEARED. Nothing is queued per subscriber: one that does not
+keep up falls behind the bounded history and gets LOST, never unbounded memory.
+
+With a publisher, the same pump also hands it each pool's events of every tenant, the host (T1)
+and SSD (T2) tiers' too when `lower_tiers`: their slot indexes queue events only from the
+moment `enable_lower_tiers` switches them on, as each pool is created.
 """
 
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 import logging
+import secrets
 
 from kvtierd.daemon_key import client_hash_of, tenant_tag_of
 from kvtierd.index.index_events import AllBlocksCleared, BlockRemoved, BlockStored
 from kvtierd.layout import Layout
-from kvtierd.node.pools import PoolRegistry
+from kvtierd.node.pools import MAX_PENDING_EVENTS, LayoutPool, PoolRegistry
 from kvtierd.node.tenants import Tenant
+from kvtierd.server.event_history import EventHistory, Reader
+from kvtierd.server.vllm_events import MEDIUM_CPU, MEDIUM_GPU, MEDIUM_STORAGE, PoolEvents
 from kvtierd.v1 import kvtier_pb2 as pb
 
 log = logging.getLogger(__name__)
 
-MAX_QUEUED_EVENTS = 4096
+HISTORY_EVENTS = 65536  # device-tier events held for resuming subscribers, of every tenant
 
 
-@dataclasses.dataclass(eq=False)
-class Subscriber:
-    tenant: Tenant
-    layout: Layout | None  # None: every pool
-    queue: asyncio.Queue
-    num_dropped: int = 0
+class Subscription:
+    """One Events stream: its reader and cursor into the history, and what it read but has not sent."""
 
-    def offer(self, event: pb.Event) -> None:
-        if self.queue.full():
-            self.queue.get_nowait()
-            self.num_dropped += 1
-        self.queue.put_nowait(event)
+    def __init__(self, feed: EventFeed, reader: Reader, first: list[pb.Event], cursor: int) -> None:
+        self._feed = feed
+        self._reader = reader
+        self._pending = list(reversed(first))  # popped from the end
+        self.cursor = cursor
+
+    async def next(self) -> pb.Event:
+        while not self._pending:
+            events, self.cursor = self._feed.history.read(self._reader, self.cursor)
+            if events:
+                self._pending = events[::-1]
+                break
+            await self._feed.wait_for_events()  # no await between the read and this: no lost wake-up
+        return self._pending.pop()
 
 
 class EventFeed:
-    def __init__(self, registry: PoolRegistry, period_s: float = 0.02) -> None:
+    def __init__(self, registry: PoolRegistry, period_s: float = 0.02, publisher=None, lower_tiers: bool = False,
+                 history_events: int = HISTORY_EVENTS, feed_id: int | None = None) -> None:
         self.registry = registry
         self.period_s = period_s
-        self._subscribers: set[Subscriber] = set()
+        self.publisher = publisher  # a ZmqEventPublisher, or None
+        self.lower_tiers = lower_tiers and publisher is not None
+        self.history = EventHistory(history_events, feed_id or secrets.randbits(63) or 1)
+        self._appended = asyncio.Event()  # set, then replaced, when the history grows
 
-    def subscribe(self, tenant: Tenant, layout: Layout | None) -> Subscriber:
-        subscriber = Subscriber(tenant, layout, asyncio.Queue(MAX_QUEUED_EVENTS))
-        self._subscribers.add(subscriber)
-        return subscriber
+    def enable_lower_tiers(self, pool: LayoutPool) -> None:
+        """Switch on the T1/T2 events of a new pool (PoolRegistry.on_created; any thread)."""
+        if self.lower_tiers:
+            tiers = pool.manager.tiers
+            for tier in (tiers.host, tiers.ssd):
+                if tier is not None:
+                    tier.enable_events(MAX_PENDING_EVENTS)
 
-    def unsubscribe(self, subscriber: Subscriber) -> None:
-        self._subscribers.discard(subscriber)
+    def subscribe(self, tenant: Tenant, layout: Layout | None, resume_after_seq: int | None = None,
+                  feed_id: int = 0) -> Subscription:
+        reader = Reader(tenant.tag, layout)
+        first, cursor = self.history.start(reader, resume_after_seq, feed_id)
+        return Subscription(self, reader, first, cursor)
+
+    async def wait_for_events(self) -> None:
+        await self._appended.wait()
 
     def pump_once(self) -> int:
-        """Move every pending index event to its subscribers; returns how many events were read."""
+        """Move every pending index event to the history and the publisher; returns how many
+        events were read."""
         num_events = 0
         for pool in self.registry.pools():
             events = pool.manager.index.take_events()
             num_events += len(events)
-            if not self._subscribers or not events:
-                continue
-            subscribers = [s for s in self._subscribers if s.layout is None or s.layout == pool.layout]
-            model_id = pool.layout.model_id
             for event in events:
-                if isinstance(event, AllBlocksCleared):
-                    message = pb.Event(kind=pb.Event.CLEARED, model_id=model_id)
-                    for subscriber in subscribers:
-                        subscriber.offer(message)
-                    continue
-                tag = tenant_tag_of(event.block_hash)
-                for subscriber in subscribers:
-                    if subscriber.tenant.tag == tag:
-                        subscriber.offer(to_message(event, model_id))
+                tag = None if isinstance(event, AllBlocksCleared) else tenant_tag_of(event.block_hash)
+                self.history.append(pool.layout, tag, to_message(event, pool.layout.model_id))
+            if self.publisher is not None:
+                num_events += self._publish(pool, events)
+        if num_events:
+            self._appended.set()
+            self._appended = asyncio.Event()
         return num_events
+
+    def _publish(self, pool: LayoutPool, device_events: list) -> int:
+        """Hand the pool's events of every tier to the publisher; returns the lower tiers' count."""
+        by_medium = [(MEDIUM_GPU, device_events)]
+        if self.lower_tiers:
+            tiers = pool.manager.tiers
+            by_medium += [(medium, tier.take_events()) for medium, tier in
+                          ((MEDIUM_CPU, tiers.host), (MEDIUM_STORAGE, tiers.ssd)) if tier is not None]
+        pool_events = PoolEvents(pool.layout.model_id, pool.layout.block_size, pool.client_root,
+                                 tuple((medium, events) for medium, events in by_medium if events))
+        if pool_events.num_events:
+            self.publisher.publish(pool_events)
+        return pool_events.num_events - len(device_events)
 
     async def run(self) -> None:
         while True:
@@ -83,7 +117,9 @@ class EventFeed:
             await asyncio.sleep(self.period_s)
 
 
-def to_message(event: BlockStored | BlockRemoved, model_id: str) -> pb.Event:
+def to_message(event: BlockStored | BlockRemoved | AllBlocksCleared, model_id: str) -> pb.Event:
+    if isinstance(event, AllBlocksCleared):
+        return pb.Event(kind=pb.Event.CLEARED, model_id=model_id)
     if isinstance(event, BlockStored):
         parent = client_hash_of(event.parent_hash) if event.parent_hash is not None else b""
         return pb.Event(kind=pb.Event.STORED, block_hash=client_hash_of(event.block_hash), parent_hash=parent,

@@ -44,6 +44,7 @@ class FakeKvTier(kvtier_pb2_grpc.KvTierServicer):
         self.get_responses: list[pb.GetResponse] = []
         self.keepalive_abort = False
         self.keepalive_ended = threading.Event()
+        self.events_drop_once = False
 
     def _record(self, name: str, request, context) -> None:
         self.num_calls[name] += 1
@@ -107,6 +108,13 @@ class FakeKvTier(kvtier_pb2_grpc.KvTierServicer):
 
     def Events(self, request, context):
         self._record("Events", request, context)
+        if self.events_drop_once:  # seqs 4 and 5 of feed 9, then the connection "drops"; then seq 6
+            self.events_drop_once = False
+            yield pb.Event(kind=pb.Event.STORED, block_hash=b"a" * 32, seq=4, feed_id=9)
+            yield pb.Event(kind=pb.Event.STORED, block_hash=b"b" * 32, seq=5, feed_id=9)
+            context.abort(grpc.StatusCode.UNAVAILABLE, "connection reset")
+        if request.HasField("resume_after_seq"):
+            yield pb.Event(kind=pb.Event.STORED, block_hash=b"c" * 32, seq=request.resume_after_seq + 1, feed_id=9)
         yield pb.Event(kind=pb.Event.STORED, block_hash=b"a" * 32, block_id=1, model_id="m")
         yield pb.Event(kind=pb.Event.REMOVED, block_hash=b"a" * 32, model_id="m")
         while context.is_active():
@@ -380,6 +388,30 @@ def test_async_attach_keeps_the_lease_alive_until_close(fake, target):
             assert await asyncio.to_thread(fake.keepalive_ended.wait, 2.0)
     asyncio.run(main())
     assert fake.requests["KeepAlive"][0].session_id == "s-1"
+
+
+def test_events_stream_resumes_after_its_last_event_when_the_connection_drops(fake, target):
+    """UNAVAILABLE after events: the next call asks for what came after the last seq delivered,
+    so the caller sees 4, 5, 6 and no error; `last_seq`/`feed_id` say where it stands."""
+    fake.events_drop_once = True
+    with KvtierClient(target) as client:
+        events = client.events(LAYOUT)
+        assert [next(events).seq for _ in range(3)] == [4, 5, 6]
+        assert (events.last_seq, events.feed_id) == (6, 9)
+        events.cancel()
+    first, second = fake.requests["Events"]
+    assert not first.HasField("resume_after_seq")
+    assert (second.resume_after_seq, second.feed_id, second.layout.model_id) == (5, 9, "m")
+
+    async def resume_in_another_stream():
+        async with AsyncKvtierClient(target) as aio:
+            events = aio.events(resume_after_seq=41, feed_id=9)
+            seq = (await events.__anext__()).seq
+            events.cancel()
+            return seq
+
+    assert asyncio.run(resume_in_another_stream()) == 42
+    assert (fake.requests["Events"][-1].resume_after_seq, fake.requests["Events"][-1].feed_id) == (41, 9)
 
 
 def test_events_stream_ends_on_cancel_and_on_close(fake, target):

@@ -1,5 +1,5 @@
 """The tests of tests/connectors/vllm/on_vllm, run in the vLLM venv: the connector on the installed vLLM's own
-objects, and the block index against vLLM's own prefix cache."""
+objects, the block index against vLLM's own prefix cache, and the KV event feed decoded by vLLM's own classes."""
 
 from __future__ import annotations
 
@@ -19,5 +19,5 @@ def test_the_connector_unit_tests_pass_on_the_installed_vllms_objects(vllm_pytho
     summary = done.stdout.strip().splitlines()[-1] if done.stdout.strip() else ""
     assert done.returncode == 0, done.stdout[-6000:] + done.stderr[-3000:]
     passed = re.search(r"(\d+) passed", summary)
-    assert passed and int(passed.group(1)) >= 20, summary
+    assert passed and int(passed.group(1)) >= 22, summary
     assert not re.search(r"skipped|failed|error", summary), summary
