@@ -139,6 +139,9 @@ def health_problems(stats: pb.StatsResponse) -> tuple[list[str], list[str]]:
                         "shared store (T3) unreachable: no endpoint answered yet")
     elif remote.enabled and remote.breaker_state == "half_open":
         notes.append("shared store (T3): probing a node that failed (half-open)")
+    if remote.enabled and remote.num_errors:
+        notes.append(f"shared store (T3): {remote.num_errors:,} failed calls since start, breakers opened "
+                     f"{remote.num_breaker_opens:,} times")
     for pool in stats.pools:
         if pool.HasField("t3") and pool.t3.num_corrupt_blocks:
             notes.append(f"{pool.layout.model_id}: {pool.t3.num_corrupt_blocks:,} T3 values refused by their "
