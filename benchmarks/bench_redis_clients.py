@@ -11,7 +11,8 @@ The clients, all timed in the same rounds in alternation (benchmarks/_report.tim
   (b) the same with hiredis (redis-py's default parser and packer once `hiredis` is installed), and
       (b') with hiredis parsing replies but commands packed in Python (no copy of a 2 MiB value);
   (c) per-node pipelines: the keys grouped by RedisCluster.get_node_from_key, one pipeline per master
-      on get_redis_connection(node), the 3 run at once on 3 threads (pure-Python RESP, and hiredis);
+      on get_redis_connection(node), the 3 run at once on 3 threads (pure-Python RESP, and hiredis),
+      and (c') with hiredis parsing and the Python packer;
   (d) valkey-glide's sync client (GlideClusterClient, a non-atomic ClusterBatch), where it imports;
   (e) redis.asyncio.RedisCluster, one pipeline, on an event loop (the daemon's side is asyncio).
 Extra rows: a plain redis.Redis on one master: one GET of one 2 MiB value, 64 GETs one by one, one
@@ -279,6 +280,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         if hiredis is not None:
             cases.add("(c) per-node pipelines on 3 threads, hiredis", hiredis.node_pipelines_set,
                       hiredis.node_pipelines_get)
+            cases.add("(c') per-node pipelines on 3 threads, hiredis parser, Python packer",
+                      hiredis_parser.node_pipelines_set, hiredis_parser.node_pipelines_get)
         if glide is not None:
             cases.add("(d) valkey-glide sync, ClusterBatch", glide.batch_set, glide.batch_get)
         async_parser = "hiredis" if redis.utils.HIREDIS_AVAILABLE else "pure-Python"
