@@ -187,6 +187,12 @@ def test_a_req_socket_as_in_vllms_example_gets_the_replay_frames(daemon):
         context.destroy(linger=0)
 
 
+def test_an_endpoint_in_use_fails_the_start_with_a_clear_message(daemon, tmp_path):
+    taken = ["--set", f"events.zmq_endpoint={daemon.kv_events_address}"]
+    with pytest.raises(DaemonStartError, match="cannot publish KV events: Address already in use"):
+        DaemonProcess(small_daemon_args(str(tmp_path), extra=taken))
+
+
 def test_a_non_loopback_endpoint_is_refused_at_start(tmp_path):
     with pytest.raises(DaemonStartError, match="events.zmq_endpoint 'tcp://0.0.0.0:5557' is not a loopback"):
         DaemonProcess(small_daemon_args(str(tmp_path), extra=["--set", "events.zmq_endpoint=tcp://0.0.0.0:5557"]))
