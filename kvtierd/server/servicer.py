@@ -114,10 +114,14 @@ class KvTierServicer(kvtier_pb2_grpc.KvTierServicer):
     async def Lookup(self, request: pb.LookupRequest, context) -> pb.LookupResponse:
         session = self._session(request.session_id)
         keys = _keys(session.tenant, session.pool, request.block_hashes)
-        manager = session.pool.manager
-        lookup = functools.partial(manager.lookup, keys, _tokens(request.token_ids), prefetch=request.prefetch)
-        hits = await asyncio.to_thread(lookup) if manager.has_remote else lookup()  # T3: a network round trip
-        return pb.LookupResponse(num_hit_blocks=hits.t0 + hits.t1 + hits.t2 + hits.t3, num_t0_blocks=hits.t0,
+        manager, tokens = session.pool.manager, _tokens(request.token_ids)
+        hits = manager.lookup(keys, tokens, prefetch=request.prefetch and not manager.has_remote, ask_remote=False)
+        if manager.has_remote:  # the shared store, for what the local tiers lack: a round trip, on a thread
+            if hits.num_blocks < len(keys):
+                hits = await asyncio.to_thread(manager.lookup, keys, tokens, prefetch=request.prefetch)
+            elif request.prefetch and hits.t2:
+                manager.lookup(keys, tokens, prefetch=True, ask_remote=False)
+        return pb.LookupResponse(num_hit_blocks=hits.num_blocks, num_t0_blocks=hits.t0,
                                  num_t1_blocks=hits.t1, num_t2_blocks=hits.t2, num_t3_blocks=hits.t3)
 
     async def Acquire(self, request: pb.AcquireRequest, context) -> pb.AcquireResponse:

@@ -74,6 +74,10 @@ class TierHits:
     t2: int
     t3: int = 0
 
+    @property
+    def num_blocks(self) -> int:
+        return self.t0 + self.t1 + self.t2 + self.t3
+
 
 class Promoter:
     def __init__(self, tiers: Tiers, offloader: Offloader) -> None:
@@ -85,9 +89,10 @@ class Promoter:
 
     # ----------------------------------------------------------------------------- queries
 
-    def lookup(self, block_hashes: list[bytes], token_ids=None) -> TierHits:
+    def lookup(self, block_hashes: list[bytes], token_ids=None, ask_remote: bool = True) -> TierHits:
         """Where the chain's prefix lives, tier by tier (T3: the keys present; a network round
-        trip, skipped when the local tiers hold the whole chain). Changes nothing."""
+        trip, skipped when the local tiers hold the whole chain or `ask_remote` is False).
+        Changes nothing."""
         tiers = self.tiers
         token_bytes = pack_token_ids(token_ids) if token_ids is not None else None
         n0 = tiers.index.lookup(block_hashes, token_bytes)
@@ -96,7 +101,7 @@ class Promoter:
             n1 = tiers.host.index.lookup(*self._rest(block_hashes, token_bytes, n0))
         if tiers.ssd is not None:
             n2 = tiers.ssd.lookup(*self._rest(block_hashes, token_bytes, n0 + n1))
-        if tiers.remote is not None:
+        if tiers.remote is not None and ask_remote:
             n3 = tiers.remote.probe(block_hashes[n0 + n1 + n2:])
         return TierHits(n0, n1, n2, n3)
 

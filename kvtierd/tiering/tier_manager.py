@@ -156,8 +156,11 @@ class TierManager:
         if self._observer is not None and num_tokens:
             self._observer.on_query(num_tokens, 0)
 
-    def lookup(self, block_hashes: list[bytes], token_ids=None, prefetch: bool = False) -> TierHits:
-        hits = self.promoter.lookup(block_hashes, token_ids)
+    def lookup(self, block_hashes: list[bytes], token_ids=None, prefetch: bool = False,
+               ask_remote: bool = True) -> TierHits:
+        """Where the chain's prefix lives. With `ask_remote` False, the local tiers only (never
+        waits on the network); with `prefetch`, T2 and T3 hits start their way into T1."""
+        hits = self.promoter.lookup(block_hashes, token_ids, ask_remote)
         if prefetch and (hits.t2 or hits.t3):
             self.promoter.prefetch(block_hashes, token_ids, hits)
         return hits
