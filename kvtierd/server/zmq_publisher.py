@@ -13,12 +13,15 @@ Every tenant's blocks are on this feed (it is the node's, for the operator's rou
 told apart by the salt in extra_keys), so it binds loopback or ipc:// only unless allow_remote
 (daemon_config.py). Unlike vLLM, the endpoint is bound unless `connect` is set, whatever its host.
 
-The event loop never waits here: `publish` puts on a bounded queue (a full queue drops the batch,
-counted); one thread encodes, sends and answers replays, and owns both sockets after `start`.
+The event loop never waits here: `publish` puts on a bounded queue; one thread encodes, sends and
+answers replays, and owns both sockets after `start`. A full queue drops the batch (counted, logged
+once); vLLM's protocol cannot say "events lost", so that pool's next batch starts with
+AllBlocksCleared: a router forgets the pool's blocks rather than keep a view that is wrong.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 import queue
@@ -28,7 +31,8 @@ from collections import deque
 
 import zmq
 
-from kvtierd.server.vllm_events import BatchEncoder, PoolEvents
+from kvtierd.index.index_events import AllBlocksCleared
+from kvtierd.server.vllm_events import MEDIUM_GPU, BatchEncoder, PoolEvents
 
 log = logging.getLogger(__name__)
 
@@ -50,6 +54,7 @@ class ZmqEventPublisher:
         self.num_dropped_events = 0  # the queue was full
         self._queue: queue.SimpleQueue[PoolEvents | None] = queue.SimpleQueue()
         self._num_queued_events = 0  # on the queue now; += on the loop, -= on the thread, under _lock
+        self._clear_first: set[str] = set()  # models whose next accepted batch starts with AllBlocksCleared
         self._lock = threading.Lock()
         self._buffer: deque[tuple[int, bytes, bytes]] = deque(maxlen=buffer_steps)  # (seq, topic, payload)
         self._next_seq = 0
@@ -79,12 +84,19 @@ class ZmqEventPublisher:
 
     def publish(self, pool_events: PoolEvents) -> bool:
         """Queue a pool's events for the thread; never blocks. False: dropped (the queue is full)."""
-        num_events = pool_events.num_events
         with self._lock:
-            if self._num_queued_events + num_events > self.max_queued_events:
-                self.num_dropped_events += num_events
+            if self._num_queued_events + pool_events.num_events > self.max_queued_events:
+                if not self.num_dropped_events:
+                    log.warning("KV events dropped: more than %d waiting for the publisher (max_queued_events)",
+                                self.max_queued_events)
+                self.num_dropped_events += pool_events.num_events
+                self._clear_first.add(pool_events.model_id)
                 return False
-            self._num_queued_events += num_events
+            if pool_events.model_id in self._clear_first:  # the first batch after a drop
+                self._clear_first.discard(pool_events.model_id)
+                pool_events = dataclasses.replace(pool_events, events_by_medium=(
+                    (MEDIUM_GPU, [AllBlocksCleared()]), *pool_events.events_by_medium))
+            self._num_queued_events += pool_events.num_events
         self._queue.put(pool_events)
         return True
 

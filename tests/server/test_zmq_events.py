@@ -14,7 +14,9 @@ import pytest
 import zmq
 
 from kvtierd.client import KvtierClient
-from kvtierd.server.daemon_process import DaemonProcess, DaemonStartError, small_daemon_args
+from kvtierd.index.index_events import BlockRemoved
+from kvtierd.node.tenants import Tenant
+from kvtierd.server.daemon_process import DaemonProcess, DaemonStartError, small_daemon_args, wait_until
 from kvtierd.server.vllm_events import BatchEncoder, PoolEvents, WireFormat
 from kvtierd.server.zmq_publisher import ZmqEventPublisher
 from tests.server.e2e_runner import LAYOUT, prompt
@@ -207,9 +209,30 @@ def test_an_ipc_endpoint_is_mode_0600_and_the_feed_is_off_by_default(tmp_path):
         assert d.kv_events_address is None and "kv events: off" in d.output()
 
 
-def test_publish_never_waits_a_full_queue_drops_and_counts():
-    """The loop's side of the publisher only queues: past max_queued_events a batch is dropped."""
-    publisher = ZmqEventPublisher(BatchEncoder(WireFormat(), str), "inproc://unused", max_queued_events=3)
-    batch = PoolEvents("m", 4, b"r" * 32, (("GPU", [object(), object()]),))
-    assert publisher.publish(batch) is True
-    assert publisher.publish(batch) is False and publisher.num_dropped_events == 2
+def test_a_full_queue_drops_without_waiting_and_the_pools_next_batch_starts_with_all_blocks_cleared():
+    """The loop's side only queues: past max_queued_events a batch is dropped and counted, and the
+    next batch accepted for that pool tells routers to forget its blocks (vLLM's protocol has no
+    "events lost"), after the batches queued before the drop."""
+    tenant = Tenant.named("acme")
+
+    def batch(model_id: str, *names: bytes) -> PoolEvents:
+        return PoolEvents(model_id, 4, b"r" * 32, (("GPU", [BlockRemoved(tenant.key(n * 32)) for n in names]),))
+
+    publisher = ZmqEventPublisher(BatchEncoder(WireFormat(), str), "tcp://127.0.0.1:0", "tcp://127.0.0.1:0",
+                                  max_queued_events=3)
+    assert publisher.publish(batch("m", b"a", b"b")) is True
+    assert publisher.publish(batch("m", b"c", b"d")) is False and publisher.num_dropped_events == 2
+    assert publisher.publish(batch("other", b"e")) is True  # another pool lost nothing
+    assert publisher.publish(batch("m", b"f")) is False  # still full: 3 queued
+    publisher.start()
+    subscriber = Subscriber(publisher.endpoint, publisher.replay_endpoint)
+    try:
+        assert wait_until(lambda: publisher.num_published_batches == 2, timeout_s=10)
+        assert publisher.publish(batch("m", b"g")) is True
+        assert wait_until(lambda: publisher.num_published_batches == 3, timeout_s=10)
+        replayed = [[e["type"] for e in events_of(payload)] for _, _, payload in subscriber.replay(0)]
+    finally:
+        subscriber.close()
+        publisher.stop()
+    assert replayed == [["BlockRemoved"], ["BlockRemoved"], ["AllBlocksCleared", "BlockRemoved"]]
+    assert publisher.num_dropped_events == 3
