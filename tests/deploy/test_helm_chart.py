@@ -38,7 +38,6 @@ RELEASE = "r"
 FULLNAME = "r-kvtierd"
 KUBERNETES_VERSION = "1.30.0"
 CRD_KINDS = {"ServiceMonitor", "PrometheusRule"}  # kubernetes-validate only warns on these
-DAEMON_HAS_T3 = "remote.endpoints" in KEY_TYPES  # issue 15's [remote] config; the chart renders it first
 T3_POLICY_KEYS = {"policy.t1_to_t3", "policy.t2_to_t3"}  # checked against the daemon by test_helm_remote.py
 PLACEHOLDERS = {  # for the copy only, where the monitoring files are not in the checkout yet
     "files/grafana-dashboard.json": json.dumps({"title": "kvtierd (placeholder)", "uid": "kvtierd", "panels": []}),
@@ -226,8 +225,6 @@ def test_rendered_toml_loads_in_the_daemon(helm: str, chart: Path, ci: Path, tmp
     docs = render_ci(helm, chart, ci)
     rendered = tomllib.loads(toml_text(docs))
     values = ci_values(ci)
-    if "remote" in rendered and not DAEMON_HAS_T3:
-        pytest.skip("kvtierd.node.daemon_config has no [remote] section yet (issue 15's config)")
     config = load_rendered(docs, tmp_path)
     spec = pod_spec(docs)
     container = daemon_container(spec)
@@ -610,8 +607,6 @@ def test_schema_knows_every_daemon_key_it_accepts() -> None:
             assert "log_level" in KEY_TYPES
         else:
             for key in node["properties"]:
-                if f"{section}.{key}" in T3_POLICY_KEYS and not DAEMON_HAS_T3:
-                    continue
                 assert f"{section}.{key}" in KEY_TYPES, f"{section}.{key}"
 
 

@@ -4,9 +4,6 @@ referenced as files (never a value in the ConfigMap or the pod spec), and values
 bad store values. pytest assertions over `helm template` output, with test_helm_chart's machinery
 (its parametrized tests also lint, kubernetes-validate and load ci/remote-values.yaml and
 ci/remote-tls-values.yaml).
-
-The rendered [remote] section is loaded by kvtierd.node.daemon_config only once the daemon knows
-the section (issue 15's config); until then those loads skip, saying so.
 """
 
 from __future__ import annotations
@@ -45,9 +42,6 @@ from kvtierd.units import parse_bytes
 REMOTE_CI = CHART / "ci" / "remote-values.yaml"
 REMOTE_TLS_CI = CHART / "ci" / "remote-tls-values.yaml"
 SEEDS = "redis-0.redis:6379,redis-1.redis:6379"
-DAEMON_HAS_T3 = "remote.endpoints" in KEY_TYPES
-needs_daemon_t3 = pytest.mark.skipif(not DAEMON_HAS_T3, reason="kvtierd.node.daemon_config has no [remote] "
-                                     "section yet (issue 15's config): the rendered [remote] cannot be loaded")
 
 
 @pytest.fixture(scope="session")
@@ -320,7 +314,6 @@ def test_no_credential_in_any_rendered_value(helm: str, chart: Path) -> None:
 # ---- the daemon reads what the chart renders
 
 
-@needs_daemon_t3
 @pytest.mark.parametrize("ci", [REMOTE_CI, REMOTE_TLS_CI], ids=lambda path: path.name)
 def test_the_daemon_loads_the_remote_section(helm: str, chart: Path, ci: Path, tmp_path: Path) -> None:
     config = load_rendered(render_ci(helm, chart, ci), tmp_path)
@@ -355,7 +348,6 @@ def kubelet_secret_files(spec: dict, secrets: dict[str, dict[str, str]], root: P
             (directory / item["path"]).write_text(secrets[secret["secretName"]][item["key"]])
 
 
-@needs_daemon_t3
 @pytest.mark.parametrize("ci", [REMOTE_CI, REMOTE_TLS_CI], ids=lambda path: path.name)
 def test_the_rendered_remote_section_reaches_a_real_store(helm: str, chart: Path, ci: Path, tmp_path: Path) -> None:
     """`kvtierd serve --config` on the chart's TOML against a local store set up as the scenario says
@@ -417,7 +409,6 @@ def scrape(daemon) -> dict[str, float]:
     return totals
 
 
-@needs_daemon_t3
 def test_every_t3_key_the_chart_renders_is_a_daemon_key(helm: str, chart: Path) -> None:
     rendered = toml(render(helm, chart, "-f", str(REMOTE_CI), "-f", str(REMOTE_TLS_CI)))
     keys = {f"remote.{key}" for key in rendered["remote"]} | {"policy.t1_to_t3", "policy.t2_to_t3"}

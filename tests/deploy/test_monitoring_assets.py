@@ -21,7 +21,6 @@ from prometheus_client.parser import text_string_to_metric_families
 from kvtierd.client import KvtierClient
 from kvtierd.errors import KvtierError
 from kvtierd.layout import Layout
-from kvtierd.node.daemon_config import KEY_TYPES
 from kvtierd.server.daemon_process import DaemonProcess, small_daemon_args, wait_until
 from kvtierd.v1 import kvtier_pb2
 from tests.t3.redis_cluster import running_single
@@ -50,8 +49,6 @@ T3_METRICS = {"kvtierd_t3_hit_blocks_total", "kvtierd_t3_miss_blocks_total", "kv
               "kvtierd_t3_errors_total", "kvtierd_t3_breaker_open", "kvtierd_t3_open_nodes",
               "kvtierd_t3_write_backlog_bytes"}
 T3_ALERTS = {"KvtierdT3BreakerOpen", "KvtierdT3Errors", "KvtierdT3CorruptBlocks", "KvtierdT3WritesDropped"}
-DAEMON_HAS_T3 = "remote.endpoints" in KEY_TYPES  # until the daemon has [remote], its scrape has no T3 series
-T3_TEXT = re.compile(r'kvtierd_t3_|tier\s*=\s*"t3"')
 
 
 # ------------------------------------------------------------------------------------- helpers
@@ -102,11 +99,6 @@ def rule_texts() -> list[str]:
         texts.append(rule["expr"])
         texts.extend(rule.get("annotations", {}).values())
     return texts
-
-
-def live(texts: list[str]) -> list[str]:
-    """The texts a live daemon's series can answer: all of them, or those without T3 while it has none."""
-    return texts if DAEMON_HAS_T3 else [text for text in texts if not T3_TEXT.search(text)]
 
 
 def promtool_run(promtool: str, *args: str, timeout: int = 300) -> subprocess.CompletedProcess:
@@ -299,9 +291,8 @@ def live_scrape(tmp_path_factory) -> str:
     directory = tmp_path_factory.mktemp("daemon")
     with contextlib.ExitStack() as stack:
         extra = ["--set", "policy.t0_to_t1=write_through"]
-        if DAEMON_HAS_T3:
-            redis = stack.enter_context(running_single(tmp_path_factory.mktemp("redis")))
-            extra += ["--set", f"remote.endpoints={redis.seeds}", "--set", "remote.mode=single"]
+        redis = stack.enter_context(running_single(tmp_path_factory.mktemp("redis")))
+        extra += ["--set", f"remote.endpoints={redis.seeds}", "--set", "remote.mode=single"]
         daemon = stack.enter_context(DaemonProcess(small_daemon_args(str(directory), extra=extra)))
         client = stack.enter_context(KvtierClient(daemon.address))
         return exercise(daemon, client)
@@ -332,8 +323,7 @@ def exercise(daemon: DaemonProcess, client: KvtierClient) -> str:
     leaving.acquire("held", [], num_extra_blocks=2)
     leaving.close()
     assert wait_until(lambda: client.stats().num_reclaimed_refs == 2)
-    if DAEMON_HAS_T3:
-        assert wait_until(lambda: scrape_value(daemon, "kvtierd_t3_written_bytes_total") > 0)
+    assert wait_until(lambda: scrape_value(daemon, "kvtierd_t3_written_bytes_total") > 0)
     return urllib.request.urlopen(daemon.metrics_url, timeout=10).read().decode()
 
 
@@ -389,13 +379,13 @@ def check_names(texts: list[str], scraped: dict[str, list[dict[str, str]]], wher
 
 
 def test_every_name_in_the_rules_is_exported_or_recorded(scraped):
-    check_names(live(rule_texts()), scraped, "prometheus-rules.yaml")
+    check_names(rule_texts(), scraped, "prometheus-rules.yaml")
     # a classic histogram is queried through its suffixes: the bare name is no series
     assert "kvtierd_block_reuse_gap_seconds" not in scraped
 
 
 def test_every_name_in_the_dashboard_is_exported_or_recorded(scraped):
-    check_names(live(dashboard_exprs(load_dashboard())), scraped, "grafana-dashboard.json")
+    check_names(dashboard_exprs(load_dashboard()), scraped, "grafana-dashboard.json")
 
 
 def test_the_name_check_rejects_an_unknown_metric_label_or_tier(scraped):
@@ -425,7 +415,7 @@ def test_every_dashboard_query_and_recording_rule_returns_data_on_the_daemons_se
         input_series.append({"series": selector, "values": f"0+{value}x30" if counter.search(name) else f"{value}x30"})
     substitutions = {"$__rate_interval": "5m", "$instance": ".+", "$layout": ".+"}
     queries = []
-    for expr in live(dashboard_exprs(load_dashboard())):
+    for expr in dashboard_exprs(load_dashboard()):
         if match := re.fullmatch(r"label_values\((.*),\s*\w+\)", expr):
             expr = match.group(1)
         for variable, value in substitutions.items():
