@@ -27,7 +27,8 @@ from grpc_reflection.v1alpha import reflection
 from kvtierd.errors import FailedPrecondition, InvalidArgument
 from kvtierd.layout import llama3_8b
 from kvtierd.metrics.daemon_metrics import DaemonMetrics
-from kvtierd.node.daemon_config import DaemonConfig, admin_tenant_names, config_lines
+from kvtierd.node.config_summary import config_lines
+from kvtierd.node.daemon_config import DaemonConfig, admin_tenant_names
 from kvtierd.node.operations import Operations
 from kvtierd.node.pools import PoolRegistry, PoolSettings
 from kvtierd.node.quotas import QuotaBook

@@ -10,11 +10,11 @@ import pytest
 
 from kvtierd.endpoints import default_socket_path
 from kvtierd.errors import InvalidArgument
+from kvtierd.node.config_summary import config_lines
 from kvtierd.node.daemon_config import (
     ENV_KEYS,
     Quota,
     add_flags,
-    config_lines,
     default_ssd_dir,
     load_config,
     overrides_from_args,

@@ -1,0 +1,44 @@
+"""What `kvtierd serve` prints at start-up about its configuration: addresses, sizes, tiers,
+policies, auth; never a token or a password."""
+
+from __future__ import annotations
+
+import os
+
+from kvtierd.node.daemon_config import DaemonConfig
+from kvtierd.node.remote_section import remote_summary
+
+
+def config_lines(config: DaemonConfig) -> list[str]:
+    """What an operator checks at start-up; never a token."""
+    from kvtierd.planning.capacity import format_bytes  # imports torch, which the client must not pay for
+
+    server, pool, ssd, policy = config.server, config.pool, config.ssd, config.policy
+    lines = [f"listen: unix {server.socket}"] if server.socket else []
+    if server.tcp:
+        security = ("TLS, client certificates required" if server.tls_client_ca else "TLS") if server.tls_cert \
+            else "INSECURE: no TLS"
+        lines.append(f"listen: tcp {server.tcp} ({security})")
+    port = "a free port" if server.metrics_port == 0 else f"port {server.metrics_port}"
+    lines.append("metrics: off" if server.metrics_port == -1 else f"metrics: {server.metrics_host}, {port}")
+    auth = f"bearer tokens from {server.tokens_file}" if server.tokens_file \
+        else f"unix peer (socket owner uid {os.getuid()})"
+    lines.append(f"auth: {auth}; session lease {server.lease_s:g} s, shutdown grace {server.grace_s:g} s")
+    lines.append(f"T0 pool: {format_bytes(pool.t0_bytes)} per layout on {pool.device}, "
+                 f"up to {pool.max_layouts} layouts, hash {pool.hash_algo}")
+    lines.append(f"T1 host: {format_bytes(config.host.capacity_bytes)}, codec {config.host.codec}")
+    lines.append(f"T2 ssd: {format_bytes(ssd.capacity_bytes)} in {ssd.directory}, codec {ssd.codec}, "
+                 f"durability {ssd.durability}{', O_DIRECT' if ssd.o_direct else ''}" if ssd.directory
+                 else "T2 ssd: off")
+    recompute = (f"load a lower-tier hit only when faster than recomputing at {policy.recompute_s_per_token:g} s/token"
+                 if policy.recompute_s_per_token > 0 else "always load lower-tier hits")
+    lines += remote_summary(config.remote, policy)
+    lines.append(f"policy: T0->T1 {policy.t0_to_t1}, T1->T2 {policy.t1_to_t2}; {recompute}")
+    lines.append(f"quotas: {len(config.quotas)} tenants" if config.quotas else "quotas: none (unlimited)")
+    events = config.events
+    media = "GPU, CPU, STORAGE" if events.lower_tiers else "GPU"
+    replay = f", replay {events.replay_endpoint}" if events.replay_endpoint else ""
+    lines.append(f"kv events: {'connect' if events.connect else 'bind'} {events.zmq_endpoint}{replay}, topic "
+                 f"{events.topic!r}, {events.format} format, media {media}, salt {events.salt}"
+                 if events.zmq_endpoint else "kv events: off")
+    return lines
