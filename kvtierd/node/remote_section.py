@@ -48,6 +48,8 @@ def remote_config_of(section: RemoteSection):
                 password = f.read().rstrip("\r\n")
         except OSError as e:
             raise InvalidArgument(f"remote.password_file {section.password_file!r} cannot be read: {e.strerror}")
+        except UnicodeDecodeError:
+            raise InvalidArgument(f"remote.password_file {section.password_file!r} is not UTF-8 text") from None
     fields = {f.name: getattr(section, f.name) for f in dataclasses.fields(section)
               if f.name not in ("endpoints", "password", "password_file")}
     return RemoteConfig(parse_endpoints(section.endpoints), password=password, **fields)

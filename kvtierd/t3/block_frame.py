@@ -81,11 +81,12 @@ def read_frame(value: bytes | None, digest: bytes, block_hash: bytes, parent_has
     Raises FrameMismatch."""
     if value is None or len(value) < HEADER_BYTES:
         raise FrameMismatch("short", f"{0 if value is None else len(value)} bytes")
-    magic, version, hash_len, parent_len, _, num_tokens, length, frame_digest, checksum = _HEAD.unpack_from(value)
+    magic, version, hash_len, parent_len, reserved, num_tokens, length, frame_digest, checksum = \
+        _HEAD.unpack_from(value)
     if magic != MAGIC:
         raise FrameMismatch("magic", repr(magic))
-    if version != VERSION:
-        raise FrameMismatch("version", str(version))
+    if version != VERSION or reserved != 0:
+        raise FrameMismatch("version", f"{version} (reserved {reserved})")
     if frame_digest != digest or length != payload_nbytes:
         raise FrameMismatch("layout", f"payload {length} bytes, expected {payload_nbytes}")
     view = memoryview(value)

@@ -118,12 +118,13 @@ class RedisStore:
             except (redis.RedisError, OSError) as e:
                 self._node_failed(node, e)
                 return
-            node.breaker.succeeded()
+            errors = []
             for position, reply in zip(positions, replies):
                 if isinstance(reply, (redis.ResponseError, redis.AuthenticationError)):
-                    self._reply_error(node, reply)
+                    errors.append(reply)
                 else:
                     results[position] = parse(reply)
+            self._replied(node, errors)
 
         if len(groups) == 1:
             run(*next(iter(groups.items())))
@@ -224,14 +225,20 @@ class RedisStore:
             log.warning("T3 node %s:%d failing (%s): its keys are misses for %.0f s", *node.address,
                         type(error).__name__, self.config.breaker_open_s)
 
-    def _reply_error(self, node: StoreNode, error: redis.RedisError) -> None:
+    def _replied(self, node: StoreNode, errors: list[redis.RedisError]) -> None:
+        """A pipeline came back; `errors` are its error replies. One call is one success or one
+        failure for the node's breaker, however many keys it carried."""
         # By class: redis-py strips the reply's code ("MOVED 3999 host:port" is MovedError("3999 host:port")).
-        if isinstance(error, (redis.exceptions.AskError, redis.exceptions.ClusterDownError)):  # MOVED is an ASK
-            with self._lock:
+        if any(isinstance(e, (redis.exceptions.AskError, redis.exceptions.ClusterDownError)) for e in errors):
+            with self._lock:  # MOVED is an AskError
                 self._slot_nodes = None  # read the slot table again on the next call
-        elif isinstance(error, (redis.exceptions.NoPermissionError, redis.AuthenticationError)):  # NOPERM, NOAUTH
-            self._node_failed(node, error)
-        self._count_error()
+        denied = [e for e in errors if isinstance(e, (redis.exceptions.NoPermissionError, redis.AuthenticationError))]
+        if denied:  # NOPERM, NOAUTH: a credential problem fails the node like a dead one
+            self._node_failed(node, denied[0])
+        else:
+            node.breaker.succeeded()
+        if errors:
+            self._count_error()
 
 
 def _python_packer(base: type[redis.Connection]) -> type[redis.Connection]:
