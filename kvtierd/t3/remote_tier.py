@@ -119,10 +119,12 @@ class RemoteTier:
 
     # ----------------------------------------------------------------------------- writes
 
-    def offer(self, metas: Sequence[BlockMeta], rows: torch.Tensor) -> int:
-        """Frame the blocks (copying `rows`, which the caller may reuse at once) and queue their
-        writes; returns how many were queued. Blocks written recently are skipped."""
-        assert rows.dtype == torch.uint8 and rows.shape[1] == self.slot_nbytes
+    def offer(self, metas: Sequence[BlockMeta], rows: torch.Tensor | Sequence[torch.Tensor]) -> int:
+        """Frame the blocks (copying `rows`: a uint8 tensor of one row per block, or one 1-D view
+        per block, e.g. of T1 slots, which the caller may reuse at once) and queue their writes;
+        returns how many were queued. Blocks written recently are skipped."""
+        assert len(rows) == len(metas) and all(row.dtype == torch.uint8 and row.numel() == self.slot_nbytes
+                                               for row in rows[:1])
         items = []
         with self._lock:
             fresh = [(i, m, self.key(m.block_hash)) for i, m in enumerate(metas)]

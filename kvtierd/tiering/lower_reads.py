@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 
+import numpy as np
 import torch
 
 from kvtierd.index.slot_index import BlockMeta, StorePlan
@@ -71,10 +72,19 @@ class LowerReads:
                                             b"".join(m.token_ids for m in candidates) if known_tokens else None,
                                             tiers.layout.block_size)
         segment.metas = metas + candidates[len(metas):]
+        plan = self._plan_t1(metas) if metas else None
+        host = tiers.host
+        if plan is not None and len(plan.stores) == len(metas) and host.codec.name == tiers.remote_codec.name:
+            slot_ids = [e.slot for e in plan.stores]  # every block into its own T1 slot: one copy
+            for slot, payload in zip(slot_ids, payloads):
+                host.slots[slot].numpy()[:] = np.frombuffer(payload, np.uint8)
+            host.index.complete_store(plan.stores, success=True)
+            segment.source = (host.slots, slot_ids, host.codec)
+            return
         raw = torch.empty((len(metas), tiers.remote_codec.slot_nbytes), dtype=torch.uint8)
         for row, payload in zip(raw.numpy(), payloads):
-            row[:] = payload
-        self._land(segment, metas, raw, tiers.remote_codec, self._plan_t1(metas) if metas else None)
+            row[:] = np.frombuffer(payload, np.uint8)
+        self._land(segment, metas, raw, tiers.remote_codec, plan)
 
     def _plan_t1(self, metas: list[BlockMeta]) -> StorePlan | None:
         """T1 slots for blocks on their way up (None without T1), T1's victims spilled first."""

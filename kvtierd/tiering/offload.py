@@ -21,6 +21,8 @@ from __future__ import annotations
 import itertools
 import logging
 
+import torch
+
 from kvtierd.index.kv_block import KVBlock
 from kvtierd.index.slot_index import BlockMeta, SlotEntry, StorePlan
 from kvtierd.movers.copy_engine import Direction
@@ -135,7 +137,7 @@ class Offloader:
         if not plan.evicted:
             return
         if tiers.remote is not None and tiers.config.t1_to_t3 is EdgePolicy.ON_EVICT:
-            self._offer_t3(plan.evicted, tiers.host.codec, tiers.host.slots[[e.slot for e in plan.evicted]], "t1_t3")
+            self._offer_t3(plan.evicted, tiers.host.codec, self._t1_rows(plan.evicted), "t1_t3")
         if tiers.ssd is not None and tiers.config.t1_to_t2 is EdgePolicy.ON_EVICT:
             self.spills.queue(plan.evicted, tiers.t1_rows_for_t2([e.slot for e in plan.evicted]))  # indexing copies
 
@@ -155,7 +157,7 @@ class Offloader:
 
         def write() -> None:
             if to_t3:
-                self._offer_t3(pinned, tiers.host.codec, tiers.host.slots[[e.slot for e in pinned]], "t1_t3")
+                self._offer_t3(pinned, tiers.host.codec, self._t1_rows(pinned), "t1_t3")
             if to_t2:
                 self._write_t2(pinned)
 
@@ -183,11 +185,19 @@ class Offloader:
 
     # ----------------------------------------------------------------------------- into T3
 
+    def _t1_rows(self, entries: list[SlotEntry]) -> list:
+        """Views of the entries' T1 slots (no copy: framing copies them)."""
+        slots = self.tiers.host.slots
+        return [slots[e.slot] for e in entries]
+
     def _offer_t3(self, entries: list[SlotEntry], codec, rows, edge: str) -> None:
-        """Queue the entries' blocks (`rows` in `codec`) for the shared store; never waits."""
+        """Queue the entries' blocks (`rows` in `codec`: a tensor, or one view per block) for the
+        shared store; never waits."""
         tiers = self.tiers
+        if codec.name != tiers.remote_codec.name:
+            rows = recoded(codec, torch.stack(list(rows)) if isinstance(rows, list) else rows, tiers.remote_codec)
         try:
-            num_queued = tiers.remote.offer([e.meta for e in entries], recoded(codec, rows, tiers.remote_codec))
+            num_queued = tiers.remote.offer([e.meta for e in entries], rows)
         except Exception:
             log.exception("framing %d blocks for the T3 store failed", len(entries))
             tiers.counters.add("num_failed_offload_blocks", len(entries))
