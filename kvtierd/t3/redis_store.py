@@ -18,19 +18,26 @@ import concurrent.futures
 import dataclasses
 import logging
 import threading
+from binascii import crc_hqx
 from collections.abc import Callable, Sequence
 
 import redis
 from redis.backoff import NoBackoff
 from redis.connection import PythonRespSerializer
-from redis.crc import REDIS_CLUSTER_HASH_SLOTS, key_slot
+from redis.crc import REDIS_CLUSTER_HASH_SLOTS
 from redis.retry import Retry
 
 from kvtierd.t3.circuit_breaker import BreakerState, CircuitBreaker
 from kvtierd.t3.remote_config import RemoteConfig
 
+try:
+    import hiredis
+except ImportError:  # a dependency, but redis-py works without it
+    hiredis = None
+
 log = logging.getLogger(__name__)
 Address = tuple[str, int]
+_EXISTS = b"*2\r\n$6\r\nEXISTS\r\n$%d\r\n%s\r\n"  # one EXISTS in RESP, packed by hand
 
 
 @dataclasses.dataclass(eq=False)
@@ -71,23 +78,24 @@ class RedisStore:
                                if isinstance(reply, bytes) else None, None)
 
     def exists(self, keys: Sequence[bytes]) -> list[bool]:
-        """Is each key present? One packed write and its replies per node, the nodes one after
-        another on the calling thread: redis-py's Pipeline costs ~10 µs a command, and a probe of
-        a 4k-token chain is 256 small commands (a Lookup's cost)."""
+        """Is each key present? Every node's EXISTS go out packed in one write before any reply
+        is read (one round trip for all nodes, no thread): redis-py's Pipeline costs ~10 µs a
+        command, and a probe of a 4k-token chain is 256 small commands (a Lookup's cost)."""
         present = [False] * len(keys)
+        sent = []
         for node, positions in self._group(keys).items():
-            if not node.breaker.allow():
+            if node.breaker.allow():
+                packed = b"".join(_EXISTS % (len(keys[i]), keys[i]) for i in positions)
+                connection = self._send(node, packed)
+                if connection is not None:
+                    sent.append((node, positions, connection))
+        for node, positions, connection in sent:
+            replies = self._receive(node, connection, len(positions))
+            if replies is None:
                 continue
-            try:
-                replies = self._raw_replies(node, b"".join(b"*2\r\n$6\r\nEXISTS\r\n$%d\r\n%s\r\n" % (
-                    len(keys[i]), keys[i]) for i in positions), len(positions))
-            except (redis.RedisError, OSError) as e:
-                self._node_failed(node, e)
-                continue
-            errors = [reply for reply in replies if isinstance(reply, redis.RedisError)]
             for position, reply in zip(positions, replies):
                 present[position] = reply == 1
-            self._replied(node, errors)
+            self._replied(node, [reply for reply in replies if isinstance(reply, redis.RedisError)])
         return present
 
     def set(self, items: Sequence[tuple[bytes, bytes]], ttl_s: int = 0) -> list[bool]:
@@ -97,14 +105,29 @@ class RedisStore:
                                lambda pipe, key: pipe.set(key, values[key], ex=ttl_s or None),
                                lambda reply: reply is True, False)
 
-    @staticmethod
-    def _raw_replies(node: StoreNode, packed: bytes, num_replies: int) -> list:
-        """Send `packed` commands on one pooled connection and read `num_replies` replies (an
-        error reply is returned as its exception; a broken connection raises)."""
+    def _send(self, node: StoreNode, packed: bytes) -> redis.Connection | None:
+        """A pooled connection of the node with `packed` commands written to it (None: it failed)."""
         pool = node.client.connection_pool
-        connection = pool.get_connection()
+        try:
+            connection = pool.get_connection()
+        except (redis.RedisError, OSError) as e:
+            self._node_failed(node, e)
+            return None
         try:
             connection.send_packed_command([packed], check_health=False)
+        except (redis.RedisError, OSError) as e:
+            connection.disconnect()
+            pool.release(connection)
+            self._node_failed(node, e)
+            return None
+        return connection
+
+    def _receive(self, node: StoreNode, connection: redis.Connection, num_replies: int) -> list | None:
+        """`num_replies` replies off a connection `_send` wrote to (an error reply as its
+        exception), the connection given back; None when it broke (the node failed)."""
+        try:
+            if hiredis is not None:  # many small replies: parsed straight off the socket
+                return _read_replies(connection, num_replies)
             replies = []
             for _ in range(num_replies):
                 try:
@@ -112,11 +135,12 @@ class RedisStore:
                 except (redis.ResponseError, redis.AuthenticationError) as e:
                     replies.append(e)
             return replies
-        except BaseException:
+        except (redis.RedisError, OSError) as e:
             connection.disconnect()
-            raise
+            self._node_failed(node, e)
+            return None
         finally:
-            pool.release(connection)
+            node.client.connection_pool.release(connection)
 
     def health(self) -> StoreHealth:
         with self._lock:
@@ -176,10 +200,12 @@ class RedisStore:
         slot_nodes = self._slot_table()
         if slot_nodes is None:
             return {}
+        if self.mode == "single":
+            return {slot_nodes[0]: list(range(len(keys)))}
         groups: dict[StoreNode, list[int]] = {}
-        single = slot_nodes[0] if self.mode == "single" else None
-        for position, key in enumerate(keys):
-            node = single or slot_nodes[key_slot(key)]
+        # key_slot(key) without its hash-tag search: our keys have none (RemoteConfig, RemoteTier.key)
+        owners = [slot_nodes[crc_hqx(key, 0) & (REDIS_CLUSTER_HASH_SLOTS - 1)] for key in keys]
+        for position, node in enumerate(owners):
             if node is not None:  # a slot no master serves: a miss
                 groups.setdefault(node, []).append(position)
         return groups
@@ -277,6 +303,23 @@ class RedisStore:
             node.breaker.succeeded()
         if errors:
             self._count_error()
+
+
+def _read_replies(connection: redis.Connection, num_replies: int) -> list:
+    """`num_replies` replies read off the connection's socket (its timeout applies) by a hiredis
+    Reader; an error reply becomes redis-py's exception for it (MOVED: MovedError, ...)."""
+    reader = hiredis.Reader()
+    replies: list = []
+    sock = connection._sock
+    while len(replies) < num_replies:
+        data = sock.recv(1 << 16)
+        if not data:
+            raise redis.ConnectionError(f"{connection.host}:{connection.port} closed the connection")
+        reader.feed(data)
+        while (reply := reader.gets()) is not False:
+            replies.append(reply)
+    return [connection._parser.parse_error(str(reply)) if isinstance(reply, hiredis.ReplyError) else reply
+            for reply in replies]
 
 
 def _python_packer(base: type[redis.Connection]) -> type[redis.Connection]:

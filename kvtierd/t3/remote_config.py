@@ -43,8 +43,9 @@ class RemoteConfig:
             raise InvalidArgument("remote.ttl_s and remote.max_write_backlog_bytes must be >= 0")
         if bool(self.tls_cert_file) != bool(self.tls_key_file):
             raise InvalidArgument("remote.tls_cert_file and remote.tls_key_file go together")
-        if ":" in self.key_prefix or not self.key_prefix:
-            raise InvalidArgument(f"remote.key_prefix must be non-empty and without ':', got {self.key_prefix!r}")
+        if not self.key_prefix or any(c in self.key_prefix for c in ":{}"):  # no hash tag: keys spread over slots
+            raise InvalidArgument(f"remote.key_prefix must be non-empty, without ':', '{{' or '}}'; got "
+                                  f"{self.key_prefix!r}")
 
 
 def parse_endpoints(text: str) -> tuple[tuple[str, int], ...]:

@@ -65,14 +65,21 @@ class RemoteTier:
         self.write = Bandwidth(0.5e9)
         self._lock = threading.Lock()
         self._known: collections.OrderedDict[bytes, None] = collections.OrderedDict()
+        self._key_of: dict[bytes, bytes] = {}  # daemon key -> store key, for the probes of hot prefixes
         self._counts = collections.Counter()
         self._corrupt = collections.Counter()
         self.writes = RemoteWrites(self._write, config.max_write_backlog_bytes, self._written)
 
     def key(self, block_hash: bytes) -> bytes:
         """The store key of a daemon key (tenant tag + client hash)."""
-        tag, client_hash = block_hash[:TAG_BYTES], block_hash[TAG_BYTES:]
-        return b"%s%s:%s" % (self._key_head, tag.hex().encode(), client_hash.hex().encode())
+        key = self._key_of.get(block_hash)
+        if key is None:
+            digits = block_hash.hex()
+            key = self._key_head + (digits[:2 * TAG_BYTES] + ":" + digits[2 * TAG_BYTES:]).encode()
+            if len(self._key_of) >= MAX_KNOWN_KEYS:  # a cache: emptied when full, never grown past it
+                self._key_of.clear()
+            self._key_of[block_hash] = key
+        return key
 
     # ----------------------------------------------------------------------------- reads
 
@@ -80,7 +87,7 @@ class RemoteTier:
         """How many leading blocks of the chain the store holds (not verified until `load`)."""
         if not block_hashes:
             return 0
-        present = self.store.exists([self.key(h) for h in block_hashes])
+        present = self.store.exists(list(map(self.key, block_hashes)))
         return next((i for i, here in enumerate(present) if not here), len(present))
 
     def load(self, block_hashes: Sequence[bytes], parent: bytes | None, token_bytes: bytes | None,
