@@ -118,9 +118,9 @@ class KvTierServicer(kvtier_pb2_grpc.KvTierServicer):
         hits = manager.lookup(keys, tokens, prefetch=request.prefetch and not manager.has_remote, ask_remote=False)
         if manager.has_remote:  # the shared store, for what the local tiers lack: a round trip, on a thread
             if hits.num_blocks < len(keys):
-                hits = await asyncio.to_thread(manager.lookup, keys, tokens, prefetch=request.prefetch)
+                hits = await asyncio.to_thread(manager.lookup_remote, keys, hits, tokens, request.prefetch)
             elif request.prefetch and hits.t2:
-                manager.lookup(keys, tokens, prefetch=True, ask_remote=False)
+                manager.lookup_remote(keys, hits, tokens, prefetch=True)
         return pb.LookupResponse(num_hit_blocks=hits.num_blocks, num_t0_blocks=hits.t0,
                                  num_t1_blocks=hits.t1, num_t2_blocks=hits.t2, num_t3_blocks=hits.t3)
 

@@ -17,6 +17,7 @@ a `writable` future, and the caller lets nobody write the blocks before it resol
 from __future__ import annotations
 
 import concurrent.futures
+import dataclasses
 import logging
 
 from kvtierd.block_hash import BlockHash, pack_token_ids
@@ -161,6 +162,16 @@ class TierManager:
         """Where the chain's prefix lives. With `ask_remote` False, the local tiers only (never
         waits on the network); with `prefetch`, T2 and T3 hits start their way into T1."""
         hits = self.promoter.lookup(block_hashes, token_ids, ask_remote)
+        if prefetch and (hits.t2 or hits.t3):
+            self.promoter.prefetch(block_hashes, token_ids, hits)
+        return hits
+
+    def lookup_remote(self, block_hashes: list[bytes], hits: TierHits, token_ids=None,
+                      prefetch: bool = False) -> TierHits:
+        """`hits` (a local lookup's) with T3's part: the store's keys present after them (a
+        network round trip; call it off the event loop)."""
+        if self.tiers.remote is not None and hits.num_blocks < len(block_hashes):
+            hits = dataclasses.replace(hits, t3=self.tiers.remote.probe(block_hashes[hits.num_blocks:]))
         if prefetch and (hits.t2 or hits.t3):
             self.promoter.prefetch(block_hashes, token_ids, hits)
         return hits
