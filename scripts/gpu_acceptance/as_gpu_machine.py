@@ -4,7 +4,7 @@
 GPU machine does not have (and that do not travel) are None in sys.modules, so importing one
 raises ModuleNotFoundError and importlib.util.find_spec says None, as there; the dry run sees an
 import the machine could not satisfy. What travels (lmdb, grpcio-health-checking, -reflection,
-pytest-timeout) stays importable: it is installed here too.
+pytest-timeout, redis, hiredis, msgspec, pyzmq) stays importable: it is installed here too.
 """
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ import runpy
 import sys
 
 # Not on the GPU machine (shared/TOOLING.md says so, or does not list them) and not carried.
-ABSENT = ("vllm", "grpc_tools", "gguf", "accelerate", "redis", "kubernetes_validate", "grpcurl")
+ABSENT = ("vllm", "grpc_tools", "gguf", "accelerate", "kubernetes_validate", "grpcurl")
 
 
 def main() -> None:

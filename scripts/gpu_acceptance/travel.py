@@ -1,8 +1,8 @@
 """What travels to the GPU machine beside the git tree, and installing it there.
 
 The GPU machine (shared/TOOLING.md) has Python 3.12, torch, CuPy, grpcio, protobuf and pytest
-but no lmdb, no grpcio-health-checking / -reflection (the daemon imports all three) and no
-network. Their wheels are downloaded here for CPython 3.12 manylinux x86_64, each at the version
+but no lmdb, no grpcio-health-checking / -reflection, no redis / hiredis (T3's client), no
+msgspec / pyzmq (the KV event feed) — the daemon imports them all — and no network. Their wheels are downloaded here for CPython 3.12 manylinux x86_64, each at the version
 installed here, into TRAVEL_DIR/wheels (gitignored). grpcio and protobuf travel too, because the
 generated modules kvtierd/v1/*_pb2*.py (gitignored, built by `pip install` in setup.py's build_py)
 refuse an older runtime at import: there a carried wheel is installed only when the machine's
@@ -26,7 +26,8 @@ SITE_DIR = f"{TRAVEL_DIR}/site"  # made there: pip install --target
 GENERATED = ("kvtierd/v1/kvtier_pb2.py", "kvtierd/v1/kvtier_pb2_grpc.py")
 # Distributions to carry: the daemon's imports the GPU machine lacks, pytest-timeout (per-test
 # time limits), and the runtimes the generated code checks.
-DISTRIBUTIONS = ("lmdb", "grpcio-health-checking", "grpcio-reflection", "pytest-timeout", "grpcio", "protobuf")
+DISTRIBUTIONS = ("lmdb", "grpcio-health-checking", "grpcio-reflection", "pytest-timeout", "grpcio", "protobuf",
+                 "redis", "hiredis", "msgspec", "pyzmq")  # the T3 client and the KV event feed (issue 15)
 MAX_CARRY_PATHS = 8
 MAX_CARRY_BYTES = 64 << 20
 PIP_DOWNLOAD = ["download", "--no-deps", "--only-binary=:all:", "--python-version", "3.12", "--implementation", "cp",
