@@ -2,8 +2,9 @@
 
 The GPU machine (shared/TOOLING.md) has Python 3.12, torch, CuPy, grpcio, protobuf and pytest
 but no lmdb, no grpcio-health-checking / -reflection, no redis / hiredis (T3's client), no
-msgspec / pyzmq (the KV event feed) — the daemon imports them all — and no network. Their wheels are downloaded here for CPython 3.12 manylinux x86_64, each at the version
-installed here, into TRAVEL_DIR/wheels (gitignored). grpcio and protobuf travel too, because the
+msgspec / pyzmq (the KV event feed) — the daemon imports them all — and no network. Their
+wheels are downloaded here for CPython 3.12 manylinux x86_64, each at the version installed
+here, into TRAVEL_DIR/wheels (gitignored). grpcio and protobuf travel too, because the
 generated modules kvtierd/v1/*_pb2*.py (gitignored, built by `pip install` in setup.py's build_py)
 refuse an older runtime at import: there a carried wheel is installed only when the machine's
 copy of that distribution is missing or older than the carried one.
