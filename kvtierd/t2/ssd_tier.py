@@ -14,9 +14,8 @@ the LMDB delete of what was freed, so nobody writes a freed slot before its reco
 delete that fails stays pending and goes out with the next transaction, before any slot write.
 
 Reads verify length and xxh3_64 checksum: a short read, a mismatch or an I/O error is a miss, the
-entry is dropped (SlotIndex and LMDB) and counted, and no byte of it is reported as loaded.
-Write errors (disk full, I/O errors) stop admission: later stores return 0, lookups and loads of
-what is there keep working, nothing raises into the caller.
+entry is dropped (SlotIndex and LMDB) and counted, no byte of it reported as loaded. Write errors
+(disk full, EIO) stop admission: later stores return 0, the rest keeps working, nothing raises.
 """
 
 from __future__ import annotations
@@ -153,8 +152,7 @@ class SsdTier:
         return self._index.metas(hashes)
 
     def enable_events(self, max_pending: int) -> None:
-        """Queue stored/removed events of this tier (SlotIndex.enable_events), for the KV event feed."""
-        self._index.enable_events(max_pending)
+        self._index.enable_events(max_pending)  # stored/removed events, for the KV event feed
 
     def take_events(self) -> list[IndexEvent]:
         return self._index.take_events()
