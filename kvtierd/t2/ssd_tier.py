@@ -143,16 +143,15 @@ class SsdTier:
         with self._operation():
             return self._index.lookup(hashes, parent, token_bytes, block_size)
 
-    def block_hashes(self) -> list[bytes]:
-        """Every block held and visible (for recovery checks, inspection and tests)."""
+    def block_hashes(self) -> list[bytes]:  # every block held and visible: recovery checks, evict, tests
         return [e.block_hash for e in self._index.entries() if not e.storing]
 
     def metas(self, hashes: Sequence[bytes]) -> list[BlockMeta]:
         """The stored keys (hash, parent, token ids) of the leading held blocks named."""
         return self._index.metas(hashes)
 
-    def enable_events(self, max_pending: int) -> None:
-        self._index.enable_events(max_pending)  # stored/removed events, for the KV event feed
+    def enable_events(self, max_pending: int) -> None:  # stored/removed events, for the KV event feed
+        self._index.enable_events(max_pending)
 
     def take_events(self) -> list[IndexEvent]:
         return self._index.take_events()
@@ -181,10 +180,9 @@ class SsdTier:
 
     def store(self, items: Sequence[tuple[BlockMeta, object]]) -> int:
         """Store blocks not already here; returns how many were stored (0 when not admitting or
-        on a write error, which stops admission). Raises only for malformed items.
-
-        The slot index's two phases run inside this call (T1's caller, offload.py, runs them itself):
-        each also commits LMDB, in the crash-safe order (a)-(e) above. Blocking: a spill thread's."""
+        on a write error, which stops admission). Raises only for malformed items. The slot
+        index's two phases run inside this call, each committing LMDB in the order (a)-(e) above
+        (T1's caller, offload.py, runs them itself). Blocking: a spill thread's."""
         metas, sources = self._check_items(items)
         with self._operation():
             if not self._admitting or not metas:
@@ -242,10 +240,9 @@ class SsdTier:
 
     def load(self, hashes: Sequence[bytes], out: torch.Tensor | Sequence[torch.Tensor], parent: bytes | None = None,
              token_bytes: bytes | None = None, block_size: int = 0) -> int:
-        """Copy the leading verified hits into out[:k]; returns k. A block that fails to read or
-        verify ends the prefix, is dropped and counted; its row of `out` is zeroed. `out` is a
-        uint8 tensor `[>= n, slot_nbytes]` or a list of n rows (e.g. host-tier slots: a row that
-        is 4 KiB aligned and one stride long is read into directly, without staging)."""
+        """Copy the leading verified hits into out[:k]; returns k. A block failing its read or check
+        ends the prefix, is dropped and counted; its row is zeroed. `out`: uint8 `[>= n, slot_nbytes]`
+        or n rows (T1 slots: a 4 KiB aligned row one stride long is read into without staging)."""
         rows = list(out[:len(hashes)]) if isinstance(out, torch.Tensor) else list(out)
         if len(rows) < len(hashes) or not all(
                 isinstance(row, torch.Tensor) and row.dtype == torch.uint8 and row.device.type == "cpu"
@@ -289,8 +286,7 @@ class SsdTier:
         return results
 
     def _drop(self, failures: list[tuple[SlotEntry, str]]) -> None:
-        """Drop blocks that failed to read or verify. One pinned by another load stays until
-        that load fails on it too, and is counted then."""
+        """Drop blocks that failed to read or verify (one another load pins: when that load fails too)."""
         if not failures:
             return
         why = {entry.block_hash: reason for entry, reason in failures}
