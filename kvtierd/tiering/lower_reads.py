@@ -43,8 +43,8 @@ class LowerReads:
         hashes = [m.block_hash for m in metas]
         host = tiers.host
         plan = self._plan_t1(metas)
-        if plan is not None and len(plan.stores) == len(metas) and host.codec.name == tiers.ssd_codec.name:
-            slot_ids = [e.slot for e in plan.stores]
+        slot_ids = self._direct_slots(plan, metas, tiers.ssd_codec)
+        if slot_ids is not None:
             with tiers.ssd_read.measure(len(metas) * tiers.ssd_codec.slot_nbytes):
                 num_read = tiers.ssd.load(hashes, [host.slots[s] for s in slot_ids], parent=metas[0].parent_hash)
             host.index.complete_store(plan.stores[:num_read], success=True)
@@ -73,9 +73,9 @@ class LowerReads:
                                             tiers.layout.block_size)
         segment.metas = metas + candidates[len(metas):]
         plan = self._plan_t1(metas) if metas else None
-        host = tiers.host
-        if plan is not None and len(plan.stores) == len(metas) and host.codec.name == tiers.remote_codec.name:
-            slot_ids = [e.slot for e in plan.stores]  # every block into its own T1 slot: one copy
+        slot_ids = self._direct_slots(plan, metas, tiers.remote_codec)
+        if slot_ids is not None:  # every block into its own T1 slot: one copy
+            host = tiers.host
             for slot, payload in zip(slot_ids, payloads):
                 host.slots[slot].numpy()[:] = np.frombuffer(payload, np.uint8)
             host.index.complete_store(plan.stores, success=True)
@@ -85,6 +85,13 @@ class LowerReads:
         for row, payload in zip(raw.numpy(), payloads):
             row[:] = np.frombuffer(payload, np.uint8)
         self._land(segment, metas, raw, tiers.remote_codec, plan)
+
+    def _direct_slots(self, plan: StorePlan | None, metas: list[BlockMeta], codec: BlockCodec) -> list[int] | None:
+        """The T1 slots to read `metas` straight into: when T1 took every block, in `codec`."""
+        host = self.tiers.host
+        if plan is None or len(plan.stores) != len(metas) or host.codec.name != codec.name:
+            return None
+        return [e.slot for e in plan.stores]
 
     def _plan_t1(self, metas: list[BlockMeta]) -> StorePlan | None:
         """T1 slots for blocks on their way up (None without T1), T1's victims spilled first."""
