@@ -1,5 +1,9 @@
-"""Shared fixtures and factories; the `gpu` marker skips without CUDA, and fails where CUDA is
-present but CuPy is not.
+"""Shared fixtures and factories; the test lanes (tests/lanes.py: `--lane NAME` runs one); the
+hypothesis profiles; the `gpu` marker skips without CUDA, and fails where CUDA is present but CuPy
+is not.
+
+Hypothesis profiles: `ci` (the default: every lane but fast) and `fast` (the fast lane's, fewer
+examples); `--hypothesis-profile NAME` picks one for any run. Tests set no example counts of their own.
 
 KVTIERD_REQUIRE_GPU=1 (scripts/gpu-acceptance sets it on the GPU machine) turns every skip of a
 `gpu` test into a failure: CUDA or CuPy missing there is a failed run, never a quiet pass.
@@ -14,12 +18,37 @@ import subprocess
 
 import pytest
 import torch
+from hypothesis import settings
+
+from tests import lanes
 
 REPO = pathlib.Path(__file__).resolve().parent.parent
 
 # tests/connectors/vllm/on_vllm import the installed vLLM: they run in the vLLM venv, which the main suite drives
 # (tests/connectors/vllm/test_on_installed_vllm.py); an environment without vLLM does not collect them.
 collect_ignore = [] if importlib.util.find_spec("vllm") is not None else ["connectors/vllm/on_vllm"]
+
+
+settings.register_profile("ci", max_examples=100, deadline=None)
+settings.register_profile("fast", max_examples=20, deadline=None)
+
+
+def pytest_addoption(parser):
+    parser.addoption("--lane", choices=lanes.LANE_NAMES, default=None,
+                     help="run one test lane (tests/lanes.py); without it, every lane runs")
+
+
+def hypothesis_profile(config) -> str:
+    """The profile a run loads: the one named by --hypothesis-profile, else the lane's."""
+    named = config.getoption("hypothesis_profile", None)
+    return named or ("fast" if config.getoption("lane") == lanes.FAST_LANE else "ci")
+
+
+def pytest_configure(config):
+    """The lane markers; the hypothesis profile (before collection: a test's settings take the
+    profile's values when its module is imported)."""
+    lanes.register_markers(config)
+    settings.load_profile(hypothesis_profile(config))
 
 
 def gpu_required() -> bool:
@@ -40,6 +69,10 @@ def missing_gpu_reason() -> str | None:
 
 
 def pytest_collection_modifyitems(config, items):
+    for item in items:
+        lanes.add_fixture_markers(item)
+    if (lane := config.getoption("lane")) is not None:
+        lanes.select_lane(items, config, lane)
     if torch.cuda.is_available() or gpu_required():
         return
     skip_gpu = pytest.mark.skip(reason="needs CUDA (torch.cuda.is_available() is false)")

@@ -11,9 +11,12 @@ import re
 import subprocess
 import sys
 
+import pytest
+
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 
 
+@pytest.mark.cluster
 def test_bench_redis_clients_prints_a_row_per_client_and_op():
     done = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "bench_redis_clients.py"), "--quick"],
                           capture_output=True, text=True, timeout=300)

@@ -28,9 +28,13 @@ def install_redis_server() -> None:
 @pytest.mark.parametrize("script, num_rows", [("bench_block_index.py", 7), ("bench_hashing.py", 8),
                                               ("bench_ssd_tier.py", 4), ("bench_tier_copy.py", 2),
                                               ("bench_daemon_rpc.py", 6),
-                                              ("bench_put_get.py", 4), ("bench_ttft.py", 2),
-                                              ("bench_chat_throughput.py", 1), ("bench_t3.py", 5),
-                                              pytest.param("bench_vllm.py", 4, marks=pytest.mark.timeout(1800))])
+                                              pytest.param("bench_put_get.py", 4, marks=pytest.mark.cluster),
+                                              pytest.param("bench_ttft.py", 2, marks=pytest.mark.weights),
+                                              ("bench_chat_throughput.py", 1),
+                                              pytest.param("bench_t3.py", 5, marks=pytest.mark.cluster),
+                                              pytest.param("bench_vllm.py", 4,
+                                                           marks=[pytest.mark.vllm, pytest.mark.timeout(1800)])])
+@pytest.mark.slow  # a quick round of a benchmark is still tens of seconds
 def test_benchmark_prints_ratios(script, num_rows):
     if script in NEEDS_REDIS_SERVER:
         install_redis_server()

@@ -348,6 +348,7 @@ def kubelet_secret_files(spec: dict, secrets: dict[str, dict[str, str]], root: P
             (directory / item["path"]).write_text(secrets[secret["secretName"]][item["key"]])
 
 
+@pytest.mark.cluster
 @pytest.mark.parametrize("ci", [REMOTE_CI, REMOTE_TLS_CI], ids=lambda path: path.name)
 def test_the_rendered_remote_section_reaches_a_real_store(helm: str, chart: Path, ci: Path, tmp_path: Path) -> None:
     """`kvtierd serve --config` on the chart's TOML against a local store set up as the scenario says

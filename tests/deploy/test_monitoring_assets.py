@@ -378,16 +378,19 @@ def check_names(texts: list[str], scraped: dict[str, list[dict[str, str]]], wher
     assert not missing, f"{where} uses metrics the daemon does not export: {missing}"
 
 
+@pytest.mark.cluster  # live_scrape runs the daemon with T3 on a redis-server
 def test_every_name_in_the_rules_is_exported_or_recorded(scraped):
     check_names(rule_texts(), scraped, "prometheus-rules.yaml")
     # a classic histogram is queried through its suffixes: the bare name is no series
     assert "kvtierd_block_reuse_gap_seconds" not in scraped
 
 
+@pytest.mark.cluster  # live_scrape runs the daemon with T3 on a redis-server
 def test_every_name_in_the_dashboard_is_exported_or_recorded(scraped):
     check_names(dashboard_exprs(load_dashboard()), scraped, "grafana-dashboard.json")
 
 
+@pytest.mark.cluster  # live_scrape runs the daemon with T3 on a redis-server
 def test_the_name_check_rejects_an_unknown_metric_label_or_tier(scraped):
     """The check above is not vacuous: a misspelt name, label or tier value is refused."""
     for wrong in ('rate(kvtierd_evictions{tier="t0"}[5m])',  # counters are queried as _total
@@ -402,6 +405,7 @@ def test_the_name_check_rejects_an_unknown_metric_label_or_tier(scraped):
             check_names([wrong], scraped, "wrong")
 
 
+@pytest.mark.cluster  # live_scrape runs the daemon with T3 on a redis-server
 def test_every_dashboard_query_and_recording_rule_returns_data_on_the_daemons_series(promtool, live_scrape,
                                                                                       tmp_path):
     """The live scrape replayed as 30 minutes of series (counters growing at the scraped value a

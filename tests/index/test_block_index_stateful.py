@@ -260,4 +260,4 @@ def content_of(block_hash: bytes) -> int:
 
 
 TestBlockIndexStateMachine = BlockIndexMachine.TestCase
-TestBlockIndexStateMachine.settings = settings(max_examples=150, stateful_step_count=40, deadline=None)
+TestBlockIndexStateMachine.settings = settings(stateful_step_count=40)

@@ -282,4 +282,4 @@ class SlotIndexMachine(RuleBasedStateMachine):
 
 
 TestSlotIndexStateMachine = SlotIndexMachine.TestCase
-TestSlotIndexStateMachine.settings = settings(max_examples=300, stateful_step_count=50, deadline=None)
+TestSlotIndexStateMachine.settings = settings(stateful_step_count=50)

@@ -162,4 +162,4 @@ class CopyEngineBudgetMachine(RuleBasedStateMachine):
 
 
 TestCopyEngineBudget = CopyEngineBudgetMachine.TestCase
-TestCopyEngineBudget.settings = settings(max_examples=60, stateful_step_count=25, deadline=None)
+TestCopyEngineBudget.settings = settings(stateful_step_count=25)

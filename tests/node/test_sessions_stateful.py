@@ -169,5 +169,5 @@ class SessionMachine(RuleBasedStateMachine):
             assert self.pool.manager.index.num_free_blocks == NUM_BLOCKS
 
 
-SessionMachine.TestCase.settings = settings(max_examples=60, stateful_step_count=30, deadline=None)
+SessionMachine.TestCase.settings = settings(stateful_step_count=30)
 TestSessions = SessionMachine.TestCase

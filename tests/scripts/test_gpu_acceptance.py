@@ -25,6 +25,7 @@ def acceptance(*args: str) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, SCRIPT, *args], cwd=REPO, capture_output=True, text=True, timeout=600)
 
 
+@pytest.mark.slow  # a dry run of the whole GPU acceptance script
 def test_dry_run_passes_and_the_carry_fits():
     done = acceptance("--dry-run")
     assert done.returncode == 0, done.stderr
@@ -34,6 +35,7 @@ def test_dry_run_passes_and_the_carry_fits():
     assert carried == {travel.normalize(dist) for dist in travel.DISTRIBUTIONS}
 
 
+@pytest.mark.slow  # a dry run of the whole GPU acceptance script
 def test_dry_run_fails_with_one_line_when_a_named_test_is_missing():
     done = acceptance("--dry-run", "--require-node", "tests/t0/test_cuda_pool.py::test_that_does_not_exist")
     assert done.returncode == 1
@@ -42,6 +44,7 @@ def test_dry_run_fails_with_one_line_when_a_named_test_is_missing():
         "collected (as on the GPU machine)"]
 
 
+@pytest.mark.slow  # a dry run of the whole GPU acceptance script
 def test_a_gpu_test_fails_instead_of_skipping_when_gpus_are_required():
     """Without CUDA: KVTIERD_REQUIRE_GPU=1 makes the skipif'd IPC test an error; unset, it skips."""
     argv = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-m", "gpu",
@@ -74,6 +77,7 @@ def test_a_part_that_hangs_is_killed_with_its_children(tmp_path):
                       Path(f"/proc/{grandchild}/status").read_text(errors="replace"), timeout_s=10)
 
 
+@pytest.mark.slow  # a dry run of the whole GPU acceptance script
 def test_parts_are_read_back_into_the_report(tmp_path):
     """A benchmark's table and a failed gpu test part (no CUDA) land in report.md and report.json."""
     bench = parts.Part("bench-copy", "copy", 120, benchmark=("benchmarks/bench_tier_copy.py", "--quick"))

@@ -43,6 +43,7 @@ def daemon(tmp_path):
         yield process
 
 
+@pytest.mark.slow  # two runner processes
 def test_two_processes_share_a_prefix_through_the_mapped_pool(daemon):
     """The second process's prompt hits the first's blocks and reads the first's bytes."""
     first = run_runner(daemon.address, "compute", 1, 96, 64)

@@ -8,6 +8,8 @@ import os
 import subprocess
 import sys
 
+import pytest
+
 from kvtierd.client import KvtierClient
 from kvtierd.server.daemon_process import DaemonProcess, small_daemon_args, wait_until
 
@@ -17,6 +19,7 @@ DURATION_S = 5.0
 SHARED_TOKENS = 192  # 48 blocks every worker shares; 16 blocks of its own after them
 
 
+@pytest.mark.slow  # many clients, thousands of calls
 def test_concurrent_clients_with_shared_prefixes_leave_no_block_held(tmp_path):
     # 512 blocks: the working set (48 shared + 4 workers x 7 prompts x 16 own) does not fit: T0 evicts
     args = small_daemon_args(str(tmp_path), t0_bytes="512KiB", host_bytes="1MiB", ssd_bytes="4MiB")

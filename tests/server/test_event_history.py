@@ -6,7 +6,7 @@ from __future__ import annotations
 import asyncio
 
 import pytest
-from hypothesis import given, settings
+from hypothesis import given
 from hypothesis import strategies as st
 
 from kvtierd.daemon_key import TAG_BYTES
@@ -68,7 +68,6 @@ def test_resuming_another_feed_or_a_seq_never_sent_is_lost(resume_after_seq, fee
     assert [(e.kind, e.seq, e.feed_id) for e in events] == [(pb.Event.LOST, 5, 7)] and cursor == 5
 
 
-@settings(max_examples=60, deadline=None)
 @given(st.lists(st.tuples(st.integers(0, 2), st.integers(0, 1)), max_size=40), st.integers(1, 12),
        st.integers(0, 40), st.integers(0, 1), st.sampled_from([None, POOL_A]))
 def test_a_resumed_reader_gets_exactly_its_held_events_and_lost_iff_one_of_its_own_was_trimmed(

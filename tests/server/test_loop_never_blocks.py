@@ -7,6 +7,8 @@ import multiprocessing
 import os
 import time
 
+import pytest
+
 from kvtierd.client import KvtierClient
 from kvtierd.server.daemon_process import DaemonProcess, small_daemon_args, wait_until
 from tests.server.e2e_runner import LAYOUT, expected_block, prompt
@@ -99,6 +101,7 @@ class Pressure:
         return self.process.exitcode
 
 
+@pytest.mark.slow  # a p99 under load, tens of seconds
 def test_a_slow_t2_under_eviction_pressure_does_not_slow_another_clients_lookups(tmp_path):
     """Lookup p99 under pressure <= 2x its p99 without; the slow T2 was written meanwhile."""
     args = small_daemon_args(str(tmp_path), t0_bytes="64KiB", host_bytes="64KiB", extra=ON_EVICT)

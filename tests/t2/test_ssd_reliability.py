@@ -69,6 +69,7 @@ def check_recovered(directory: str, lines) -> int:
         tier.close()
 
 
+@pytest.mark.slow  # many killed writers
 def test_sigkill_at_random_instants_leaves_only_verified_entries(tmp_path, fork_context):
     """A writer killed at 24 random instants (open, evict, write, sync, index commit, remove):
     after each, every index entry verifies and returns exactly the bytes stored for its hash,

@@ -8,7 +8,7 @@ import struct
 
 import numpy as np
 import pytest
-from hypothesis import given, settings
+from hypothesis import given
 from hypothesis import strategies as st
 
 from kvtierd.layout import Layout
@@ -194,7 +194,6 @@ def test_a_flipped_checksum_bit_is_refused_as_checksum():
     assert refusal(flipped(frame(), 8 * 36 + 5)) == "checksum"
 
 
-@settings(max_examples=300, deadline=None)
 @given(st.integers(0, 8 * (len(BLOCK) + len(PARENT) + len(TOKENS) + len(PAYLOAD)) - 1))
 def test_any_flipped_bit_in_the_hashes_tokens_or_payload_is_refused(bit):
     """One bit flipped anywhere after the header is always refused; with the reader knowing neither parent nor
@@ -206,7 +205,6 @@ def test_any_flipped_bit_in_the_hashes_tokens_or_payload_is_refused(bit):
     assert refusal(value, parent=None, tokens=None) == expected
 
 
-@settings(max_examples=300, deadline=None)
 @given(st.integers(0, 8 * (PAYLOAD_AT + len(PAYLOAD)) - 1))
 def test_no_flipped_bit_anywhere_is_read_as_other_bytes(bit):
     """One bit flipped anywhere in the value, header (its reserved field too) included: refused."""

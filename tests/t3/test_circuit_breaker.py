@@ -215,4 +215,4 @@ class BreakerModel(RuleBasedStateMachine):
 
 
 TestBreakerModel = BreakerModel.TestCase
-TestBreakerModel.settings = settings(max_examples=300, stateful_step_count=40, deadline=None)
+TestBreakerModel.settings = settings(stateful_step_count=40)

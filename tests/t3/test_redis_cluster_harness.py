@@ -19,6 +19,8 @@ from tests.t3.redis_cluster import (
     wait_node_marked_failed,
 )
 
+pytestmark = pytest.mark.cluster  # every test here starts redis-server
+
 NO_RETRY = Retry(NoBackoff(), 0)  # redis-py retries an AuthenticationError (a ConnectionError) with backoff
 
 

@@ -117,6 +117,7 @@ def assert_loaded(loaded, metas: list[BlockMeta], rows: torch.Tensor) -> None:
 # ------------------------------------------------------------------------------------------------ round trip
 
 
+@pytest.mark.cluster  # its store fixture is picked by getfixturevalue, which the lanes cannot see
 @pytest.mark.parametrize("deployment", ["single", "cluster"])
 def test_offered_blocks_load_back_with_their_exact_bytes_token_ids_and_parents(request, deployment):
     """offer + drain, then load: every block, in order, with the bytes offered and the metas written
@@ -228,6 +229,7 @@ def test_another_tenant_misses_the_same_client_hashes(stores):
 # ------------------------------------------------------------------------------------------------ partial chains
 
 
+@pytest.mark.cluster  # its store fixture is picked by getfixturevalue, which the lanes cannot see
 @pytest.mark.parametrize("deployment", ["single", "cluster"])
 def test_a_chain_whose_third_value_is_gone_loads_its_first_two(request, deployment):
     """Value 3 of 6 deleted (evicted by the store): probe and load stop before it; 4 misses counted."""

@@ -272,4 +272,4 @@ class WritesModel(RuleBasedStateMachine):
 
 
 TestWritesModel = WritesModel.TestCase
-TestWritesModel.settings = settings(max_examples=60, stateful_step_count=20, deadline=None)
+TestWritesModel.settings = settings(stateful_step_count=20)

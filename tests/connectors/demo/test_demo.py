@@ -6,6 +6,8 @@ from __future__ import annotations
 import json
 import subprocess
 
+import pytest
+
 from kvtierd.server.daemon_process import DaemonProcess, python_module_command, small_daemon_args
 
 SMALL = ["--random-weights", "--layers", "2", "--hidden", "128", "--conversations", "3", "--turns", "3",
@@ -18,6 +20,7 @@ def run_demo(*args: str) -> subprocess.CompletedProcess:
                           text=True, timeout=600)
 
 
+@pytest.mark.slow  # a demo run, seconds each
 def test_demo_serves_hits_from_every_tier_and_matches_recompute():
     done = run_demo(*SMALL, "--json")
     assert done.returncode == 0, done.stderr
@@ -38,6 +41,7 @@ def test_demo_serves_hits_from_every_tier_and_matches_recompute():
     assert tiers["t1"]["num_evictions"] > 0 and tiers["t0"]["num_evictions"] > 0
 
 
+@pytest.mark.slow  # a demo run, seconds each
 def test_demo_prints_a_table_per_turn_and_the_tier_stats():
     done = run_demo(*SMALL, "--turns", "1", "--conversations", "1")
     assert done.returncode == 0, done.stderr
@@ -49,6 +53,7 @@ def test_demo_prints_a_table_per_turn_and_the_tier_stats():
     assert "generations identical: 5 of 5" in done.stdout
 
 
+@pytest.mark.slow  # a demo run, seconds each
 def test_demo_uses_a_running_daemon_with_address(tmp_path):
     with DaemonProcess(small_daemon_args(str(tmp_path), t0_bytes="2MiB")) as daemon:
         done = run_demo(*SMALL, "--turns", "1", "--conversations", "1", "--address", daemon.address, "--json")
@@ -58,6 +63,7 @@ def test_demo_uses_a_running_daemon_with_address(tmp_path):
         assert report["turns"][1]["num_t0_hit_tokens"] == 256
 
 
+@pytest.mark.slow  # a demo run, seconds each
 def test_demo_refuses_conflicting_model_flags_and_a_down_daemon_clearly(tmp_path):
     done = run_demo("--random-weights", "--model", str(tmp_path / "m.gguf"))
     assert done.returncode == 2 and done.stderr.strip() == ("kvtierd: error: --model and --random-weights "

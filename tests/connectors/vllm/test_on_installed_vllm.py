@@ -11,6 +11,7 @@ import pytest
 from tests.conftest import REPO
 
 
+@pytest.mark.on_vllm
 @pytest.mark.timeout(900)
 def test_the_connector_unit_tests_pass_on_the_installed_vllms_objects(vllm_python):
     """Every test of tests/connectors/vllm/on_vllm runs and passes there: none skipped, none failed."""
