@@ -156,8 +156,8 @@ class AsyncSession(SessionBase):
         self._keepalive: AsyncKeepAlive | None = None
 
     async def lookup(self, block_hashes: Sequence[bytes], token_ids: TokenIds | None = None,
-                     prefetch: bool = False) -> pb.LookupResponse:
-        return await self._client._run(self._lookup(block_hashes, token_ids, prefetch))
+                     prefetch: bool = False, chain_lengths: Sequence[int] | None = None) -> pb.LookupResponse:
+        return await self._client._run(self._lookup(block_hashes, token_ids, prefetch, chain_lengths))
 
     async def acquire(self, request_id: str, block_hashes: Sequence[bytes], num_extra_blocks: int = 0,
                       token_ids: TokenIds | None = None) -> AcquireResult:

@@ -281,9 +281,10 @@ class SessionBase:
 
         self.pool = attach_device_pool(self.handle)
 
-    def _lookup(self, block_hashes, token_ids, prefetch) -> Call:
+    def _lookup(self, block_hashes, token_ids, prefetch, chain_lengths) -> Call:
         return Call("Lookup", pb.LookupRequest(session_id=self.session_id, block_hashes=hash_list(block_hashes),
-                                               token_ids=optional_tokens(token_ids), prefetch=prefetch))
+                                               token_ids=optional_tokens(token_ids), prefetch=prefetch,
+                                               chain_lengths=list(chain_lengths or ())))
 
     def _acquire(self, request_id, block_hashes, num_extra_blocks, token_ids) -> Call:
         request = pb.AcquireRequest(session_id=self.session_id, request_id=request_id,

@@ -174,8 +174,10 @@ class Session(SessionBase):
         self._keepalive: KeepAlive | None = None
 
     def lookup(self, block_hashes: Sequence[bytes], token_ids: TokenIds | None = None,
-               prefetch: bool = False) -> pb.LookupResponse:
-        return self._client._run(self._lookup(block_hashes, token_ids, prefetch))
+               prefetch: bool = False, chain_lengths: Sequence[int] | None = None) -> pb.LookupResponse:
+        """The leading blocks held of the chain, tier by tier; with `chain_lengths`, of each of
+        the consecutive chains `block_hashes` holds (`.chains`), each matched on its own."""
+        return self._client._run(self._lookup(block_hashes, token_ids, prefetch, chain_lengths))
 
     def acquire(self, request_id: str, block_hashes: Sequence[bytes], num_extra_blocks: int = 0,
                 token_ids: TokenIds | None = None) -> AcquireResult:

@@ -31,6 +31,7 @@ from kvtierd.server.event_feed import EventFeed
 from kvtierd.server.interceptor import current_tenant
 from kvtierd.server.pool_stats import pool_stats, remote_store_message
 from kvtierd.tiering.block_io import BlockGet, PutBlock
+from kvtierd.tiering.promotion import TierHits
 from kvtierd.v1 import kvtier_pb2 as pb
 from kvtierd.v1 import kvtier_pb2_grpc
 from kvtierd.wire.block_frames import PutFrame, encode_get_response
@@ -114,15 +115,18 @@ class KvTierServicer(kvtier_pb2_grpc.KvTierServicer):
     async def Lookup(self, request: pb.LookupRequest, context) -> pb.LookupResponse:
         session = self._session(request.session_id)
         keys = _keys(session.tenant, session.pool, request.block_hashes)
-        manager, tokens = session.pool.manager, _tokens(request.token_ids)
-        hits = manager.lookup(keys, tokens, prefetch=request.prefetch and not manager.has_remote, ask_remote=False)
+        manager = session.pool.manager
+        chains = _chains(keys, _tokens(request.token_ids), list(request.chain_lengths), session.pool.layout.block_size)
+        hits = [manager.lookup(chain_keys, chain_tokens, prefetch=request.prefetch and not manager.has_remote,
+                               ask_remote=False) for chain_keys, chain_tokens in chains]
         if manager.has_remote:  # the shared store, for what the local tiers lack: a round trip, on a thread
-            if hits.num_blocks < len(keys):
-                hits = await asyncio.to_thread(manager.lookup_remote, keys, hits, tokens, request.prefetch)
-            elif request.prefetch and hits.t2:
-                manager.lookup_remote(keys, hits, tokens, prefetch=True)
-        return pb.LookupResponse(num_hit_blocks=hits.num_blocks, num_t0_blocks=hits.t0,
-                                 num_t1_blocks=hits.t1, num_t2_blocks=hits.t2, num_t3_blocks=hits.t3)
+            if any(h.num_blocks < len(chain_keys) for (chain_keys, _), h in zip(chains, hits)):
+                hits = await asyncio.to_thread(manager.lookup_remote, chains, hits, request.prefetch)
+            elif request.prefetch and any(h.t2 for h in hits):
+                manager.lookup_remote(chains, hits, prefetch=True)  # no round trip: nothing left to ask
+        total = TierHits(*(sum(counts) for counts in zip(*((h.t0, h.t1, h.t2, h.t3) for h in hits))))
+        per_chain = [pb.ChainHits(**_hit_counts(h)) for h in hits] if request.chain_lengths else []
+        return pb.LookupResponse(**_hit_counts(total), chains=per_chain)
 
     async def Acquire(self, request: pb.AcquireRequest, context) -> pb.AcquireResponse:
         session = self._session(request.session_id)
@@ -367,6 +371,31 @@ def _keys(tenant: Tenant, pool: LayoutPool, client_hashes) -> list[bytes]:
 
 def _tokens(token_ids: bytes) -> bytes | None:
     return pack_token_ids(token_ids) if token_ids else None
+
+
+def _hit_counts(hits: TierHits) -> dict[str, int]:
+    """The fields of a LookupResponse or ChainHits."""
+    return dict(num_hit_blocks=hits.num_blocks, num_t0_blocks=hits.t0, num_t1_blocks=hits.t1,
+                num_t2_blocks=hits.t2, num_t3_blocks=hits.t3)
+
+
+def _chains(keys: list[bytes], token_bytes: bytes | None, chain_lengths: list[int],
+            block_size: int) -> list[tuple[list[bytes], bytes | None]]:
+    """(keys, token bytes) of each chain a Lookup names (all the keys: one chain, without lengths)."""
+    if not chain_lengths:
+        return [(keys, token_bytes)]
+    if min(chain_lengths) < 1 or sum(chain_lengths) != len(keys):
+        raise InvalidArgument(f"chain_lengths must be >= 1 each and sum to the {len(keys)} hashes, "
+                              f"got {len(chain_lengths)} lengths summing to {sum(chain_lengths)}")
+    stride = 4 * block_size
+    if token_bytes is not None and len(token_bytes) < stride * len(keys):
+        raise InvalidArgument(f"{len(keys)} hashes need {block_size * len(keys)} tokens, got {len(token_bytes) // 4}")
+    chains, start = [], 0
+    for length in chain_lengths:
+        end = start + length
+        chains.append((keys[start:end], token_bytes[start * stride:end * stride] if token_bytes is not None else None))
+        start = end
+    return chains
 
 
 def _parent_key(tenant: Tenant, pool: LayoutPool, position: int, parent_hash: bytes) -> bytes:

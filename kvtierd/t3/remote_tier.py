@@ -85,10 +85,17 @@ class RemoteTier:
 
     def probe(self, block_hashes: Sequence[bytes]) -> int:
         """How many leading blocks of the chain the store holds (not verified until `load`)."""
-        if not block_hashes:
-            return 0
-        present = self.store.exists(list(map(self.key, block_hashes)))
-        return next((i for i, here in enumerate(present) if not here), len(present))
+        return self.probe_chains([block_hashes])[0]
+
+    def probe_chains(self, chains: Sequence[Sequence[bytes]]) -> list[int]:
+        """`probe` of each chain, every chain's keys asked in one round trip."""
+        keys = [self.key(block_hash) for chain in chains for block_hash in chain]
+        present = iter(self.store.exists(keys) if keys else ())
+        leading = []
+        for chain in chains:
+            flags = [next(present) for _ in chain]
+            leading.append(flags.index(False) if False in flags else len(flags))
+        return leading
 
     def load(self, block_hashes: Sequence[bytes], parent: bytes | None, token_bytes: bytes | None,
              block_size: int) -> tuple[list[BlockMeta], list[memoryview]]:

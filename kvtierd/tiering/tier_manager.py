@@ -19,6 +19,7 @@ from __future__ import annotations
 import concurrent.futures
 import dataclasses
 import logging
+from collections.abc import Sequence
 
 from kvtierd.block_hash import BlockHash, pack_token_ids
 from kvtierd.index.block_index import BlockIndex
@@ -166,14 +167,20 @@ class TierManager:
             self.promoter.prefetch(block_hashes, token_ids, hits)
         return hits
 
-    def lookup_remote(self, block_hashes: list[bytes], hits: TierHits, token_ids=None,
-                      prefetch: bool = False) -> TierHits:
-        """`hits` (a local lookup's) with T3's part: the store's keys present after them (a
-        network round trip; call it off the event loop)."""
-        if self.tiers.remote is not None and hits.num_blocks < len(block_hashes):
-            hits = dataclasses.replace(hits, t3=self.tiers.remote.probe(block_hashes[hits.num_blocks:]))
-        if prefetch and (hits.t2 or hits.t3):
-            self.promoter.prefetch(block_hashes, token_ids, hits)
+    def lookup_remote(self, chains: Sequence[tuple[list[bytes], bytes | None]], hits: Sequence[TierHits],
+                      prefetch: bool = False) -> list[TierHits]:
+        """Each chain's `hits` (a local lookup's, of its (block hashes, token bytes)) with T3's
+        part: the store's keys present after them, for every chain in one network round trip
+        (call it off the event loop)."""
+        hits = list(hits)
+        if self.tiers.remote is not None:
+            rests = [block_hashes[h.num_blocks:] for (block_hashes, _), h in zip(chains, hits)]
+            found = self.tiers.remote.probe_chains(rests)
+            hits = [dataclasses.replace(h, t3=n) if n else h for h, n in zip(hits, found)]
+        if prefetch:
+            for (block_hashes, token_bytes), h in zip(chains, hits):
+                if h.t2 or h.t3:
+                    self.promoter.prefetch(block_hashes, token_bytes, h)
         return hits
 
     def drain(self) -> None:

@@ -105,6 +105,15 @@ def _bad_calls(stub, sid, r_ids, other_ids, root):
          code.INVALID_ARGUMENT, "4 bytes"),
         ("lookup: too few tokens for the hashes", lambda: stub.Lookup(pb.LookupRequest(
             session_id=sid, block_hashes=HASHES, token_ids=tokens16), metadata=ACME), code.INVALID_ARGUMENT, "tokens"),
+        ("lookup: chain lengths short of the hashes", lambda: stub.Lookup(pb.LookupRequest(
+            session_id=sid, block_hashes=HASHES, chain_lengths=[4, 3]), metadata=ACME), code.INVALID_ARGUMENT,
+         "chain_lengths"),
+        ("lookup: a chain of length 0", lambda: stub.Lookup(pb.LookupRequest(
+            session_id=sid, block_hashes=HASHES, chain_lengths=[8, 0]), metadata=ACME), code.INVALID_ARGUMENT,
+         "chain_lengths"),
+        ("lookup: chains with too few tokens", lambda: stub.Lookup(pb.LookupRequest(
+            session_id=sid, block_hashes=HASHES, chain_lengths=[4, 4], token_ids=tokens16), metadata=ACME),
+         code.INVALID_ARGUMENT, "tokens"),
         ("acquire: empty request id", lambda: stub.Acquire(pb.AcquireRequest(session_id=sid, block_hashes=HASHES),
                                                           metadata=ACME), code.INVALID_ARGUMENT, "request_id"),
         ("acquire: request id already held", lambda: stub.Acquire(pb.AcquireRequest(

@@ -260,6 +260,17 @@ def test_probe_counts_the_leading_keys_present(stores):
     assert tier.probe(hashes(metas)) == 0
 
 
+def test_probe_chains_answers_each_chain_as_probe_does(stores):
+    """Several chains in one call: each one's present prefix, empty chains 0, the order kept."""
+    tier = stores.tier()
+    metas = chain(ACME, 20, 6)
+    written(tier, metas[:4])
+    chains = [hashes(metas), hashes(metas[4:]), [], hashes(metas[2:3]), hashes(metas[1:3])]
+    assert tier.probe_chains(chains) == [4, 0, 0, 1, 2]
+    assert tier.probe_chains(chains) == [tier.probe(c) for c in chains]
+    assert tier.probe_chains([]) == []
+
+
 def test_a_corrupted_value_ends_the_chain_is_counted_and_may_be_written_again(stores):
     """A flipped payload byte in block 2's value: load gives blocks 0-1, counts "checksum"; offering the
     block again rewrites it (it is no longer 'known') and the whole chain loads."""

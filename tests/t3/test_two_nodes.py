@@ -65,6 +65,17 @@ def test_a_prefix_put_through_node_a_is_a_t3_hit_on_node_b_with_its_bytes(tmp_pa
         assert hit_tiers["t0"] == 0  # every block came from the shared store
 
 
+def test_several_chains_in_one_lookup_on_node_b_are_each_found_in_t3(tmp_path, redis_cluster):
+    """chain_lengths on a node whose tiers are empty: every chain's part comes from the store's probe."""
+    with two_nodes(tmp_path, redis_cluster.seeds) as (a, b), \
+            KvtierClient(a.address, token="a-token") as on_a, KvtierClient(b.address, token="a-token") as on_b:
+        tokens, hashes = put_chain(on_a, 2, 64)
+        absent = on_b.attach(LAYOUT).namespace.hash_blocks(prompt(3, 4))
+        lookup = on_b.attach(LAYOUT).lookup(hashes[:5] + hashes[9:] + hashes[7:8] + absent, chain_lengths=[5, 7, 1, 1])
+        assert [(c.num_t0_blocks, c.num_t3_blocks) for c in lookup.chains] == [(0, 5), (0, 7), (0, 1), (0, 0)]
+        assert lookup.num_t3_blocks == 13
+
+
 def test_another_tenant_misses_on_every_node(tmp_path, redis_cluster):
     """The tenant's tag is in every key: globex asking for acme's chain gets nothing, on A or B."""
     with two_nodes(tmp_path, redis_cluster.seeds) as (a, b), \
