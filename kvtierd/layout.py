@@ -20,7 +20,10 @@ if TYPE_CHECKING:
 
 # Name → bytes per element; each name is also torch's (`torch.<name>`). The names are part of
 # the key encoding: never rename. No torch at import: the client and kvtierctl read layouts too.
-DTYPES: dict[str, int] = {"float32": 4, "float16": 2, "bfloat16": 2, "float8_e4m3fn": 1}
+# "uint8" is opaque bytes: an engine's pages that are not K and V of one float dtype (MLA latents,
+# linear-attention state, hybrid groups), moved bit exact and never decoded (no fp8 codec).
+DTYPES: dict[str, int] = {"float32": 4, "float16": 2, "bfloat16": 2, "float8_e4m3fn": 1, "uint8": 1}
+FLOAT_DTYPES = frozenset(DTYPES) - {"uint8"}
 
 # The order of a block's bytes; part of the key encoding, changed only with a new version.
 BLOCK_MAJOR_ORDER = "layers,kv,tokens,heads,dim"

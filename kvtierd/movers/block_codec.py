@@ -13,7 +13,7 @@ import abc
 import torch
 
 from kvtierd.errors import InvalidArgument
-from kvtierd.layout import Layout
+from kvtierd.layout import FLOAT_DTYPES, Layout
 
 
 class BlockCodec(abc.ABC):
@@ -81,6 +81,9 @@ class Fp8Codec(BlockCodec):
 
         if layout.dtype == "float8_e4m3fn":
             raise InvalidArgument("the fp8 codec needs a wider pool dtype; this pool already stores fp8")
+        if layout.dtype not in FLOAT_DTYPES:
+            raise InvalidArgument(f"the fp8 codec quantizes K and V values; layout {layout.model_id!r} holds "
+                                  f"opaque {layout.dtype} pages (use the raw codec for it)")
         self.slot_nbytes = fp8_slot_nbytes(layout)
 
     def encode(self, pool, block_ids, slots, slot_ids):

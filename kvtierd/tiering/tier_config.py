@@ -17,6 +17,7 @@ import enum
 from collections.abc import Sequence
 
 from kvtierd.errors import InvalidArgument
+from kvtierd.layout import FLOAT_DTYPES, Layout
 from kvtierd.movers.copy_engine import Bandwidth
 
 
@@ -48,6 +49,13 @@ class TierConfig:
                                   "overwritten in place), or t1_to_t3")
         if self.recompute_s_per_token is not None and self.recompute_s_per_token <= 0:
             raise InvalidArgument("recompute_s_per_token must be positive")
+
+    def for_layout(self, layout: Layout) -> TierConfig:
+        """This config as `layout`'s tiers apply it: fp8 quantizes K and V values, so a layout of
+        opaque pages (uint8: MLA latents, linear-attention state) keeps raw bytes in every tier."""
+        if layout.dtype in FLOAT_DTYPES:
+            return self
+        return dataclasses.replace(self, host_codec="raw", ssd_codec="raw", remote_codec="raw")
 
 
 def worth_loading(num_tokens: int, path: Sequence[tuple[Bandwidth, int]], recompute_s_per_token: float | None) -> bool:

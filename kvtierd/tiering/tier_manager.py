@@ -51,6 +51,7 @@ class TierManager:
         """`engines`: the node's copy engines, one per device, shared with the other layouts on it
         (None: a private set, of `copy_threads` threads without CUDA). `remote_store`: the node's
         kvtierd.t3.redis_store.RedisStore (None: no T3)."""
+        config = config.for_layout(layout)
         pool = create_device_pool(layout, num_device_blocks, device)
         write_backs = WriteBacks()
 

@@ -59,3 +59,5 @@ def test_fp8_codec_stores_half_the_bytes_and_refuses_an_fp8_pool():
         make_codec("fp8", small_layout(dtype="float8_e4m3fn"))
     with pytest.raises(InvalidArgument):
         make_codec("zstd", LAYOUT)
+    with pytest.raises(InvalidArgument, match="opaque"):
+        make_codec("fp8", small_layout(dtype="uint8"))  # pages that are not K and V values

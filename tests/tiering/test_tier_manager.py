@@ -163,3 +163,40 @@ def test_fp8_host_tier_halves_the_bytes_and_bounds_the_error():
         manager.release("b")
     finally:
         manager.close()
+
+
+def test_a_layout_of_opaque_pages_keeps_raw_bytes_in_t1_under_an_fp8_config():
+    """uint8 pages (linear-attention state, MLA latents) are never quantized: with host_codec fp8
+    configured, such a layout's T1 stores raw bytes and every byte comes back, NaN patterns too."""
+    from kvtierd.block_hash import Namespace
+    from kvtierd.tiering.tier_config import TierConfig
+    from kvtierd.tiering.tier_manager import TierManager
+    from tests.factories import small_layout
+
+    layout = small_layout(BLOCK_SIZE, model_id="opaque", num_kv_heads=1, head_dim=16, dtype="uint8")
+    namespace = Namespace(layout, "")
+    manager = TierManager(layout, 4, TierConfig(host_capacity_bytes=32 * 4096, host_codec="fp8",
+                                                t0_to_t1=EdgePolicy.WRITE_THROUGH), device="shm", root=namespace.root)
+    try:
+        codec = manager.tiers.host.codec
+        assert codec.name == "raw" and codec.slot_nbytes == layout.bytes_per_block
+        prompt = tokens(7, 3 * BLOCK_SIZE)
+        chain = namespace.hash_blocks(prompt)
+        pages = torch.randint(0, 256, (3, *layout.block_shape), dtype=torch.uint8,
+                              generator=torch.Generator().manual_seed(3))
+        pages[0].view(-1)[:2] = torch.tensor([0x7F, 0xFF], dtype=torch.uint8)  # a bf16 NaN pattern at the start
+        acquired = manager.acquire("a", chain, 0, prompt)
+        manager.device_pool.tensor[acquired.block_ids] = pages
+        manager.commit("a", 0, chain, prompt, namespace.root)
+        manager.release("a")
+        manager.drain()
+        for i in range(2):  # other prompts push the chain out of the 4-block pool
+            other = tokens(1000 * (i + 1), 3 * BLOCK_SIZE)
+            manager.acquire(f"o{i}", namespace.hash_blocks(other), 0, other)
+            manager.release(f"o{i}")
+        again = manager.acquire("b", chain, 0, prompt)
+        assert again.num_t0_hit_blocks < 3 and again.ticket.wait(10) == 3
+        assert torch.equal(manager.device_pool.tensor[again.block_ids], pages)
+        manager.release("b")
+    finally:
+        manager.close()
