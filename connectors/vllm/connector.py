@@ -13,9 +13,18 @@ adapter: the scheduler role delegates to scheduler.SchedulerSide, the worker rol
 worker.WorkerSide; method names and signatures are those of vLLM 0.32's
 vllm/distributed/kv_transfer/kv_connector/v1/base.py.
 
-vLLM is imported only here, and only if installed: without it `KVConnectorBase_V1` is `object`
+vLLM is imported only here, and only if installed: without it `KVConnectorBase_V1` is a stand-in
 and the class still imports (the unit tests drive it in vLLM's call order), defining the
 metadata binding that the base class would otherwise provide.
+
+It declares `SupportsHMA`, so vLLM keeps its hybrid memory allocator on (since vLLM PR #41847 a
+connector without it turns the allocator off): sliding-window, Mamba / linear-attention and MLA
+models keep their own KV cache groups, each stored and loaded as vLLM's own prefix cache would
+serve it (kv_groups.py), and a model whose groups cannot be served is refused at start with one
+line naming the kind. Tensor parallelism: each rank's KV is its own layout (tp_rank), a hit is
+what every rank holds (the scheduler asks every rank's layout), and KV that vLLM reports
+identical across ranks (`kv_tp_replicas`, MLA's latent cache) is one layout that the first rank
+of each replica set writes and every rank loads.
 
 kv_connector_extra_config keys (all optional): `address` (else KVTIERD_ADDRESS, else the
 default socket), `token` (else KVTIERD_TOKEN), `model_id` (the key namespace; default the
@@ -29,10 +38,10 @@ be "recompute" for a failed load (a block evicted or corrupted after the lookup,
 gone) to be recomputed; vLLM's default "fail" fails the request instead.
 
 The layout: vLLM picks one `KVCacheLayout` for the engine (`kv_cache_config.kv_cache_layout`,
-e.g. LBHNC on the CPU, LBNHC by default with FlashAttention); a block's bytes are stored in
-that layout's physical page order (engine_blocks.py), so the layout name joins the model
-id in the key namespace ("MODEL@vllm-LBHNC"): engines share blocks with engines of the same
-model, dtype, geometry and layout, never a misread one.
+e.g. LBHNC on the CPU, LBNHC by default with FlashAttention); a block's bytes are its pages' bytes
+as the engine holds them (engine_pages.py), so the layout name joins the model id in the key
+namespace ("MODEL@vllm-LBHNC", and for several groups "MODEL@vllm-LBHNC/<groups>"): engines share
+blocks with engines of the same model, dtype, geometry, groups and layout, never a misread one.
 
 Keys are vLLM's own `Request.block_hashes`, computed whenever a KV connector is configured,
 even with vLLM's prefix caching off (vllm/v1/engine/core.py). They chain from vLLM's
@@ -56,20 +65,32 @@ from typing import Any
 import torch
 
 from kvtierd.connectors.vllm.daemon_link import DaemonLink
-from kvtierd.connectors.vllm.engine_blocks import PagedLayers, layers_in_order
+from kvtierd.connectors.vllm.daemon_lookup import daemon_lookup
+from kvtierd.connectors.vllm.engine_layouts import RankLayouts
+from kvtierd.connectors.vllm.engine_pages import EnginePages
+from kvtierd.connectors.vllm.kv_groups import engine_groups
 from kvtierd.connectors.vllm.metadata import StepMetadata
-from kvtierd.connectors.vllm.scheduler import SchedulerSide, daemon_lookup
+from kvtierd.connectors.vllm.scheduler import SchedulerSide
 from kvtierd.connectors.vllm.worker import WorkerSide
-from kvtierd.layout import DTYPES, Layout
+from kvtierd.layout import Layout
 
 try:  # vLLM is optional: see the module docstring
-    from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorBase_V1, KVConnectorMetadata
+    from vllm.distributed.kv_transfer.kv_connector.v1.base import (
+        KVConnectorBase_V1,
+        KVConnectorMetadata,
+        SupportsHMA,
+    )
     from vllm.v1.metrics.cache_hit_source import CacheHitSource
     VLLM_AVAILABLE = True
     KVConnectorMetadata.register(StepMetadata)
     HIT_SOURCES = (CacheHitSource.DEVICE, CacheHitSource.HOST, CacheHitSource.DISK)  # of T0, T1, T2
 except ImportError:
-    KVConnectorBase_V1 = object  # type: ignore[misc,assignment]
+    class KVConnectorBase_V1:  # type: ignore[no-redef]
+        """Stands in for vLLM's base class where vLLM is not installed (the unit tests)."""
+
+    class SupportsHMA:  # type: ignore[no-redef]
+        """vLLM's marker of a connector that serves its hybrid memory allocator (absent without vLLM)."""
+
     VLLM_AVAILABLE = False
     HIT_SOURCES = ("device", "host", "disk")
 
@@ -77,7 +98,6 @@ log = logging.getLogger(__name__)
 
 LOADING_ROLES = {"kv_both", "kv_consumer"}
 STORING_ROLES = {"kv_both", "kv_producer"}
-_CACHE_DTYPES = {"fp8": "float8_e4m3fn", "fp8_e4m3": "float8_e4m3fn"}
 
 
 def role_name(role: Any) -> str:
@@ -93,31 +113,6 @@ def hash_algo_for(vllm_hash_algo: str) -> str:
     return "xxh3_128" if vllm_hash_algo.startswith("xxhash") else "sha256"
 
 
-def layout_from_vllm_config(vllm_config: Any, tp_rank: int, model_id: str | None = None,
-                            kv_cache_layout: str | None = None) -> Layout:
-    """The kvtierd Layout of this rank's KV blocks, from vLLM's model, cache and parallel config;
-    the engine's KVCacheLayout name joins the model id (see the module docstring)."""
-    model_config, cache_config = vllm_config.model_config, vllm_config.cache_config
-    parallel_config = vllm_config.parallel_config
-    if getattr(parallel_config, "pipeline_parallel_size", 1) != 1:
-        raise ValueError("the kvtierd connector does not support pipeline parallelism")
-    cache_dtype = getattr(cache_config, "cache_dtype", "auto")
-    if cache_dtype == "auto":
-        model_dtype = str(model_config.dtype).removeprefix("torch.")  # torch.float16 -> "float16"
-        dtype_name = model_dtype if model_dtype in DTYPES else None
-    else:
-        dtype_name = _CACHE_DTYPES.get(cache_dtype)
-    if dtype_name is None:
-        raise ValueError(f"the kvtierd connector cannot store a KV cache of dtype {cache_dtype!r} "
-                         f"(model dtype {model_config.dtype})")
-    name = model_id or str(model_config.model)
-    if kv_cache_layout:
-        name = f"{name}@vllm-{kv_cache_layout}"
-    return Layout(name, model_config.get_num_layers(parallel_config),
-                  model_config.get_num_kv_heads(parallel_config), model_config.get_head_size(),
-                  cache_config.block_size, dtype_name, tp_rank, parallel_config.tensor_parallel_size)
-
-
 def _tensor_parallel_rank() -> int:
     try:
         from vllm.distributed.parallel_state import get_tensor_model_parallel_rank
@@ -126,15 +121,7 @@ def _tensor_parallel_rank() -> int:
         return 0
 
 
-def engine_kv_cache_layout(vllm_config: Any, kv_cache_config: Any) -> str | None:
-    """The KVCacheLayout vLLM resolved for this engine (`KVCacheConfig.kv_cache_layout`, also
-    copied to `cache_config.kv_cache_layout`), e.g. "LBHNC"."""
-    layout = getattr(kv_cache_config, "kv_cache_layout", None) or getattr(vllm_config.cache_config,
-                                                                           "kv_cache_layout", None)
-    return None if layout is None else str(getattr(layout, "name", layout))
-
-
-class KvtierdConnector(KVConnectorBase_V1):
+class KvtierdConnector(KVConnectorBase_V1, SupportsHMA):
     """kvtierd behind vLLM's connector API. Exactly one of `scheduler` / `worker` is set, by role."""
 
     def __init__(self, vllm_config: Any, role: Any, kv_cache_config: Any = None) -> None:
@@ -148,26 +135,36 @@ class KvtierdConnector(KVConnectorBase_V1):
         self.worker: WorkerSide | None = None
         self.role_name = role_name(role)
         is_worker = self.role_name == "worker"
-        layout = layout_from_vllm_config(vllm_config, _tensor_parallel_rank() if is_worker else 0,
-                                         extra.get("model_id"), engine_kv_cache_layout(vllm_config, kv_cache_config))
-        self.layout = layout
-        link = DaemonLink(layout, target=extra.get("address") or os.environ.get("KVTIERD_ADDRESS"),
-                          token=extra.get("token"),
-                          hash_algo=hash_algo_for(getattr(vllm_config.cache_config, "prefix_caching_hash_algo",
-                                                          "sha256")),
-                          map_pool=is_worker, timeout_s=float(extra.get("timeout_s", 5.0)),
-                          retry_after_s=float(extra.get("retry_after_s", 5.0)))
+        self._kv_cache_config = kv_cache_config
+        self.engine_groups = engine_groups(kv_cache_config, prefix_caching=bool(
+            getattr(vllm_config.cache_config, "enable_prefix_caching", False)))
+        rank_layouts = RankLayouts(vllm_config, kv_cache_config, self.engine_groups, extra.get("model_id"))
+        rank = _tensor_parallel_rank() if is_worker else 0
+        self.layout = rank_layouts.of_rank(rank)
+
+        def link(layout: Layout) -> DaemonLink:
+            return DaemonLink(layout, target=extra.get("address") or os.environ.get("KVTIERD_ADDRESS"),
+                              token=extra.get("token"),
+                              hash_algo=hash_algo_for(getattr(vllm_config.cache_config, "prefix_caching_hash_algo",
+                                                              "sha256")),
+                              map_pool=is_worker, timeout_s=float(extra.get("timeout_s", 5.0)),
+                              retry_after_s=float(extra.get("retry_after_s", 5.0)))
+
         if is_worker:
-            self.worker = WorkerSide(link, wait_timeout_s=float(extra.get("wait_timeout_s", 30.0)))
+            self.worker = WorkerSide(link(self.layout), self.engine_groups,
+                                     wait_timeout_s=float(extra.get("wait_timeout_s", 30.0)),
+                                     writes=rank_layouts.writes(rank))
         else:
-            self.scheduler = SchedulerSide(daemon_lookup(link, prefetch=bool(extra.get("prefetch", True))),
-                                           layout.block_size,
+            self._scheduler_links = [link(layout) for layout in rank_layouts.layouts]
+            self.scheduler = SchedulerSide(daemon_lookup(self._scheduler_links, self.engine_groups,
+                                                         prefetch=bool(extra.get("prefetch", True))),
+                                           self.engine_groups,
                                            loads=kv_role in LOADING_ROLES, stores=kv_role in STORING_ROLES,
                                            lookup_wait_s=float(extra.get("lookup_wait_s", 0.005)),
                                            lookup_ttl_s=float(extra.get("lookup_ttl_s", 2.0)),
                                            async_loads=bool(extra.get("async_loads", True)))
-            self._scheduler_link = link
-        log.info("kvtierd connector (%s, %s): layout %s", self.role_name, kv_role, layout)
+        log.info("kvtierd connector (%s, %s): layout %s, groups %s", self.role_name, kv_role, self.layout,
+                 self.engine_groups.signature())
 
     @property
     def requires_kv_delivery(self) -> bool:
@@ -194,7 +191,7 @@ class KvtierdConnector(KVConnectorBase_V1):
         return self.worker
 
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
-        self._worker().register(PagedLayers(layers_in_order(kv_caches), self.layout))
+        self._worker().register(EnginePages(kv_caches, self.engine_groups, self._kv_cache_config))
 
     def start_load_kv(self, forward_context: Any, **kwargs: Any) -> None:
         self._worker().start_load(self._step())
@@ -215,15 +212,20 @@ class KvtierdConnector(KVConnectorBase_V1):
         return self._worker().take_load_error_block_ids()
 
     def handle_preemptions(self, kv_connector_metadata: StepMetadata) -> None:
-        """Before a preempted request's blocks are reused: its stores must have read them."""
-        self._worker().wait_for_requests(set(kv_connector_metadata.preempted_req_ids))
+        """Before this step touches a block (vLLM frees, zeroes and reuses them): preempted
+        requests' stores have read their blocks, and so have the sliding-window and Mamba stores
+        of earlier steps."""
+        worker = self._worker()
+        worker.wait_for_requests(set(kv_connector_metadata.preempted_req_ids))
+        worker.wait_for_volatile_reads()
 
     def shutdown(self) -> None:
         if self.worker is not None:
             self.worker.shutdown()
         if self.scheduler is not None:
             self.scheduler.shutdown()
-            self._scheduler_link.close()
+            for link in self._scheduler_links:
+                link.close()
 
     # ------------------------------------------------------------------ scheduler side
 
@@ -250,4 +252,9 @@ class KvtierdConnector(KVConnectorBase_V1):
         return  # finished_sending is all the scheduler needs, and vLLM acts on it itself
 
     def request_finished(self, request: Any, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
+        return self._scheduler().request_finished(request, block_ids)
+
+    def request_finished_all_groups(self, request: Any,
+                                    block_ids: tuple[list[int], ...]) -> tuple[bool, dict[str, Any] | None]:
+        """vLLM's SupportsHMA hook: once per request, for every group at once; as request_finished."""
         return self._scheduler().request_finished(request, block_ids)

@@ -7,8 +7,9 @@ multiprocess executor it is pickled on the way. So these are plain, picklable da
 ints, bytes and tuples, and import neither vllm nor grpc. connector.py registers
 `StepMetadata` as a virtual subclass of vLLM's `KVConnectorMetadata` where vLLM is installed.
 
-Keys are vLLM's own `Request.block_hashes` (one per full block, chained from vLLM's NONE_HASH;
-vllm/v1/core/kv_cache_utils.py); the daemon prefixes them with the caller's tenant.
+Keys are the groups' keys (kv_groups.group_block_hash of vLLM's own `Request.block_hashes`);
+the daemon prefixes them with the caller's tenant. Everything is per KV cache group: a model
+with one group has one GroupBlocks per spec.
 """
 
 from __future__ import annotations
@@ -17,21 +18,18 @@ import dataclasses
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
-class LoadSpec:
-    """Copy cached blocks from the daemon into a request's engine blocks: before the forward
-    (synchronous), or in the background while vLLM holds the request (`is_async`).
+class GroupBlocks:
+    """Blocks of one KV cache group: the daemon's chain of them and the engine blocks they are in.
 
-    Invariant: `block_hashes[i]` is the key of chain position `first_block_index + i`, its
-    tokens are `token_ids[i * block_size:(i + 1) * block_size]`, and it lands in engine block
-    `engine_block_ids[i]`; the three have one entry (one block of tokens) per block.
+    Invariant: `block_hashes[i]`'s tokens are `token_ids[i * block_size:(i + 1) * block_size]` and
+    it is engine block `engine_block_ids[i]`; `block_hashes[0]` is chain position `first_position`.
     """
 
-    request_id: str
-    first_block_index: int  # chain position of block_hashes[0]
+    group_id: int
+    first_position: int
     block_hashes: tuple[bytes, ...]
     token_ids: tuple[int, ...]
     engine_block_ids: tuple[int, ...]
-    is_async: bool = False  # True: loaded in the background, reported in finished_recving
 
     def __post_init__(self) -> None:
         assert len(self.block_hashes) == len(self.engine_block_ids) > 0, self
@@ -43,29 +41,60 @@ class LoadSpec:
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
-class StoreSpec:
-    """Offer a request's full blocks, from chain position 0 to `num_blocks`, to the daemon.
-
-    The chain starts at block 0 because the daemon's Commit needs the root as the parent of a
-    request's first block; blocks the daemon already holds come back as hits from Acquire and
-    are neither copied nor committed again. Same per-block invariant as LoadSpec.
-    `num_new_blocks` counts the trailing blocks this step completed (for logs and tests).
-    """
+class LoadSpec:
+    """Copy cached blocks from the daemon into a request's engine blocks, group by group: before
+    the forward (synchronous), or in the background while vLLM holds the request (`is_async`).
+    Each group's blocks are a chain the daemon is asked for as a whole."""
 
     request_id: str
-    block_hashes: tuple[bytes, ...]
-    token_ids: tuple[int, ...]
-    engine_block_ids: tuple[int, ...]
-    num_new_blocks: int
+    groups: tuple[GroupBlocks, ...]
+    is_async: bool = False  # True: loaded in the background, reported in finished_recving
 
     def __post_init__(self) -> None:
-        assert len(self.block_hashes) == len(self.engine_block_ids) > 0, self
-        assert len(self.token_ids) % len(self.block_hashes) == 0, self
-        assert 0 < self.num_new_blocks <= len(self.block_hashes), self
+        assert self.groups, self
 
     @property
     def num_blocks(self) -> int:
-        return len(self.block_hashes)
+        return sum(group.num_blocks for group in self.groups)
+
+    @property
+    def engine_block_ids(self) -> tuple[int, ...]:
+        return tuple(block_id for group in self.groups for block_id in group.engine_block_ids)
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class GroupStore:
+    """Offer one group's blocks completed this step, with the chain the daemon needs before them.
+
+    `blocks` is the chain from its first position (0 for full and sliding-window attention: the
+    daemon's Commit needs the root as the parent of a chain's first block; the state's own position
+    for Mamba, a chain of one) to the last completed block. Blocks the daemon already holds come
+    back as hits from Acquire and are neither copied nor committed again. Only the trailing
+    `num_new_blocks` are sure to be in the engine still when `volatile` (sliding window, Mamba:
+    vLLM frees them next step); earlier ones the daemon lacks are then not stored.
+    """
+
+    blocks: GroupBlocks
+    num_new_blocks: int
+    volatile: bool = False
+
+    def __post_init__(self) -> None:
+        assert 0 < self.num_new_blocks <= self.blocks.num_blocks, self
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class StoreSpec:
+    """One request's offers this step, one per group with newly completed blocks."""
+
+    request_id: str
+    groups: tuple[GroupStore, ...]
+
+    def __post_init__(self) -> None:
+        assert self.groups, self
+
+    @property
+    def num_new_blocks(self) -> int:
+        return sum(group.num_new_blocks for group in self.groups)
 
 
 @dataclasses.dataclass(slots=True)

@@ -1,4 +1,4 @@
-"""The scheduler side of the vLLM connector: what to look up, load and store, per request.
+"""The scheduler side of the vLLM connector: what to look up, load and store, per request and KV cache group.
 
 Call order within one vLLM scheduler step (vllm/v1/core/sched/scheduler.py, `schedule`; the
 contract is in vllm/distributed/kv_transfer/kv_connector/v1/base.py):
@@ -7,31 +7,40 @@ contract is in vllm/distributed/kv_transfer/kv_connector/v1/base.py):
    allocated, `update_state_after_alloc(request, blocks, num_external_tokens)` (called for
    every newly scheduled request, also with 0 external tokens);
 2. `build_connector_meta(scheduler_output)` once, before the request counters advance;
-3. after the step's output, `request_finished(request, block_ids)` for finished requests.
+3. after the step's output, `request_finished_all_groups(request, block_ids)` (or, without the
+   hybrid allocator, `request_finished`) for finished requests.
 
 Lookups are asynchronous. `get_num_new_matched_tokens` submits the daemon's Lookup to one
 background thread and waits at most `lookup_wait_s` (default 5 ms: a local Lookup takes well
 under a millisecond) for it; if the answer is not there yet it returns None, which tells vLLM
 to skip the request this step and ask again (base.py: "If None, it means that the connector
 needs more time"). The answer is kept per request for `lookup_ttl_s`, so repeated calls cost a
-dict lookup and send no RPC. A daemon that is down or refuses answers 0 hits (logged).
+dict lookup and send no RPC. A daemon that is down or refuses answers 0 hits (logged). One
+Lookup RPC per TP rank asks for every group at once (LookupRequest.chain_lengths: a chain per
+attention group, a chain of one per candidate Mamba state), and the hit is what every group can
+serve on every rank (group_hits.py).
 
 Hits are capped one token short of the prompt: vLLM must compute at least the last prompt
 token to sample (as ExampleConnector does, vllm/.../v1/example_connector.py,
 `align_to_block_size(len(prompt) - 1)`). A hit that is all in T0 is loaded synchronously
 (`load_async=False`): the worker copies it in `start_load_kv`, before the forward, a memcpy. A
-hit with blocks in T1 or T2 is loaded asynchronously (`load_async=True`, unless
-`async_loads` is off): vLLM parks the request in WAITING_FOR_REMOTE_KVS, the worker promotes
-and copies in the background while the engine runs its other requests, and reports the
-request in `finished_recving`; a promotion from SSD never holds a decode step
-(vllm/v1/core/sched/scheduler.py, `_update_waiting_for_remote_kv`). vLLM then calls
-`update_state_after_alloc` a second time, with 0 external tokens.
+hit with blocks in T1 or T2 is loaded asynchronously (`load_async=True`, unless `async_loads`
+is off): vLLM parks the request in WAITING_FOR_REMOTE_KVS, the worker promotes and copies in the
+background while the engine runs its other requests, and reports the request in
+`finished_recving`; a promotion from SSD never holds a decode step
+(vllm/v1/core/sched/scheduler.py, `_update_waiting_for_remote_kv`). A model with a Mamba group
+always loads asynchronously: vLLM copies a hit's state into the request's running block before
+the forward's synchronous loads land (vllm/v1/worker/gpu_model_runner.py, preprocess_mamba runs
+first), so a synchronous load would be silently ignored.
 
-Stores: every step, each scheduled request whose computed tokens now fill more full blocks
-than were offered gets a StoreSpec for its chain up to its last full block. `request_finished`
-returns True (vLLM keeps the blocks) when any store was ever issued for the request; the worker
-reports the request in `finished_sending` once its stores are done, and only then does vLLM
-free the blocks. The worker applies the same rule, so the two sides agree without messages.
+Stores: every step, each scheduled request gets a StoreSpec with one GroupStore per group whose
+blocks this step completed: full attention offers its chain up to the last full block (vLLM keeps
+those blocks until the request finishes); a sliding-window group offers the same chain, but only
+this step's blocks are sure to be in the engine still (vLLM frees out-of-window blocks next step:
+`volatile`); a Mamba group offers the state block when the step ends exactly on a block boundary
+(vLLM's align mode keeps the state at position i in that block; the next step moves the state
+on). `request_finished` returns True (vLLM keeps the blocks) when any store was ever issued for
+the request; the worker reports it in `finished_sending` once its stores are done.
 """
 
 from __future__ import annotations
@@ -43,59 +52,59 @@ import time
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
-from kvtierd.connectors.vllm.daemon_link import DaemonLink
-from kvtierd.connectors.vllm.metadata import LoadSpec, StepMetadata, StoreSpec
-from kvtierd.errors import KvtierError
+from kvtierd.connectors.vllm.group_hits import NO_HIT, RequestHit, needed_positions
+from kvtierd.connectors.vllm.kv_groups import NULL_BLOCK_ID, EngineGroups, GroupKind, group_block_hash
+from kvtierd.connectors.vllm.metadata import GroupBlocks, GroupStore, LoadSpec, StepMetadata, StoreSpec
 
 log = logging.getLogger(__name__)
 
-@dataclasses.dataclass(frozen=True, slots=True)
-class LookupHits:
-    """Leading blocks the daemon holds, by tier: T0's come first in the chain, then T1's, T2's, T3's."""
 
-    num_t0_blocks: int = 0
-    num_t1_blocks: int = 0
-    num_t2_blocks: int = 0
-    num_t3_blocks: int = 0  # in the shared store: present when asked, verified when loaded
+@dataclasses.dataclass(frozen=True, slots=True)
+class LookupQuery:
+    """One lookup: every served group's keys of candidate positions [first, first + n), and their tokens."""
+
+    first_position: int
+    keys: tuple[tuple[bytes, ...], ...]  # per served group, in EngineGroups order
+    token_ids: tuple[int, ...]  # block_size per candidate position
 
     @property
-    def num_blocks(self) -> int:
-        return self.num_t0_blocks + self.num_t1_blocks + self.num_t2_blocks + self.num_t3_blocks
+    def num_positions(self) -> int:
+        return len(self.keys[0])
 
 
-NO_HITS = LookupHits()
-
-# (block hashes, their token ids) -> the leading blocks the daemon holds
-LookupFn = Callable[[Sequence[bytes], Sequence[int]], LookupHits]
+# One lookup, answered: the blocks beyond the engine's own hit that every group can serve.
+LookupFn = Callable[[LookupQuery], RequestHit]
 
 
-def daemon_lookup(link: DaemonLink, *, prefetch: bool = True) -> LookupFn:
-    """A LookupFn asking the daemon behind `link`; 0 hits when it cannot be asked."""
-    def lookup(block_hashes: Sequence[bytes], token_ids: Sequence[int]) -> LookupHits:
-        session = link.session()
-        if session is None:
-            return NO_HITS
-        if any(len(block_hash) != session.hash_size for block_hash in block_hashes):
-            log.warning("kvtierd connector: vLLM block hashes are not %d bytes (hash_algo %s); no lookup",
-                        session.hash_size, link.hash_algo)
-            return NO_HITS
-        try:
-            response = session.lookup(list(block_hashes), token_ids=list(token_ids), prefetch=prefetch)
-        except KvtierError as error:
-            link.failed(session, error)
-            log.warning("kvtierd connector: lookup failed (%s: %s); counting no hit", type(error).__name__, error)
-            return NO_HITS
-        return LookupHits(response.num_t0_blocks, response.num_t1_blocks, response.num_t2_blocks,
-                          response.num_t3_blocks)
-    return lookup
+class RequestKeys:
+    """A request's keys per group and chain position, derived once each as vLLM's hashes grow.
+
+    Invariant: `keys[g][i]` is group_block_hash(chain hash of position i, group id of g)."""
+
+    def __init__(self, engine: EngineGroups) -> None:
+        self.engine = engine
+        self.keys: list[list[bytes]] = [[] for _ in engine.groups]
+        self._num_hashes_read = 0
+
+    def update(self, request: Any) -> int:
+        """Derive the keys of positions vLLM hashed since the last call; returns how many positions have keys."""
+        hashes = request.block_hashes
+        if len(hashes) > self._num_hashes_read:
+            ratio = self.engine.block_size // self.engine.hash_block_size
+            start = len(self.keys[0])
+            new = self.engine.chain_hashes(hashes[start * ratio:])
+            for group, keys in zip(self.engine.groups, self.keys):
+                keys.extend(group_block_hash(h, group.group_id) for h in new)
+            self._num_hashes_read = len(hashes)
+        return len(self.keys[0])
 
 
 @dataclasses.dataclass(slots=True)
 class _Lookup:
-    """One lookup of chain positions [first_block_index, end_block_index)."""
+    """One lookup of chain positions [first_position, end_position)."""
 
-    first_block_index: int
-    end_block_index: int
+    first_position: int
+    end_position: int
     future: concurrent.futures.Future
     started_at: float
 
@@ -105,12 +114,13 @@ class _Tracked:
     """What the scheduler side keeps for one live request (mutated by the scheduler thread only)."""
 
     request: Any  # vllm.v1.request.Request
+    keys: RequestKeys
+    engine_block_ids: list[list[int]]  # per served group, by chain position (vLLM's null block included)
+    num_offered_blocks: list[int]  # per served group: leading positions stored, loaded, or offered
     lookup: _Lookup | None = None
-    hits: LookupHits = NO_HITS  # of the last answered lookup, for get_external_cache_hit_sources
+    hit: RequestHit = NO_HIT  # of the last answered lookup, for get_external_cache_hit_sources
     load_async: bool = False  # the answer given for the planned load
     num_local_computed_tokens: int = 0  # from the last get_num_new_matched_tokens call
-    engine_block_ids: list[int] = dataclasses.field(default_factory=list)  # kv cache group 0
-    num_offered_blocks: int = 0  # leading blocks already stored, loaded, or offered to the daemon
     has_stores: bool = False  # a StoreSpec was issued: request_finished delays the free
 
 
@@ -119,14 +129,14 @@ class SchedulerSide:
     requests hold their blocks until their stores finish. Single-threaded (vLLM's scheduler);
     only lookups run on `executor`."""
 
-    def __init__(self, lookup_fn: LookupFn, block_size: int, *, loads: bool = True, stores: bool = True,
+    def __init__(self, lookup_fn: LookupFn, engine: EngineGroups, *, loads: bool = True, stores: bool = True,
                  lookup_wait_s: float = 0.005, lookup_ttl_s: float = 2.0, async_loads: bool = True,
                  executor: concurrent.futures.Executor | None = None) -> None:
-        if block_size <= 0 or lookup_wait_s < 0 or lookup_ttl_s <= 0:
-            raise ValueError(f"bad scheduler settings: block_size={block_size}, lookup_wait_s={lookup_wait_s}, "
-                             f"lookup_ttl_s={lookup_ttl_s}")
+        if lookup_wait_s < 0 or lookup_ttl_s <= 0:
+            raise ValueError(f"bad scheduler settings: lookup_wait_s={lookup_wait_s}, lookup_ttl_s={lookup_ttl_s}")
         self.lookup_fn = lookup_fn
-        self.block_size = block_size
+        self.engine = engine
+        self.block_size = engine.block_size
         self.loads_enabled = loads
         self.stores_enabled = stores
         self.lookup_wait_s = lookup_wait_s
@@ -137,6 +147,15 @@ class SchedulerSide:
         self._loads_to_issue: dict[str, LoadSpec] = {}
         self.num_lookups = 0  # RPCs submitted, for tests and logs
 
+    def _track(self, request: Any) -> _Tracked:
+        tracked = self._tracked.get(request.request_id)
+        if tracked is None:
+            num_groups = len(self.engine.groups)
+            tracked = self._tracked[request.request_id] = _Tracked(
+                request, RequestKeys(self.engine), [[] for _ in range(num_groups)], [0] * num_groups)
+        tracked.request = request
+        return tracked
+
     # ------------------------------------------------------------------ lookups
 
     def get_num_new_matched_tokens(self, request: Any, num_computed_tokens: int) -> tuple[int | None, bool]:
@@ -145,40 +164,39 @@ class SchedulerSide:
         if not self.loads_enabled:
             return 0, False
         block_size = self.block_size
+        tracked = self._track(request)
         first = num_computed_tokens // block_size
-        end = min(len(request.block_hashes), (request.num_tokens - 1) // block_size)
+        end = min(tracked.keys.update(request), (request.num_tokens - 1) // block_size)
         if num_computed_tokens % block_size or end <= first:
             return 0, False
-        tracked = self._tracked.setdefault(request.request_id, _Tracked(request))
-        tracked.request = request
         tracked.num_local_computed_tokens = num_computed_tokens
         lookup = tracked.lookup
         now = time.monotonic()
-        if lookup is None or (lookup.first_block_index, lookup.end_block_index) != (first, end) or (
+        if lookup is None or (lookup.first_position, lookup.end_position) != (first, end) or (
                 lookup.future.done() and now - lookup.started_at > self.lookup_ttl_s):
-            hashes = [bytes(h) for h in request.block_hashes[first:end]]
-            tokens = list(request.all_token_ids[first * block_size:end * block_size])
-            lookup = tracked.lookup = _Lookup(first, end, self._executor.submit(self.lookup_fn, hashes, tokens), now)
+            query = LookupQuery(first, tuple(tuple(keys[first:end]) for keys in tracked.keys.keys),
+                                tuple(request.all_token_ids[first * block_size:end * block_size]))
+            lookup = tracked.lookup = _Lookup(first, end, self._executor.submit(self.lookup_fn, query), now)
             self.num_lookups += 1
         try:
-            hits = lookup.future.result(timeout=self.lookup_wait_s)
+            hit = lookup.future.result(timeout=self.lookup_wait_s)
         except concurrent.futures.TimeoutError:
             return None, False
         except Exception as error:  # a bug in a lookup must not stop the engine
             log.warning("kvtierd connector: lookup of %s raised %r; counting no hit", request.request_id, error)
-            hits = NO_HITS
-        assert 0 <= hits.num_blocks <= end - first, (hits, first, end)
-        tracked.hits = hits
-        tracked.load_async = self.async_loads and hits.num_blocks > hits.num_t0_blocks
-        return hits.num_blocks * block_size, tracked.load_async
+            hit = NO_HIT
+        assert 0 <= hit.num_blocks <= end - first, (hit, first, end)
+        tracked.hit = hit
+        tracked.load_async = hit.num_blocks > 0 and (self.engine.has_mamba or (self.async_loads and not hit.all_in_t0))
+        return hit.num_blocks * block_size, tracked.load_async
 
     def hit_tokens_per_tier(self, request_id: str, num_external_tokens: int) -> tuple[int, int, int]:
         """The leading `num_external_tokens` of the request's last lookup split over T0, T1, and
         the tiers below (T2 and T3: storage, as vLLM's metrics see it)."""
         tracked = self._tracked.get(request_id)
-        hits = tracked.hits if tracked is not None else NO_HITS
+        t0, t1, t2, t3 = tracked.hit.tier_blocks if tracked is not None else NO_HIT.tier_blocks
         split, left = [], num_external_tokens
-        for num_blocks in (hits.num_t0_blocks, hits.num_t1_blocks, hits.num_t2_blocks + hits.num_t3_blocks):
+        for num_blocks in (t0, t1, t2 + t3):
             split.append(min(left, num_blocks * self.block_size))
             left -= split[-1]
         split[-1] += left  # tokens the lookup did not attribute (it never happens: they are its hits)
@@ -188,8 +206,7 @@ class SchedulerSide:
 
     def update_state_after_alloc(self, request: Any, blocks: Any, num_external_tokens: int) -> None:
         """Track the request; with external tokens, plan the load into its allocated blocks."""
-        tracked = self._tracked.setdefault(request.request_id, _Tracked(request))
-        tracked.request = request
+        tracked = self._track(request)
         tracked.lookup = None  # consumed: a preempted and resumed request looks up afresh
         if num_external_tokens == 0:
             return
@@ -198,13 +215,23 @@ class SchedulerSide:
             raise ValueError(f"external tokens {num_external_tokens} are not whole blocks of {block_size}")
         first = tracked.num_local_computed_tokens // block_size
         end = first + num_external_tokens // block_size
-        block_ids = list(blocks.get_block_ids()[0])
-        assert end <= len(block_ids) and end <= len(request.block_hashes), (first, end, len(block_ids))
-        self._loads_to_issue[request.request_id] = LoadSpec(
-            request.request_id, first, tuple(bytes(h) for h in request.block_hashes[first:end]),
-            tuple(request.all_token_ids[first * block_size:end * block_size]), tuple(block_ids[first:end]),
-            tracked.load_async)
-        tracked.num_offered_blocks = max(tracked.num_offered_blocks, end)  # the daemon holds them
+        block_ids = blocks.get_block_ids()
+        num_keyed = tracked.keys.update(request)
+        groups = []
+        for index, group in enumerate(self.engine.groups):
+            ids = list(block_ids[group.group_id])
+            assert end <= len(ids) and end <= num_keyed, (first, end, len(ids), num_keyed)
+            positions = [first + p for p in needed_positions(group, end - first)]
+            while positions and ids[positions[0]] == NULL_BLOCK_ID:  # vLLM needs no page there
+                positions.pop(0)
+            if positions:
+                start = positions[0]
+                groups.append(GroupBlocks(group.group_id, start, tuple(tracked.keys.keys[index][start:end]),
+                                          tuple(request.all_token_ids[start * block_size:end * block_size]),
+                                          tuple(ids[start:end])))
+            tracked.num_offered_blocks[index] = max(tracked.num_offered_blocks[index], end)  # the daemon holds them
+        if groups:
+            self._loads_to_issue[request.request_id] = LoadSpec(request.request_id, tuple(groups), tracked.load_async)
 
     # ------------------------------------------------------------------ per step
 
@@ -215,37 +242,64 @@ class SchedulerSide:
         preempted = tuple(sorted(getattr(scheduler_output, "preempted_req_ids", None) or ()))
         for request_id in preempted:
             if request_id in self._tracked:
-                self._tracked[request_id].engine_block_ids = []  # resumed requests get a full list
+                self._reset_block_ids(self._tracked[request_id])  # resumed requests get a full list
         stores = []
         for request_id, new_block_ids, resumed in scheduled_requests(scheduler_output):
             tracked = self._tracked.get(request_id)
             if tracked is None:
                 continue
             if resumed:
-                tracked.engine_block_ids = []
+                self._reset_block_ids(tracked)
             if new_block_ids:
-                tracked.engine_block_ids.extend(new_block_ids[0])
+                for ids, group in zip(tracked.engine_block_ids, self.engine.groups):
+                    ids.extend(new_block_ids[group.group_id])
             if self.stores_enabled:
                 spec = self._store_spec(tracked, scheduler_output.num_scheduled_tokens.get(request_id, 0))
                 if spec is not None:
                     stores.append(spec)
         return StepMetadata(loads=loads, stores=stores, preempted_req_ids=preempted)
 
+    @staticmethod
+    def _reset_block_ids(tracked: _Tracked) -> None:
+        for ids in tracked.engine_block_ids:
+            ids.clear()
+
     def _store_spec(self, tracked: _Tracked, num_scheduled_tokens: int) -> StoreSpec | None:
+        """The GroupStores of the blocks this step completes (see the module docstring)."""
         request = tracked.request
         block_size = self.block_size
-        num_tokens = min(request.num_computed_tokens + num_scheduled_tokens, request.num_tokens)
-        num_blocks = min(num_tokens // block_size, len(request.block_hashes), len(tracked.engine_block_ids))
-        if num_blocks <= tracked.num_offered_blocks:
+        computed_before = request.num_computed_tokens
+        computed_after = min(computed_before + num_scheduled_tokens, request.num_tokens)
+        num_complete = min(computed_after // block_size, tracked.keys.update(request))
+        offers = []
+        for index, group in enumerate(self.engine.groups):
+            ids, keys = tracked.engine_block_ids[index], tracked.keys.keys[index]
+            num_blocks = min(num_complete, len(ids))
+            offered = tracked.num_offered_blocks[index]
+            if num_blocks <= offered:
+                continue
+            tracked.num_offered_blocks[index] = num_blocks
+            if group.kind is GroupKind.MAMBA:
+                if computed_after != num_blocks * block_size:
+                    continue  # the state in the running block is past the boundary
+                start, num_new = num_blocks - 1, 1
+            else:
+                start = 0
+                num_new = num_blocks - (offered if group.kind is GroupKind.FULL else
+                                        max(offered, computed_before // block_size))
+                if num_new <= 0:
+                    continue
+            offers.append(GroupStore(
+                GroupBlocks(group.group_id, start, tuple(keys[start:num_blocks]),
+                            tuple(request.all_token_ids[start * block_size:num_blocks * block_size]),
+                            tuple(ids[start:num_blocks])),
+                num_new, volatile=group.kind is not GroupKind.FULL))
+        if not offers:
             return None
-        spec = StoreSpec(request.request_id, tuple(bytes(h) for h in request.block_hashes[:num_blocks]),
-                         tuple(request.all_token_ids[:num_blocks * block_size]),
-                         tuple(tracked.engine_block_ids[:num_blocks]), num_blocks - tracked.num_offered_blocks)
-        tracked.num_offered_blocks = num_blocks
         tracked.has_stores = True
-        return spec
+        return StoreSpec(request.request_id, tuple(offers))
 
-    def request_finished(self, request: Any, block_ids: Sequence[int]) -> tuple[bool, dict | None]:
+    def request_finished(self, request: Any, block_ids: Sequence[Any]) -> tuple[bool, dict | None]:
         """(True: keep the blocks until the worker reports the stores done, None)."""
         tracked = self._tracked.pop(request.request_id, None)
         self._loads_to_issue.pop(request.request_id, None)

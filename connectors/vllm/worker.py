@@ -1,31 +1,35 @@
-"""The worker side of the vLLM connector: bytes between the engine's KV caches and the pool.
+"""The worker side of the vLLM connector: bytes between the engine's KV pages and the pool, group by group.
 
-Call order within one engine step on a worker (vllm/v1/worker/kv_connector_model_runner_mixin.py,
-`_get_kv_connector_output`): `bind_connector_metadata(meta)`, `start_load_kv(forward_context)`,
-the forward (attention layers call `wait_for_layer_load` and `save_kv_layer`), `wait_for_save()`,
-`get_finished(scheduler_output.finished_req_ids)`, `get_block_ids_with_load_errors()`,
-`clear_connector_metadata()`. `handle_preemptions(req_ids)` comes before a preempted request's
-blocks are reused (base.py).
+Call order within one engine step on a worker (vllm/v1/worker/gpu_model_runner.py `execute_model`
+and kv_connector_model_runner_mixin.py `_get_kv_connector_output`): `handle_preemptions(meta)`
+(before anything of the step touches a block: vLLM zeroes and reuses freed blocks right after),
+`bind_connector_metadata(meta)`, `start_load_kv(forward_context)`, the forward,
+`wait_for_save()`, `get_finished(scheduler_output.finished_req_ids)`,
+`get_block_ids_with_load_errors()`, `clear_connector_metadata()`.
 
-Load (in `start_load_kv`): Acquire the blocks' hashes under a one-off daemon request id (pins
-T0 hits; T1/T2 hits are promoted, so Wait), scatter the ready pool blocks into the engine
-blocks, Release once the copy has finished reading the pool (after a CUDA event, on the
-background thread). A synchronous load runs there and then, before the forward; an
+Load (in `start_load_kv`): per group of the LoadSpec, Acquire its chain under a one-off daemon
+request id (pins T0 hits; T1/T2 hits are promoted, so Wait), copy the ready pool blocks into the
+group's engine blocks, Release once the copy has finished reading the pool (after a CUDA event,
+on the background thread). A synchronous load runs there and then, before the forward; an
 asynchronous one (`LoadSpec.is_async`) runs on the load thread while the engine goes on, and
-`get_finished` reports its request in `finished_recving` once its copy has landed. Engine
+`get_finished` reports its request in `finished_recving` once its copies have landed. Engine
 blocks that could not be filled (the daemon is down, evicted a block since the lookup, a
 promotion failed or timed out) are reported by `get_block_ids_with_load_errors()` in the same
 step (for an asynchronous load: the step that reports it finished), and vLLM recomputes them
 under `kv_load_failure_policy="recompute"`.
 
-Store (started in `wait_for_save`, after the forward wrote the step's KV): a job per StoreSpec
-on one background thread: Acquire the chain (hits first, then fresh blocks), gather the engine
-blocks of the fresh ones into the pool (on CUDA: on a side stream that waits for an event
-recorded after the forward), Commit them with their hashes and tokens (parent: the previous
-block's hash, or the root for block 0), Release. A failure drops the store, with a log line.
-A request that ever had a store is reported in `finished_sending` by `get_finished` once it has
-finished and all its jobs are done: until then vLLM keeps its blocks, so the bytes a job reads
-cannot be overwritten.
+Store (started in `wait_for_save`, after the forward wrote the step's KV): a job per GroupStore:
+Acquire the chain (hits first, then fresh blocks), copy the engine pages of the fresh ones into
+the pool (on CUDA: on a side stream that waits for an event recorded after the forward), Commit
+them with their hashes and tokens (parent: the previous block's hash, or the root for a chain's
+first block), Release. A failure drops the store, logged and counted (`num_dropped_stores`); a
+later request with the same prefix stores it again. Full-attention pages stay the request's
+until vLLM frees them: a request that ever had a store is reported in `finished_sending` once it
+has finished and all its jobs are done. Sliding-window and Mamba pages (`volatile`) are freed by
+vLLM's next schedule and may be rewritten by the next step, so their jobs run on a thread of
+their own and the next step's `handle_preemptions` waits until they have read their pages. A
+worker that is not its layout's writer (a TP replica of KV another rank stores: MLA) stores
+nothing but still reports its requests.
 """
 
 from __future__ import annotations
@@ -41,21 +45,22 @@ import torch
 
 from kvtierd.client import Session
 from kvtierd.connectors.vllm.daemon_link import DaemonLink
-from kvtierd.connectors.vllm.metadata import LoadSpec, StepMetadata, StoreSpec
+from kvtierd.connectors.vllm.kv_groups import EngineGroups, ServedGroup
+from kvtierd.connectors.vllm.metadata import GroupBlocks, GroupStore, LoadSpec, StepMetadata, StoreSpec
 from kvtierd.errors import KvtierError
 
 log = logging.getLogger(__name__)
 
 
-class EngineBlocks(Protocol):
-    """The engine's KV blocks as the worker moves them (engine_blocks.PagedLayers)."""
+class EnginePagesLike(Protocol):
+    """The engine's KV pages as the worker moves them (engine_pages.EnginePages)."""
 
     device: torch.device
 
-    def to_pool(self, engine_block_ids: Sequence[int], pool: torch.Tensor,
+    def to_pool(self, group: ServedGroup, engine_block_ids: Sequence[int], pool: torch.Tensor,
                 pool_block_ids: Sequence[int]) -> None: ...
 
-    def from_pool(self, pool: torch.Tensor, pool_block_ids: Sequence[int],
+    def from_pool(self, group: ServedGroup, pool: torch.Tensor, pool_block_ids: Sequence[int],
                   engine_block_ids: Sequence[int]) -> None: ...
 
 
@@ -65,30 +70,38 @@ class WorkerSide:
     Invariants: `_jobs[r]` holds the futures of request r's store and release jobs not yet
     reported; `_requests_with_stores` are the requests that ever had a StoreSpec (exactly those
     the scheduler delays), each reported once in `finished_sending`, after vLLM has named it
-    finished and its jobs are done; `_load_error_block_ids` is drained by each report.
+    finished and its jobs are done; `_load_error_block_ids` is drained by each report;
+    `_volatile_reads` are the events of volatile stores whose pages may not have been read yet.
     """
 
-    def __init__(self, link: DaemonLink, *, wait_timeout_s: float = 30.0) -> None:
+    def __init__(self, link: DaemonLink, engine_groups: EngineGroups, *, wait_timeout_s: float = 30.0,
+                 writes: bool = True) -> None:
         self.link = link
+        self.engine_groups = engine_groups
+        self._groups = {group.group_id: group for group in engine_groups.groups}
         self.wait_timeout_s = wait_timeout_s
-        self.engine: EngineBlocks | None = None
+        self.writes = writes  # False: a TP replica whose KV another rank stores
+        self.pages: EnginePagesLike | None = None
         self._executor = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="kvtierd-store")
+        self._volatile_executor = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="kvtierd-store-window")
         self._load_executor = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="kvtierd-load")
         self._async_loads: dict[str, concurrent.futures.Future] = {}  # request id -> its load (main thread only)
         self._daemon_request_ids = itertools.count()
-        self._lock = threading.Lock()  # guards the three fields below (the store thread appends stats)
+        self._lock = threading.Lock()  # guards the fields below (the store threads append)
         self._jobs: dict[str, list[concurrent.futures.Future]] = {}
         self._requests_with_stores: set[str] = set()
         self._finished_waiting: set[str] = set()
         self._load_error_block_ids: set[int] = set()
+        self._volatile_reads: list[threading.Event] = []
         self._side_stream = None
         self.num_loaded_blocks = 0
         self.num_stored_blocks = 0
+        self.num_dropped_stores = 0
 
-    def register(self, engine: EngineBlocks) -> None:
-        self.engine = engine
-        if engine.device.type == "cuda":
-            self._side_stream = torch.cuda.Stream(device=engine.device)
+    def register(self, pages: EnginePagesLike) -> None:
+        self.pages = pages
+        if pages.device.type == "cuda":
+            self._side_stream = torch.cuda.Stream(device=pages.device)
 
     def _daemon_request_id(self, kind: str, request_id: str) -> str:
         return f"vllm-{kind}-{request_id}-{next(self._daemon_request_ids)}"
@@ -128,19 +141,26 @@ class WorkerSide:
             return spec, set(spec.engine_block_ids)
 
     def _load(self, spec: LoadSpec) -> set[int]:
-        """Load what can be loaded; returns the engine block ids left unfilled."""
-        assert self.engine is not None, "load before register_kv_caches"
+        """Load what can be loaded, group by group; returns the engine block ids left unfilled."""
+        assert self.pages is not None, "load before register_kv_caches"
         session = self.link.session()
         if session is None:
             return set(spec.engine_block_ids)
+        failed: set[int] = set()
+        for blocks in spec.groups:
+            failed |= self._load_group(session, spec, blocks)
+        return failed
+
+    def _load_group(self, session: Session, spec: LoadSpec, blocks: GroupBlocks) -> set[int]:
         daemon_request_id = self._daemon_request_id("load", spec.request_id)
         try:
-            acquired = session.acquire(daemon_request_id, list(spec.block_hashes), 0, token_ids=list(spec.token_ids))
+            acquired = session.acquire(daemon_request_id, list(blocks.block_hashes), 0,
+                                       token_ids=list(blocks.token_ids))
         except KvtierError as error:
             self.link.failed(session, error)
             log.warning("kvtierd connector: acquire for loading %s failed (%s: %s)", spec.request_id,
                         type(error).__name__, error)
-            return set(spec.engine_block_ids)
+            return set(blocks.engine_block_ids)
         num_ready = acquired.num_t0_hit_blocks
         if acquired.pending:
             try:
@@ -150,21 +170,21 @@ class WorkerSide:
                 log.warning("kvtierd connector: promotion for %s failed (%s: %s)", spec.request_id,
                             type(error).__name__, error)
         num_hits = acquired.num_t0_hit_blocks + acquired.num_loading_blocks
-        num_ready = max(0, min(num_ready, num_hits, spec.num_blocks))
+        num_ready = max(0, min(num_ready, num_hits, blocks.num_blocks))
         event = None
         try:
             if num_ready:
-                self.engine.from_pool(session.pool.tensor, acquired.block_ids[:num_ready],
-                                      spec.engine_block_ids[:num_ready])
+                self.pages.from_pool(self._groups[blocks.group_id], session.pool.tensor,
+                                     acquired.block_ids[:num_ready], blocks.engine_block_ids[:num_ready])
                 event = self._record_event()
                 if spec.is_async and event is not None:
                     event.synchronize()  # landed before finished_recving names the request
         except Exception as error:  # a bad copy must not kill the engine: recompute instead
             log.warning("kvtierd connector: copying %s from the pool failed: %r", spec.request_id, error)
             num_ready = 0
-        self._submit(spec.request_id, self._release_after, session, daemon_request_id, event)
+        self._submit(spec.request_id, self._executor, self._release_after, session, daemon_request_id, event)
         self.num_loaded_blocks += num_ready
-        return set(spec.engine_block_ids[num_ready:])
+        return set(blocks.engine_block_ids[num_ready:])
 
     def take_load_error_block_ids(self) -> set[int]:
         errors, self._load_error_block_ids = self._load_error_block_ids, set()
@@ -173,60 +193,97 @@ class WorkerSide:
     # ------------------------------------------------------------------ stores
 
     def start_stores(self, metadata: StepMetadata) -> None:
-        """Queue every StoreSpec; the copies start once the forward's writes have landed."""
+        """Queue a job per GroupStore; the copies start once the forward's writes have landed."""
         if not metadata.stores:
             return
-        assert self.engine is not None, "store before register_kv_caches"
+        assert self.pages is not None, "store before register_kv_caches"
         event = self._record_event()
         for spec in metadata.stores:
             with self._lock:
                 self._requests_with_stores.add(spec.request_id)
-            self._submit(spec.request_id, self._store, spec, event)
+            if not self.writes:
+                continue
+            for offer in spec.groups:
+                if offer.volatile:
+                    pages_read = threading.Event()
+                    with self._lock:
+                        self._volatile_reads.append(pages_read)
+                    self._submit(spec.request_id, self._volatile_executor, self._store, spec, offer, event,
+                                 pages_read)
+                else:
+                    self._submit(spec.request_id, self._executor, self._store, spec, offer, event, None)
 
-    def _store(self, spec: StoreSpec, event) -> None:
-        session = self.link.session()
-        if session is None:
-            return
+    def _store(self, spec: StoreSpec, offer: GroupStore, event, pages_read: threading.Event | None) -> None:
+        """One group's offer; `pages_read` (volatile offers) is set once the engine pages are read or skipped."""
+        session = None
         daemon_request_id = self._daemon_request_id("store", spec.request_id)
         try:
-            acquired = session.acquire(daemon_request_id, list(spec.block_hashes), 0, token_ids=list(spec.token_ids))
-        except KvtierError as error:
-            self.link.failed(session, error)
-            log.warning("kvtierd connector: no store for %s (%s: %s)", spec.request_id, type(error).__name__, error)
-            return
-        try:
-            num_hits = acquired.num_t0_hit_blocks + acquired.num_loading_blocks
-            fresh_block_ids = acquired.block_ids[num_hits:spec.num_blocks]
-            if fresh_block_ids:
-                self._copy_to_pool(spec.engine_block_ids[num_hits:], session.pool.tensor, fresh_block_ids, event)
-                block_size = len(spec.token_ids) // spec.num_blocks
-                session.commit(daemon_request_id, fresh_block_ids, list(spec.block_hashes[num_hits:]),
-                               list(spec.token_ids[num_hits * block_size:]),
-                               spec.block_hashes[num_hits - 1] if num_hits else None)
-                self.num_stored_blocks += len(fresh_block_ids)
+            session = self.link.session()
+            if session is not None:
+                self._store_with(session, daemon_request_id, spec, offer, event, pages_read)
         except Exception as error:  # KvtierError or a failed copy: the store is dropped
-            if isinstance(error, KvtierError):
+            if isinstance(error, KvtierError) and session is not None:
                 self.link.failed(session, error)
-            log.warning("kvtierd connector: store of %s dropped (%s: %s)", spec.request_id,
-                        type(error).__name__, error)
+            self._count_dropped()
+            log.warning("kvtierd connector: store of %s (group %d) dropped (%s: %s)", spec.request_id,
+                        offer.blocks.group_id, type(error).__name__, error)
         finally:
-            self._release_after(session, daemon_request_id, None)
+            if pages_read is not None:
+                pages_read.set()
+            if session is not None:
+                self._release_after(session, daemon_request_id, None)
 
-    def _copy_to_pool(self, engine_block_ids, pool: torch.Tensor, pool_block_ids, event) -> None:
+    def _store_with(self, session: Session, daemon_request_id: str, spec: StoreSpec, offer: GroupStore, event,
+                    pages_read: threading.Event | None) -> None:
+        blocks = offer.blocks
+        acquired = session.acquire(daemon_request_id, list(blocks.block_hashes), 0, token_ids=list(blocks.token_ids))
+        num_hits = acquired.num_t0_hit_blocks + acquired.num_loading_blocks
+        fresh_block_ids = acquired.block_ids[num_hits:blocks.num_blocks]
+        if not fresh_block_ids:
+            return
+        if offer.volatile and num_hits < blocks.num_blocks - offer.num_new_blocks:
+            # The daemon lacks blocks vLLM has freed since: the chain cannot reach this step's blocks.
+            self._count_dropped()
+            log.debug("kvtierd connector: group %d of %s not stored: the daemon holds %d of its %d earlier blocks",
+                      blocks.group_id, spec.request_id, num_hits, blocks.num_blocks - offer.num_new_blocks)
+            return
+        self._copy_to_pool(self._groups[blocks.group_id], blocks.engine_block_ids[num_hits:], session.pool.tensor,
+                           fresh_block_ids, event)
+        if pages_read is not None:
+            pages_read.set()
+        block_size = len(blocks.token_ids) // blocks.num_blocks
+        session.commit(daemon_request_id, fresh_block_ids, list(blocks.block_hashes[num_hits:]),
+                       list(blocks.token_ids[num_hits * block_size:]),
+                       blocks.block_hashes[num_hits - 1] if num_hits else None)
+        self.num_stored_blocks += len(fresh_block_ids)
+
+    def _count_dropped(self) -> None:
+        with self._lock:
+            self.num_dropped_stores += 1
+
+    def _copy_to_pool(self, group: ServedGroup, engine_block_ids, pool: torch.Tensor, pool_block_ids, event) -> None:
         if self._side_stream is None:
-            self.engine.to_pool(engine_block_ids, pool, pool_block_ids)
+            self.pages.to_pool(group, engine_block_ids, pool, pool_block_ids)
             return
         with torch.cuda.stream(self._side_stream):
             if event is not None:
                 self._side_stream.wait_event(event)
-            self.engine.to_pool(engine_block_ids, pool, pool_block_ids)
+            self.pages.to_pool(group, engine_block_ids, pool, pool_block_ids)
         self._side_stream.synchronize()  # the bytes are in the pool before Commit shares them
+
+    def wait_for_volatile_reads(self) -> None:
+        """Block until every volatile store queued so far has read its engine pages (vLLM is about
+        to free, zero and reuse sliding-window and Mamba blocks)."""
+        with self._lock:
+            pending, self._volatile_reads = self._volatile_reads, []
+        for pages_read in pending:
+            pages_read.wait()
 
     # ------------------------------------------------------------------ completion
 
     def _record_event(self):
         """A CUDA event after the work queued so far on the current stream (None on CPU)."""
-        if self.engine is None or self.engine.device.type != "cuda":
+        if self.pages is None or self.pages.device.type != "cuda":
             return None
         event = torch.cuda.Event()
         event.record()
@@ -242,8 +299,8 @@ class WorkerSide:
             log.warning("kvtierd connector: release of %s failed (%s: %s); the daemon reclaims it with "
                         "the session", daemon_request_id, type(error).__name__, error)
 
-    def _submit(self, request_id: str, fn, *args) -> None:
-        future = self._executor.submit(fn, *args)
+    def _submit(self, request_id: str, executor: concurrent.futures.Executor, fn, *args) -> None:
+        future = executor.submit(fn, *args)
         with self._lock:
             self._jobs.setdefault(request_id, []).append(future)
 
@@ -271,5 +328,6 @@ class WorkerSide:
 
     def shutdown(self) -> None:
         self._load_executor.shutdown(wait=True)
+        self._volatile_executor.shutdown(wait=True)
         self._executor.shutdown(wait=True)
         self.link.close()

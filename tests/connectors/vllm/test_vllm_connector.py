@@ -10,7 +10,9 @@ import torch
 
 from kvtierd.client import KvtierClient
 from kvtierd.connectors.vllm.connector import KvtierdConnector
-from kvtierd.connectors.vllm.scheduler import LookupHits, SchedulerSide
+from kvtierd.connectors.vllm.group_hits import RequestHit
+from kvtierd.connectors.vllm.kv_groups import engine_groups
+from kvtierd.connectors.vllm.scheduler import SchedulerSide
 from kvtierd.server.daemon_process import DaemonProcess, small_daemon_args, wait_until
 from tests.connectors.vllm.vllm_fakes import (
     BLOCK_SIZE,
@@ -58,7 +60,7 @@ def test_a_second_request_loads_the_first_requests_bytes_into_its_own_blocks(dae
     a = Request(f"a-{kv_layout}", prompt(seed, 22))  # 5 full blocks and 2 tokens
     step_a = engine.prefill(a)
     assert step_a.num_external_tokens == 0
-    assert step_a.metadata.loads == [] and [s.num_blocks for s in step_a.metadata.stores] == [5]
+    assert step_a.metadata.loads == [] and [s.groups[0].blocks.num_blocks for s in step_a.metadata.stores] == [5]
     assert engine.finish(a, step_a.engine_block_ids) is True  # its store may still run
     engine.drain()
     assert a.request_id in engine.finished_sending
@@ -95,12 +97,12 @@ def test_get_num_new_matched_tokens_is_none_while_the_lookup_is_pending_and_send
     gate = threading.Event()
     calls: list[int] = []
 
-    def slow_lookup(block_hashes, token_ids):
-        calls.append(len(block_hashes))
+    def slow_lookup(query):
+        calls.append(query.num_positions)
         gate.wait(10)
-        return LookupHits(num_t0_blocks=1, num_t2_blocks=2)
+        return RequestHit(3, (1, 0, 2, 0), all_in_t0=False)
 
-    side = SchedulerSide(slow_lookup, BLOCK_SIZE, lookup_wait_s=0.0)
+    side = SchedulerSide(slow_lookup, engine_groups(KVCacheConfig(), prefix_caching=False), lookup_wait_s=0.0)
     request = Request("pending", prompt(3, 30))  # 7 full blocks, 7 = (30 - 1) // 4 lookable
     assert side.get_num_new_matched_tokens(request, 0) == (None, False)
     assert side.get_num_new_matched_tokens(request, 0) == (None, False)

@@ -156,9 +156,77 @@ def vllm_kv_caches(layout_name: str, num_layers: int, num_blocks: int, num_kv_he
     return {f"model.layers.{layer}.self_attn.attn": full[layer] for layer in range(num_layers)}
 
 
+@dataclasses.dataclass(frozen=True)
+class AttentionSpec:
+    """vLLM's spec of an attention layer (vllm/v1/kv_cache_interface.py): the fields the connector reads.
+    The connector tells the kinds apart by class name, as these fakes are named."""
+
+    block_size: int = BLOCK_SIZE
+    num_kv_heads: int = NUM_KV_HEADS
+    head_size: int = HEAD_DIM
+    dtype: torch.dtype = torch.float16
+
+    @property
+    def head_size_v(self) -> int:
+        return self.head_size
+
+    @property
+    def page_size_bytes(self) -> int:
+        return 2 * self.block_size * self.num_kv_heads * self.head_size * self.dtype.itemsize
+
+
+@dataclasses.dataclass(frozen=True)
+class FullAttentionSpec(AttentionSpec):
+    pass
+
+
+@dataclasses.dataclass(frozen=True)
+class SlidingWindowSpec(AttentionSpec):
+    sliding_window: int = 8
+
+
+@dataclasses.dataclass(frozen=True)
+class MambaSpec:
+    """A linear-attention / SSM layer's state page, padded to `page_size_bytes`."""
+
+    block_size: int = BLOCK_SIZE
+    page_size_bytes: int = 256
+    mamba_cache_mode: str = "align"
+    num_speculative_blocks: int = 0
+    num_prefill_checkpoint_blocks: int = 0
+
+
+@dataclasses.dataclass
+class KVCacheGroupSpec:
+    layer_names: list[str]
+    kv_cache_spec: object
+
+
+@dataclasses.dataclass
+class KVCacheTensor:
+    size: int
+    layers: list[str]
+    layer_stride: int
+    block_stride: int
+    offset: int = 0
+
+
+LAYER_NAMES = [f"model.layers.{layer}.self_attn.attn" for layer in range(NUM_LAYERS)]
+
+
 @dataclasses.dataclass
 class KVCacheConfig:
+    """One full-attention group of every layer, as vLLM configures a uniform model (no KVCacheTensors:
+    the connector then reads each layer's block stride from its view)."""
+
     kv_cache_layout: str = "LBHNC"
+    kv_cache_groups: list = dataclasses.field(
+        default_factory=lambda: [KVCacheGroupSpec(list(LAYER_NAMES), FullAttentionSpec())])
+    kv_cache_tensors: list = dataclasses.field(default_factory=list)
+    hash_block_size: int = BLOCK_SIZE
+    kv_tp_replicas: int = 1
+    num_blocks: int | None = None
+    prefix_cacheable_group_ids: list | None = None  # None: every group
 
 
 def block_value(block_hash: bytes) -> torch.Tensor:

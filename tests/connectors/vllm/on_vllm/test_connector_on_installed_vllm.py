@@ -16,7 +16,13 @@ import inspect
 import pytest
 import torch
 from vllm.config import CacheConfig, KVTransferConfig, ModelConfig, VllmConfig
-from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorBase_V1, KVConnectorMetadata, KVConnectorRole
+from vllm.distributed.kv_transfer.kv_connector.v1.base import (
+    KVConnectorBase_V1,
+    KVConnectorMetadata,
+    KVConnectorRole,
+    SupportsHMA,
+    supports_hma,
+)
 from vllm.sampling_params import SamplingParams
 from vllm.utils.hashing import get_hash_fn_by_name
 from vllm.v1.core.kv_cache_manager import KVCacheBlocks
@@ -27,6 +33,8 @@ from vllm.v1.kv_cache_interface import (
     KVCacheConfig,
     KVCacheGroupSpec,
     KVCacheTensor,
+    MambaSpec,
+    SlidingWindowSpec,
     compute_layout_strides,
 )
 from vllm.v1.kv_cache_layout import KVCacheLayout
@@ -36,7 +44,8 @@ from vllm.v1.request import Request
 from vllm.v1.worker.utils import allocate_kv_cache
 
 from kvtierd.connectors.vllm.connector import KvtierdConnector
-from kvtierd.connectors.vllm.engine_blocks import PagedLayers, layers_in_order
+from kvtierd.connectors.vllm.engine_pages import EnginePages
+from kvtierd.connectors.vllm.kv_groups import engine_groups
 from kvtierd.connectors.vllm.metadata import StepMetadata
 from kvtierd.server.daemon_process import DaemonProcess, small_daemon_args, wait_until
 from tests.connectors.vllm import vllm_fakes
@@ -126,6 +135,9 @@ def test_every_hook_takes_the_parameters_of_vllms_base_class():
         assert ours == theirs, (name, ours, theirs)
     assert not getattr(KvtierdConnector, "__abstractmethods__", ()), KvtierdConnector.__abstractmethods__
     assert isinstance(StepMetadata(), KVConnectorMetadata)
+    assert supports_hma(KvtierdConnector)  # vLLM keeps its hybrid allocator on for this connector
+    ours = list(inspect.signature(KvtierdConnector.request_finished_all_groups).parameters)
+    assert ours == list(inspect.signature(SupportsHMA.request_finished_all_groups).parameters)
 
 
 def test_the_fakes_name_only_fields_the_real_classes_have(model_dir):
@@ -145,6 +157,17 @@ def test_the_fakes_name_only_fields_the_real_classes_have(model_dir):
         fake_fields = {field.name for field in dataclasses.fields(fake)}
         assert fake_fields <= real_fields, (fake.__name__, fake_fields - real_fields)
     assert blocks([4, 5]).get_block_ids() == vllm_fakes.KVCacheBlocks([4, 5]).get_block_ids()
+    for fake, real in [(vllm_fakes.FullAttentionSpec, FullAttentionSpec),
+                       (vllm_fakes.SlidingWindowSpec, SlidingWindowSpec),
+                       (vllm_fakes.MambaSpec, MambaSpec), (vllm_fakes.KVCacheGroupSpec, KVCacheGroupSpec),
+                       (vllm_fakes.KVCacheTensor, KVCacheTensor), (vllm_fakes.KVCacheConfig, KVCacheConfig)]:
+        real_names = set(dir(real)) | {field.name for field in dataclasses.fields(real)}
+        fake_names = {field.name for field in dataclasses.fields(fake)}
+        assert fake_names <= real_names, (fake.__name__, fake_names - real_names)
+        assert fake.__name__ == real.__name__  # the connector tells kinds apart by class name
+    spec = vllm_fakes.FullAttentionSpec(BLOCK_SIZE, NUM_KV_HEADS, HEAD_DIM, torch.float32)
+    assert spec.page_size_bytes == FullAttentionSpec(block_size=BLOCK_SIZE, num_kv_heads=NUM_KV_HEADS,
+                                                     head_size=HEAD_DIM, dtype=torch.float32).page_size_bytes
 
 
 @pytest.mark.parametrize("layout", list(KVCacheLayout), ids=lambda layout: layout.name)
@@ -161,18 +184,21 @@ def test_the_fakes_build_the_kv_cache_views_vllm_allocates(layout):
 
 
 @pytest.mark.parametrize("layout", list(KVCacheLayout), ids=lambda layout: layout.name)
-def test_paged_layers_move_vllms_own_views_bit_for_bit(model_dir, layout):
+def test_engine_pages_move_vllms_own_views_bit_for_bit(model_dir, layout):
     """Blocks 3, 7, 8 of vLLM's allocation to pool slots 5, 0, 1 and back into blocks 10, 11, 2."""
     caches = engine_kv_caches(layout)
-    for index, cache in enumerate(layers_in_order(caches)):
+    for index, cache in enumerate(caches.values()):
         cache.copy_(torch.randn(cache.shape, generator=torch.Generator().manual_seed(index)))
+    config = kv_cache_config(layout)
     connector = KvtierdConnector(real_vllm_config(model_dir, "unix:///nonexistent.sock"), KVConnectorRole.WORKER,
-                                 kv_cache_config(layout))
-    engine = PagedLayers(layers_in_order(caches), connector.layout)
+                                 config)
+    groups = engine_groups(config, prefix_caching=False)
+    assert groups.uniform_attention
+    engine = EnginePages(caches, groups, config)
     pool = torch.zeros(6, NUM_LAYERS, 2 * BLOCK_SIZE * NUM_KV_HEADS * HEAD_DIM)
-    engine.to_pool([3, 7, 8], pool, [5, 0, 1])
-    engine.from_pool(pool, [5, 0, 1], [10, 11, 2])
-    for cache in layers_in_order(caches):
+    engine.to_pool(groups.groups[0], [3, 7, 8], pool, [5, 0, 1])
+    engine.from_pool(groups.groups[0], pool, [5, 0, 1], [10, 11, 2])
+    for cache in caches.values():
         for source, target in ((3, 10), (7, 11), (8, 2)):
             assert torch.equal(cache[source], cache[target])
     assert connector.layout.model_id.endswith(f"@vllm-{layout.name}")
@@ -192,7 +218,7 @@ def test_a_request_stored_through_the_worker_is_a_device_hit_for_the_next_one_an
     worker = KvtierdConnector(config, KVConnectorRole.WORKER, kv_cache_config(layout))
     caches = engine_kv_caches(layout)
     worker.register_kv_caches(caches)
-    for index, cache in enumerate(layers_in_order(caches)):
+    for index, cache in enumerate(caches.values()):
         cache.copy_(torch.randn(cache.shape, generator=torch.Generator().manual_seed(100 + index)))
 
     def run_step(scheduler_output: SchedulerOutput, finished: set[str] = frozenset()):
@@ -211,7 +237,7 @@ def test_a_request_stored_through_the_worker_is_a_device_hit_for_the_next_one_an
     a_blocks = [3, 4, 5, 6]
     scheduler.update_state_after_alloc(a, blocks(a_blocks), 0)
     metadata, _, errors = run_step(scheduled_new(a, a_blocks, 0))
-    assert [spec.num_blocks for spec in metadata.stores] == [3] and not errors
+    assert [spec.groups[0].blocks.num_blocks for spec in metadata.stores] == [3] and not errors
     a.num_computed_tokens = a.num_tokens
     assert scheduler.request_finished(a, a_blocks) == (True, None)  # vLLM keeps them until the store is done
     empty = SchedulerOutput.make_empty()
@@ -230,7 +256,7 @@ def test_a_request_stored_through_the_worker_is_a_device_hit_for_the_next_one_an
     metadata, _, errors = run_step(scheduled_new(b, b_blocks, 3 * BLOCK_SIZE))
     assert [(spec.request_id, spec.engine_block_ids) for spec in metadata.loads] == [("b", (12, 13, 14))]
     assert not errors
-    for cache in layers_in_order(caches):
+    for cache in caches.values():
         for source, target in zip(a_blocks[:3], b_blocks[:3]):
             assert torch.equal(cache[source], cache[target])
     scheduler.shutdown()

@@ -1,0 +1,104 @@
+"""The scheduler's LookupFn: one Lookup RPC per TP rank asks for every group's candidate blocks.
+
+Per rank the request holds one chain per full-attention or sliding-window group (the group's keys
+of the candidate positions, matched as a chain: its leading blocks) and, per Mamba group, a chain
+of one per candidate position (a state is held or not wherever it sits); the answers become
+per-position presence (group_hits.py), combined over ranks and groups into the hit. A rank whose
+daemon cannot be asked makes the lookup a miss: a hit is what every rank holds.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Sequence
+
+from kvtierd.connectors.vllm.daemon_link import DaemonLink
+from kvtierd.connectors.vllm.group_hits import (
+    ABSENT,
+    NO_HIT,
+    Presence,
+    RequestHit,
+    across_ranks,
+    leading_presence,
+    request_hit,
+)
+from kvtierd.connectors.vllm.kv_groups import EngineGroups, GroupKind
+from kvtierd.connectors.vllm.scheduler import LookupFn, LookupQuery
+from kvtierd.errors import KvtierError
+
+log = logging.getLogger(__name__)
+
+
+def _tier_counts(hits) -> tuple[int, int, int, int]:
+    return hits.num_t0_blocks, hits.num_t1_blocks, hits.num_t2_blocks, hits.num_t3_blocks
+
+
+def _state_presence(hits) -> int:
+    """A chain of one block's answer: ABSENT, or the tier + 1 that holds it."""
+    counts = _tier_counts(hits)
+    return next((tier + 1 for tier, count in enumerate(counts) if count), ABSENT)
+
+
+def lookup_request(engine: EngineGroups, query: LookupQuery) -> tuple[list[bytes], list[int], list[int]]:
+    """(block hashes, token ids, chain lengths) of the one Lookup that asks for every group."""
+    num_positions = query.num_positions
+    hashes: list[bytes] = []
+    tokens: list[int] = []
+    lengths: list[int] = []
+    for group, keys in zip(engine.groups, query.keys):
+        hashes.extend(keys)
+        tokens.extend(query.token_ids)  # a Mamba group's chains of one carry their own blocks' tokens: the same list
+        lengths.extend([1] * num_positions if group.kind is GroupKind.MAMBA else [num_positions])
+    return hashes, tokens, lengths
+
+
+def group_presence(engine: EngineGroups, chains: Sequence, num_positions: int) -> list[Presence]:
+    """Each group's presence from the chains' answers, in the order lookup_request asked them."""
+    answers = iter(chains)
+    presence = []
+    for group in engine.groups:
+        if group.kind is GroupKind.MAMBA:
+            presence.append([_state_presence(next(answers)) for _ in range(num_positions)])
+        else:
+            presence.append(leading_presence(_tier_counts(next(answers)), num_positions))
+    return presence
+
+
+def _ask(link: DaemonLink, engine: EngineGroups, query: LookupQuery, prefetch: bool) -> list[Presence] | None:
+    session = link.session()
+    if session is None:
+        return None
+    hashes, tokens, lengths = lookup_request(engine, query)
+    if any(len(block_hash) != session.hash_size for block_hash in hashes):
+        log.warning("kvtierd connector: vLLM block hashes are not %d bytes (hash_algo %s); no lookup",
+                    session.hash_size, link.hash_algo)
+        return None
+    try:
+        response = session.lookup(hashes, token_ids=tokens, prefetch=prefetch, chain_lengths=lengths)
+    except KvtierError as error:
+        link.failed(session, error)
+        log.warning("kvtierd connector: lookup failed (%s: %s); counting no hit", type(error).__name__, error)
+        return None
+    chains = list(response.chains)
+    if not chains and len(lengths) == 1:
+        chains = [response]  # a daemon that predates chain_lengths answers one chain at the top level
+    if len(chains) != len(lengths):
+        log.warning("kvtierd connector: the daemon answered %d of %d chains (older than the connector?); "
+                    "counting no hit", len(chains), len(lengths))
+        return None
+    return group_presence(engine, chains, query.num_positions)
+
+
+def daemon_lookup(links: Sequence[DaemonLink], engine: EngineGroups, *, prefetch: bool = True) -> LookupFn:
+    """A LookupFn asking the daemon of every rank (`links`, one per TP rank's layout); no hit when
+    any cannot be asked."""
+    def lookup(query: LookupQuery) -> RequestHit:
+        per_rank = []
+        for link in links:
+            presence = _ask(link, engine, query, prefetch)
+            if presence is None:
+                return NO_HIT
+            per_rank.append(presence)
+        return request_hit(engine.groups, [across_ranks([rank[i] for rank in per_rank])
+                                           for i in range(len(engine.groups))])
+    return lookup

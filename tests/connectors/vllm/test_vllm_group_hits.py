@@ -1,0 +1,83 @@
+"""Where a hybrid request's hit ends: vLLM's rule (every full-attention block, the sliding window
+before the end, the Mamba state at the end) over per-position presence, on every TP rank."""
+
+from __future__ import annotations
+
+import pytest
+
+from kvtierd.connectors.vllm.daemon_lookup import group_presence, lookup_request
+from kvtierd.connectors.vllm.group_hits import (
+    ABSENT,
+    NO_HIT,
+    across_ranks,
+    leading_presence,
+    needed_positions,
+    request_hit,
+)
+from kvtierd.connectors.vllm.kv_groups import EngineGroups, GroupKind, ServedGroup
+from kvtierd.connectors.vllm.scheduler import LookupQuery
+from kvtierd.v1 import kvtier_pb2 as pb
+
+FULL = ServedGroup(1, GroupKind.FULL, ("a",), 64, 4)
+SLIDING = ServedGroup(0, GroupKind.SLIDING, ("s",), 64, 4, window_tokens=9)  # cdiv(8, 4) = 2 blocks
+MAMBA = ServedGroup(2, GroupKind.MAMBA, ("m",), 64, 4)
+T0, T1, T2 = 1, 2, 3
+
+
+def test_presence_from_a_chains_tier_counts_and_across_ranks():
+    assert leading_presence((2, 1, 0, 0), 5) == [T0, T0, T1, ABSENT, ABSENT]
+    assert across_ranks([[T0, T0, T1, ABSENT], [T0, T2, ABSENT, T0]]) == [T0, T2, ABSENT, ABSENT]
+
+
+def test_the_positions_each_kind_needs():
+    assert list(needed_positions(FULL, 5)) == [0, 1, 2, 3, 4]
+    assert list(needed_positions(SLIDING, 5)) == [3, 4] and list(needed_positions(SLIDING, 1)) == [0]
+    assert list(needed_positions(MAMBA, 5)) == [4]
+
+
+def test_full_attention_alone_is_its_leading_run_with_its_tiers():
+    hit = request_hit([FULL], [[T0, T0, T1, ABSENT, T0]])
+    assert (hit.num_blocks, hit.tier_blocks, hit.all_in_t0) == (3, (2, 1, 0, 0), False)
+    assert request_hit([FULL], [[ABSENT, T0]]) == NO_HIT
+
+
+def test_a_sliding_window_hole_before_the_window_does_not_matter_inside_it_does():
+    """Full holds 6; the window group lacks position 1 (outside the window of 6) but holds 4 and 5."""
+    full = [T0] * 6
+    assert request_hit([SLIDING, FULL], [[T0, ABSENT, T0, T0, T0, T0], full]).num_blocks == 6
+    # position 4 absent: the windows of 6 and 5 break; 4's window is [2, 3]
+    assert request_hit([SLIDING, FULL], [[T0, T0, T0, T0, ABSENT, T0], full]).num_blocks == 4
+
+
+def test_a_mamba_hit_ends_where_a_state_is_and_full_attention_reaches():
+    """States at 2 and 5 (positions 1 and 4); full holds 4 blocks: the hit is 2 blocks."""
+    hit = request_hit([MAMBA, FULL], [[ABSENT, T1, ABSENT, ABSENT, T0, ABSENT], [T0] * 4 + [ABSENT] * 2])
+    assert (hit.num_blocks, hit.tier_blocks, hit.all_in_t0) == (2, (2, 0, 0, 0), False)  # the state is in T1
+    assert request_hit([MAMBA, FULL], [[ABSENT] * 3, [T0] * 3]) == NO_HIT
+
+
+ENGINE = EngineGroups((SLIDING, FULL, MAMBA), 4, 4, 64, uniform_attention=False)
+
+
+def test_one_lookup_asks_a_chain_per_attention_group_and_one_per_candidate_state():
+    query = LookupQuery(5, ((b"s5", b"s6", b"s7"), (b"f5", b"f6", b"f7"), (b"m5", b"m6", b"m7")),
+                        tuple(range(12)))
+    hashes, tokens, lengths = lookup_request(ENGINE, query)
+    assert hashes == [b"s5", b"s6", b"s7", b"f5", b"f6", b"f7", b"m5", b"m6", b"m7"]
+    assert lengths == [3, 3, 1, 1, 1] and tokens == list(range(12)) * 3
+    answers = [pb.ChainHits(num_hit_blocks=3, num_t0_blocks=3), pb.ChainHits(num_hit_blocks=2, num_t0_blocks=1,
+                                                                              num_t2_blocks=1),
+               pb.ChainHits(), pb.ChainHits(num_hit_blocks=1, num_t1_blocks=1), pb.ChainHits(num_hit_blocks=1,
+                                                                                            num_t0_blocks=1)]
+    assert group_presence(ENGINE, answers, 3) == [[T0, T0, T0], [T0, T2, ABSENT], [ABSENT, T1, T0]]
+
+
+@pytest.mark.parametrize("num_candidates", [1, 7, 64])
+def test_the_hit_is_the_largest_every_group_serves(num_candidates):
+    """Against a brute force over every candidate length, on a pattern with holes in every group."""
+    presence = [[(T0 if (p * 7 + g) % 5 else ABSENT) for p in range(num_candidates)] for g in range(3)]
+    presence[1] = [T0] * num_candidates  # full attention holds everything
+    groups = [SLIDING, FULL, MAMBA]
+    best = max((n for n in range(num_candidates + 1) if n == 0 or all(
+        presence[i][p] != ABSENT for i, g in enumerate(groups) for p in needed_positions(g, n))), default=0)
+    assert request_hit(groups, presence).num_blocks == best
