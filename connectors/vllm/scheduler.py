@@ -34,13 +34,14 @@ the forward's synchronous loads land (vllm/v1/worker/gpu_model_runner.py, prepro
 first), so a synchronous load would be silently ignored.
 
 Stores: every step, each scheduled request gets a StoreSpec with one GroupStore per group whose
-blocks this step completed: full attention offers its chain up to the last full block (vLLM keeps
-those blocks until the request finishes); a sliding-window group offers the same chain, but only
-this step's blocks are sure to be in the engine still (vLLM frees out-of-window blocks next step:
-`volatile`); a Mamba group offers the state block when the step ends exactly on a block boundary
-(vLLM's align mode keeps the state at position i in that block; the next step moves the state
-on). `request_finished` returns True (vLLM keeps the blocks) when any store was ever issued for
-the request; the worker reports it in `finished_sending` once its stores are done.
+blocks this step completed (blocks vLLM computes again after a failed load are offered again):
+full attention offers its chain up to the last full block (vLLM keeps those blocks until the
+request finishes); a sliding-window group offers the same chain, but only this step's blocks are
+sure to be in the engine still (vLLM frees out-of-window blocks next step: `volatile`); a Mamba
+group offers the state block when the step ends exactly on a block boundary (vLLM's align mode
+keeps the state at position i in that block; the next step moves the state on).
+`request_finished` returns True (vLLM keeps the blocks) when any store was ever issued for the
+request; the worker reports it in `finished_sending` once its stores are done.
 """
 
 from __future__ import annotations
@@ -275,7 +276,10 @@ class SchedulerSide:
         for index, group in enumerate(self.engine.groups):
             ids, keys = tracked.engine_block_ids[index], tracked.keys.keys[index]
             num_blocks = min(num_complete, len(ids))
-            offered = tracked.num_offered_blocks[index]
+            # Blocks past what vLLM counts as computed are being computed again (a load that failed on
+            # some rank, a resumed preemption): offer them again; the ranks that hold them answer hits.
+            offered = tracked.num_offered_blocks[index] = min(tracked.num_offered_blocks[index],
+                                                              computed_before // block_size)
             if num_blocks <= offered:
                 continue
             tracked.num_offered_blocks[index] = num_blocks

@@ -219,14 +219,14 @@ class WorkerSide:
         daemon_request_id = self._daemon_request_id("store", spec.request_id)
         try:
             session = self.link.session()
-            if session is not None:
+            if session is None:
+                self._count_dropped("the daemon cannot be reached", spec.request_id)
+            else:
                 self._store_with(session, daemon_request_id, spec, offer, event, pages_read)
         except Exception as error:  # KvtierError or a failed copy: the store is dropped
             if isinstance(error, KvtierError) and session is not None:
                 self.link.failed(session, error)
-            self._count_dropped()
-            log.warning("kvtierd connector: store of %s (group %d) dropped (%s: %s)", spec.request_id,
-                        offer.blocks.group_id, type(error).__name__, error)
+            self._count_dropped(f"{type(error).__name__}: {error}", spec.request_id)
         finally:
             if pages_read is not None:
                 pages_read.set()
@@ -243,9 +243,8 @@ class WorkerSide:
             return
         if offer.volatile and num_hits < blocks.num_blocks - offer.num_new_blocks:
             # The daemon lacks blocks vLLM has freed since: the chain cannot reach this step's blocks.
-            self._count_dropped()
-            log.debug("kvtierd connector: group %d of %s not stored: the daemon holds %d of its %d earlier blocks",
-                      blocks.group_id, spec.request_id, num_hits, blocks.num_blocks - offer.num_new_blocks)
+            self._count_dropped(f"the daemon holds {num_hits} of group {blocks.group_id}'s "
+                                f"{blocks.num_blocks - offer.num_new_blocks} earlier blocks", spec.request_id)
             return
         self._copy_to_pool(self._groups[blocks.group_id], blocks.engine_block_ids[num_hits:], session.pool.tensor,
                            fresh_block_ids, event)
@@ -257,9 +256,14 @@ class WorkerSide:
                        blocks.block_hashes[num_hits - 1] if num_hits else None)
         self.num_stored_blocks += len(fresh_block_ids)
 
-    def _count_dropped(self) -> None:
+    def _count_dropped(self, why: str, request_id: str) -> None:
+        """Count a dropped store; log the first and then every 100th (a daemon that is down drops many)."""
         with self._lock:
             self.num_dropped_stores += 1
+            count = self.num_dropped_stores
+        if count == 1 or count % 100 == 0:
+            log.warning("kvtierd connector: a store of %s was dropped (%s); %d dropped on this rank so far, a "
+                        "later request with the same prefix stores it", request_id, why, count)
 
     def _copy_to_pool(self, group: ServedGroup, engine_block_ids, pool: torch.Tensor, pool_block_ids, event) -> None:
         if self._side_stream is None:

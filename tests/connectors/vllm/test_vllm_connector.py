@@ -21,6 +21,7 @@ from tests.connectors.vllm.vllm_fakes import (
     Engine,
     KVCacheBlocks,
     KVCacheConfig,
+    NewRequestData,
     Request,
     SchedulerOutput,
     block_value,
@@ -290,3 +291,21 @@ def test_cuda_engine_caches_share_a_prefix_through_the_daemon(daemon, engines):
         for i in range(4):
             assert torch.equal(as_bits(engine.block(step_b.engine_block_ids[i])),
                                as_bits(block_value(a.block_hashes[i])))
+
+
+def test_blocks_vllm_computes_again_after_a_failed_load_are_offered_again():
+    """A planned load of 4 blocks fails on some rank and vLLM recomputes from block 0: the step that
+    computes them offers all 5 full blocks (the ranks holding them answer hits), not just the fifth."""
+    side = SchedulerSide(lambda query: RequestHit(4, (4, 0, 0, 0), all_in_t0=True),
+                         engine_groups(KVCacheConfig(), prefix_caching=False), lookup_wait_s=5.0)
+    request = Request("reloaded", prompt(9, 22))  # 5 full blocks and 2 tokens
+    block_ids = list(range(10, 16))
+    assert side.get_num_new_matched_tokens(request, 0) == (4 * BLOCK_SIZE, False)
+    side.update_state_after_alloc(request, KVCacheBlocks(block_ids), 4 * BLOCK_SIZE)
+    request.num_computed_tokens = 0  # vLLM's _update_requests_with_invalid_blocks: back to the first failed block
+    output = SchedulerOutput([NewRequestData(request.request_id, request.prompt_token_ids, (block_ids,), 0)],
+                             CachedRequestData(), {request.request_id: 22}, set())
+    (store,) = side.build_connector_meta(output).stores
+    (offer,) = store.groups
+    assert (offer.blocks.num_blocks, offer.num_new_blocks) == (5, 5)
+    side.shutdown()

@@ -16,7 +16,6 @@ import os
 import pathlib
 import random
 import shutil
-import signal
 import subprocess
 import tempfile
 
@@ -25,6 +24,7 @@ import pytest
 from kvtierd.client import KvtierClient
 from kvtierd.connectors.vllm.transfer_config import cpu_engine_env
 from kvtierd.server.daemon_process import DaemonProcess, small_daemon_args, wait_until
+from tests.connectors.vllm.engine_process import EngineProcess
 
 ENGINE_MAIN = pathlib.Path(__file__).with_name("vllm_engine_main.py")
 READY_LINE = "vllm_engine_main: ready"  # printed by ENGINE_MAIN once the LLM is built
@@ -74,56 +74,21 @@ def engine_env() -> dict[str, str]:
     return cpu_engine_env({k: v for k, v in os.environ.items() if not k.startswith("KVTIERD_")}, kv_cache_gib=1)
 
 
-class Engine:
+class Engine(EngineProcess):
     """One running tests/connectors/vllm/vllm_engine_main.py; its output (vLLM's logs too) goes to `log_path`."""
 
     def __init__(self, vllm_python: str, model_dir: pathlib.Path, directory: pathlib.Path, name: str,
                  prompts: list[list[int]], address: str | None, *flags: str) -> None:
-        self.name = name
-        self.out_json = directory / f"{name}.json"
-        self.log_path = directory / f"{name}.log"
         prompts_json = directory / f"{name}.prompts.json"
         prompts_json.write_text(json.dumps(prompts))
-        command = [vllm_python, "-P", str(ENGINE_MAIN), str(model_dir), str(self.out_json),
+        command = [vllm_python, "-P", str(ENGINE_MAIN), str(model_dir), str(directory / f"{name}.json"),
                    "--prompts", str(prompts_json), "--max-tokens", str(MAX_TOKENS), *flags]
         if address is not None:
             command += ["--address", address]
-        with open(self.log_path, "w") as log:
-            self.process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, cwd=directory,
-                                            env=engine_env(), start_new_session=True)
-
-    def log(self) -> str:
-        return self.log_path.read_text(errors="replace")
-
-    def failure_report(self) -> str:
-        """The log from its first traceback (or its last 80 lines)."""
-        lines = self.log().splitlines()
-        first = next((i for i, line in enumerate(lines) if "Traceback (most recent call last)" in line
-                      and "Tokenizer not available" not in "".join(lines[i:i + 15])), None)
-        shown = lines[first:first + 120] if first is not None else lines[-80:]
-        return f"engine {self.name} ({self.log_path}):\n" + "\n".join(shown)
+        super().__init__(command, directory, name, engine_env(), timeout_s=ENGINE_TIMEOUT_S)
 
     def is_ready(self) -> bool:
         return READY_LINE in self.log()
-
-    def kill(self) -> None:
-        """SIGKILL the whole tree (LLM process, EngineCore, worker)."""
-        try:
-            os.killpg(self.process.pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
-        self.process.wait(30)
-
-    def result(self, timeout_s: float = ENGINE_TIMEOUT_S) -> dict:
-        """Wait for the engine; fail the test with its traceback if it failed or ran too long."""
-        try:
-            status = self.process.wait(timeout_s)
-        except subprocess.TimeoutExpired:
-            self.kill()
-            pytest.fail(f"engine {self.name} still ran after {timeout_s:.0f} s\n{self.failure_report()}")
-        if status != 0 or not self.out_json.exists():
-            pytest.fail(f"engine {self.name} exited with status {status}\n{self.failure_report()}")
-        return json.loads(self.out_json.read_text())
 
 
 @pytest.fixture

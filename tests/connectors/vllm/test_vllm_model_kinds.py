@@ -1,0 +1,143 @@
+"""The model kinds users serve, through real vLLM engines (the CPU build, .venv-vllm) and KvtierdConnector
+to a real `kvtierd serve`: sliding window + full attention (Gemma-3-, gpt-oss-style), linear attention +
+full attention (Qwen3-Next-style), MLA (DeepSeek-V2-style), at TP 1 and 2 (tests/connectors/vllm/model_kinds.py).
+
+Per kind, two engine processes with vLLM's prefix cache on and the connector: one that stores (P2
+prefilled fresh; P1, whose prefix shared with P2 is vLLM's own hit; P2 again, all of it vLLM's own
+hit), and a new one that restores P2 from kvtierd, then runs P1 (its prefix now the restored
+blocks). Random weights make text meaningless, so what is compared is what decides it: the sampled
+tokens' logprobs, bit for bit, and the KV bytes of every block of every KV cache group after every
+engine step (tests/connectors/vllm/recording_connector.py). For the hybrid kinds a third engine
+without the connector shows that vLLM keeps its hybrid allocator on: the same KV cache size.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import pathlib
+import random
+import re
+import shutil
+import subprocess
+import tempfile
+
+import pytest
+
+from kvtierd.client import KvtierClient
+from kvtierd.connectors.vllm.transfer_config import cpu_engine_env
+from kvtierd.server.daemon_process import DaemonProcess, small_daemon_args
+from tests.conftest import REPO
+from tests.connectors.vllm.engine_process import EngineProcess
+from tests.connectors.vllm.model_kinds import KINDS, ModelKind
+
+KINDS_MAIN = pathlib.Path(__file__).with_name("kinds_engine_main.py")
+PREFIX_LEN, SUFFIX_LEN = 352, 40  # 11 blocks of 32 (2 of 160 and a part, for Qwen3-Next's forced block size)
+_rng = random.Random(21)
+PREFIX = [_rng.randrange(3, 1000) for _ in range(PREFIX_LEN)]
+P1 = PREFIX + [_rng.randrange(3, 1000) for _ in range(SUFFIX_LEN)]
+P2 = PREFIX + [_rng.randrange(3, 1000) for _ in range(SUFFIX_LEN)]
+GROUPS = {"gemma3": 2, "gptoss": 2, "qwen3next": 2, "deepseekv2": 1, "deepseekv2-tp2": 1, "llama-tp2": 1}
+KV_CACHE_TOKENS = re.compile(r"KV cache size: ([\d,]+) tokens")
+
+
+@pytest.fixture
+def short_dir():
+    """A directory with a short path: a unix socket path must fit in 108 bytes."""
+    directory = tempfile.mkdtemp(prefix="kvk-")
+    yield directory
+    shutil.rmtree(directory, ignore_errors=True)
+
+
+def kind_engine(vllm_python: str, kind: ModelKind, model_dir: pathlib.Path, directory: pathlib.Path, name: str,
+                prompts: list[list[int]], address: str | None) -> EngineProcess:
+    prompts_json = directory / f"{name}.prompts.json"
+    prompts_json.write_text(json.dumps(prompts))
+    command = [vllm_python, "-P", str(KINDS_MAIN), kind.name, str(model_dir), str(directory / f"{name}.json"),
+               "--prompts", str(prompts_json)]
+    if address is not None:
+        command += ["--address", address]
+    env = cpu_engine_env({k: v for k, v in os.environ.items() if not k.startswith("KVTIERD_")}, kv_cache_gib=1)
+    env.update(kind.env(), KVTIERD_REPO=str(REPO), PYTHONPATH=str(REPO),
+               KVTIERD_TEST_RECORD=str(directory / f"{name}.records"))
+    return EngineProcess(command, directory, name, env, timeout_s=600)
+
+
+def recorded(directory: pathlib.Path, name: str) -> tuple[dict, dict[tuple, str]]:
+    """(the connector's config record, block digest by (prompt, tokens computed, group, position, rank))."""
+    config, blocks = {}, {}
+    for line in (directory / f"{name}.records").read_text().splitlines():
+        record = json.loads(line)
+        if record["kind"] == "config":
+            config = record
+        else:
+            key = (record["prompt"], record["computed"], record["group"], record["position"], record["rank"])
+            blocks[key] = record["digest"]
+    return config, blocks
+
+
+def kv_cache_tokens(engine: EngineProcess) -> int:
+    """The KV cache size vLLM reports at start ("CPU KV cache size: 516,222 tokens")."""
+    found = KV_CACHE_TOKENS.search(engine.log())
+    assert found, engine.failure_report()
+    return int(found.group(1).replace(",", ""))
+
+
+def write_model(vllm_python: str, kind: ModelKind, directory: pathlib.Path) -> pathlib.Path:
+    done = subprocess.run([vllm_python, "-m", "tests.connectors.vllm.model_kinds", kind.name, str(directory)],
+                          cwd=REPO, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stdout + done.stderr
+    return directory
+
+
+@pytest.mark.timeout(1500)
+@pytest.mark.parametrize("kind_name", sorted(GROUPS))
+def test_a_new_engine_restores_a_prefix_with_the_bytes_and_logprobs_of_vllm(vllm_python, tmp_path, short_dir,
+                                                                           kind_name):
+    """The restoring engine's logprobs equal a fresh prefill's and vLLM's own hit's, bit for bit; every
+    block it holds after every step has the storing engine's bytes, in every group on every rank."""
+    kind = KINDS[kind_name]
+    model_dir = write_model(vllm_python, kind, tmp_path / "model")
+    args = small_daemon_args(short_dir, t0_bytes="64MiB", host_bytes="64MiB", ssd_bytes="128MiB")
+    with DaemonProcess(args) as daemon, KvtierClient(daemon.address) as client:
+        stored = kind_engine(vllm_python, kind, model_dir, tmp_path, "stored", [P2, P1, P2], daemon.address).result()
+        restored = kind_engine(vllm_python, kind, model_dir, tmp_path, "restored", [P2, P1], daemon.address).result()
+        pools = [(pool.layout.tp_rank, pool.layout.tp_size) for pool in client.stats().pools]
+    config, stored_blocks = recorded(tmp_path, "stored")
+    _, restored_blocks = recorded(tmp_path, "restored")
+    assert config["num_groups"] == GROUPS[kind_name], config  # vLLM kept every group: the hybrid allocator is on
+    num_shards = kind.tensor_parallel_size // config["replicas"]  # MLA's latent is one copy for every rank
+    assert sorted(pools) == [(rank, num_shards) for rank in range(num_shards)], pools  # every group in one pool
+
+    fresh, own_hit, restored_p2 = stored["logprobs"][0], stored["logprobs"][2], restored["logprobs"][0]
+    assert stored["num_cached_tokens"][0] == 0 and restored["num_cached_tokens"][0] > 0, (stored, restored)
+    assert sum(restored["cached_tokens_by_source"].values()) >= restored["num_cached_tokens"][0]  # from kvtierd
+    assert restored_p2 == fresh  # bit for bit, as a fresh prefill
+    if stored["num_cached_tokens"][2]:  # where vLLM's own cache hits P2 (Qwen3-Next's kept no state to hit)
+        assert restored_p2 == own_hit
+    assert restored["logprobs"][1] == stored["logprobs"][1]  # P1 on the restored prefix, as on vLLM's own
+    assert restored["output_token_ids"] == stored["output_token_ids"][:2]
+
+    assert restored_blocks, "the restoring engine recorded no block"
+    assert {key[2] for key in restored_blocks} == {key[2] for key in stored_blocks}  # every group
+    assert {key[4] for key in restored_blocks} == set(range(num_shards))
+    differing = [key for key, digest in restored_blocks.items() if stored_blocks.get(key) != digest]
+    assert not differing, differing[:5]
+
+
+@pytest.mark.timeout(900)
+@pytest.mark.parametrize("kind_name", [name for name, groups in sorted(GROUPS.items()) if groups > 1])
+def test_the_hybrid_allocator_gives_as_much_kv_cache_with_the_connector_as_without(vllm_python, tmp_path,
+                                                                                 short_dir, kind_name):
+    """vLLM turns its hybrid allocator off for a connector without SupportsHMA (one group, fewer tokens
+    of KV cache in the same memory); with kvtierd's the engine keeps the size it has without a connector."""
+    kind = KINDS[kind_name]
+    model_dir = write_model(vllm_python, kind, tmp_path / "model")
+    without = kind_engine(vllm_python, kind, model_dir, tmp_path, "without", [P1], None)
+    without.result()
+    args = small_daemon_args(short_dir, t0_bytes="64MiB", host_bytes="64MiB", ssd_bytes="128MiB")
+    with DaemonProcess(args) as daemon:
+        with_connector = kind_engine(vllm_python, kind, model_dir, tmp_path, "with", [P1], daemon.address)
+        with_connector.result()
+    assert kv_cache_tokens(with_connector) == kv_cache_tokens(without) > 0
+    assert recorded(tmp_path, "with")[0]["num_groups"] == GROUPS[kind_name]
