@@ -20,6 +20,10 @@ from where the phase says:
 Every engine must produce the recompute's tokens. Goals: a kvtierd hit >= 8x faster than
 recompute; <= 1.3x vLLM's own hit; decode ITL with the connector <= 1.05x without.
 
+Then a row per model kind (--kinds; benchmarks/vllm_kinds.py): the tiny random-weight models of
+tests/connectors/vllm/model_kinds.py (sliding window + full attention, linear attention, MLA,
+TP 2), each a prefix restored from kvtierd by a new engine beside recompute and vLLM's own hit.
+
 The engines run in the vLLM venv (scripts/install-vllm-cpu; or --python); this script and the
 daemon run in any environment with kvtierd.
 """
@@ -38,7 +42,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from benchmarks import _report  # noqa: E402
+from benchmarks import _report, vllm_kinds  # noqa: E402
 from kvtierd.connectors.vllm.transfer_config import cpu_engine_env, kv_transfer_config  # noqa: E402
 
 FULL_MODEL = {"vocab_size": 32000, "hidden_size": 768, "intermediate_size": 2048, "num_hidden_layers": 12,
@@ -78,10 +82,11 @@ def run_engine(spec: dict) -> dict:
 
     from kvtierd.connectors.vllm.metrics import decode_itl_ms
 
-    kwargs = dict(model=spec["model"], skip_tokenizer_init=True, enforce_eager=True, block_size=BLOCK_SIZE,
-                  dtype="float32", max_model_len=spec["max_model_len"], max_num_seqs=NUM_DECODE_REQUESTS,
+    kwargs = dict(model=spec["model"], skip_tokenizer_init=True, enforce_eager=True,
+                  max_model_len=spec["max_model_len"], max_num_seqs=NUM_DECODE_REQUESTS,
                   enable_prefix_caching=spec["vllm_prefix_caching"], seed=0,
                   disable_log_stats=False)  # RequestOutput.metrics: the engine core's token timestamps
+    kwargs.update(spec["engine_kwargs"])
     if spec["address"]:
         kwargs["kv_transfer_config"] = kv_transfer_config(spec["address"])
     llm = LLM(**kwargs)
@@ -124,17 +129,24 @@ def save_model(python: str, config: dict, directory: str) -> None:
                    timeout=600)
 
 
+LLAMA_ENGINE = {"block_size": BLOCK_SIZE, "dtype": "float32"}
+
+
 class Phases:
+    """Engine processes over one model and its prompts, one per phase."""
+
     def __init__(self, python: str, model_dir: str, max_model_len: int, all_prompts: list[list[int]],
-                 vocab_size: int) -> None:
+                 vocab_size: int, engine_kwargs: dict | None = None, env: dict[str, str] | None = None) -> None:
         self.python, self.model_dir, self.max_model_len, self.prompts = python, model_dir, max_model_len, all_prompts
         self.vocab_size = vocab_size
+        self.engine_kwargs = LLAMA_ENGINE if engine_kwargs is None else engine_kwargs
         self.env = cpu_engine_env(os.environ, kv_cache_gib=2)  # the same core binding with and without kvtierd
+        self.env.update(env or {})
 
     def run(self, name: str, address: str | None, *, vllm_prefix_caching: bool = False, decode: bool = False,
             prompt_indices: range | None = None) -> dict:
         spec = {"model": self.model_dir, "max_model_len": self.max_model_len, "address": address,
-                "vocab_size": self.vocab_size,
+                "vocab_size": self.vocab_size, "engine_kwargs": self.engine_kwargs,
                 "vllm_prefix_caching": vllm_prefix_caching, "decode": decode,
                 "prompts": [self.prompts[i] for i in (prompt_indices or range(len(self.prompts)))]}
         done = subprocess.run([self.python, "-P", __file__, "--engine", json.dumps(spec)], env=self.env,
@@ -172,6 +184,8 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--quick", action="store_true", help="a tiny model, short prompts (smoke test)")
     parser.add_argument("--python", help="the vLLM venv's python (default: scripts/install-vllm-cpu's)")
+    parser.add_argument("--kinds", nargs="*", help="model kinds of tests/connectors/vllm/model_kinds.py for the "
+                        "per-kind rows (default: all; with --quick: gemma3); none: no per-kind rows")
     parser.add_argument("--engine", help=argparse.SUPPRESS)  # internal: run one engine from a JSON spec
     args = parser.parse_args(argv)
     if args.engine:
@@ -210,8 +224,31 @@ def main(argv: list[str] | None = None) -> int:
             t2 = phases.run("T2", daemon.address, prompt_indices=measured)
         finally:
             daemon.stop()
+        kinds = args.kinds if args.kinds is not None else (["gemma3"] if args.quick else sorted(vllm_kinds.KINDS))
+        kind_results = {kind: measure_kind(kind, python, work, prefix_tokens, 1 if args.quick else 2)
+                        for kind in kinds if kind != "none"}
     report(config, prefix_tokens, args.quick, recompute, vllm_hit, {"T0": t0, "T1": t1, "T2": t2})
+    if kind_results:
+        print()
+        print(f"per model kind: TTFT of a {prefix_tokens}-token prefix restored by a new engine from kvtierd, beside "
+              f"recompute and vLLM's own prefix hit (tiny random-weight models, bf16; medians)")
+        _report.print_table(vllm_kinds.KIND_HEADERS, [vllm_kinds.kind_row(k, r) for k, r in kind_results.items()])
     return 0
+
+
+def measure_kind(kind: str, python: str, work: str, prefix_tokens: int, num_pairs: int) -> dict:
+    """One kind's four engines (benchmarks/vllm_kinds.py), on a daemon of its own."""
+    from kvtierd.server.daemon_process import DaemonProcess, small_daemon_args
+
+    model_dir = os.path.join(work, f"model-{kind}")
+    vllm_kinds.write_model(python, kind, model_dir)
+    engine_kwargs, env = vllm_kinds.engine_settings(kind)
+    phases = Phases(python, model_dir, prefix_tokens + vllm_kinds.SUFFIX_TOKENS + 64,
+                    vllm_kinds.kind_prompts(1000, prefix_tokens, num_pairs), 1000, engine_kwargs, env)
+    directory = os.path.join(work, f"daemon-{kind}")
+    os.makedirs(directory)
+    daemon_args = small_daemon_args(directory, t0_bytes="256MiB", host_bytes="256MiB", ssd_bytes="512MiB")
+    return vllm_kinds.measure_kind(kind, phases, lambda: DaemonProcess(daemon_args), num_pairs)
 
 
 def _pools(address: str):

@@ -28,7 +28,8 @@ of each replica set writes and every rank loads.
 
 kv_connector_extra_config keys (all optional): `address` (else KVTIERD_ADDRESS, else the
 default socket), `token` (else KVTIERD_TOKEN), `model_id` (the key namespace; default the
-model name vLLM was given), `lookup_wait_s` (0.005), `lookup_ttl_s` (2), `async_loads` (true:
+model name vLLM was given), `lookup_wait_s` (0.005), `lookup_ttl_s` (2), `lookup_timeout_s` (1: a
+lookup slower than that counts no hit, the request goes on), `async_loads` (true:
 hits with blocks in T1 or T2 load in the background, scheduler.py), `wait_timeout_s`
 (30: promotion wait per load), `timeout_s` (5: per RPC), `retry_after_s` (5: between attach
 attempts), `prefetch` (true: a Lookup that finds blocks in T2 starts their promotion to T1, so
@@ -162,7 +163,9 @@ class KvtierdConnector(KVConnectorBase_V1, SupportsHMA):
                                            loads=kv_role in LOADING_ROLES, stores=kv_role in STORING_ROLES,
                                            lookup_wait_s=float(extra.get("lookup_wait_s", 0.005)),
                                            lookup_ttl_s=float(extra.get("lookup_ttl_s", 2.0)),
+                                           lookup_timeout_s=float(extra.get("lookup_timeout_s", 1.0)),
                                            async_loads=bool(extra.get("async_loads", True)))
+            self.scheduler.prepare(link.session for link in self._scheduler_links)  # attach before requests come
         log.info("kvtierd connector (%s, %s): layout %s, groups %s", self.role_name, kv_role, self.layout,
                  self.engine_groups.signature())
 

@@ -59,12 +59,13 @@ class DaemonLink:
         self.num_attach_failures = 0
         self.closed = False
 
-    def session(self) -> Session | None:
-        """The live session, attaching if due; None while the daemon cannot be reached."""
+    def session(self, attach: bool = True) -> Session | None:
+        """The live session, attaching if due (unless `attach` is False: a caller that must not wait
+        for an Attach, which may take seconds); None while the daemon cannot be reached."""
         with self._lock:
             if self._session is not None and not self._session.closed:
                 return self._session
-            if self.closed or time.monotonic() < self._next_attach_at:
+            if self.closed or not attach or time.monotonic() < self._next_attach_at:
                 return None
             try:
                 if self._client is None:

@@ -15,7 +15,9 @@ background thread and waits at most `lookup_wait_s` (default 5 ms: a local Looku
 under a millisecond) for it; if the answer is not there yet it returns None, which tells vLLM
 to skip the request this step and ask again (base.py: "If None, it means that the connector
 needs more time"). The answer is kept per request for `lookup_ttl_s`, so repeated calls cost a
-dict lookup and send no RPC. A daemon that is down or refuses answers 0 hits (logged). One
+dict lookup and send no RPC. A daemon that is down or refuses answers 0 hits (logged), and so
+does one slower than `lookup_timeout_s` (default 1 s: a first Attach that builds a pool on a
+loaded node, a daemon that hangs): the request goes on without the cache, never waits for it. One
 Lookup RPC per TP rank asks for every group at once (LookupRequest.chain_lengths: a chain per
 attention group, a chain of one per candidate Mamba state), and the hit is what every group can
 serve on every rank (group_hits.py).
@@ -50,7 +52,7 @@ import concurrent.futures
 import dataclasses
 import logging
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import Any
 
 from kvtierd.connectors.vllm.group_hits import NO_HIT, RequestHit, needed_positions
@@ -131,10 +133,12 @@ class SchedulerSide:
     only lookups run on `executor`."""
 
     def __init__(self, lookup_fn: LookupFn, engine: EngineGroups, *, loads: bool = True, stores: bool = True,
-                 lookup_wait_s: float = 0.005, lookup_ttl_s: float = 2.0, async_loads: bool = True,
-                 executor: concurrent.futures.Executor | None = None) -> None:
-        if lookup_wait_s < 0 or lookup_ttl_s <= 0:
-            raise ValueError(f"bad scheduler settings: lookup_wait_s={lookup_wait_s}, lookup_ttl_s={lookup_ttl_s}")
+                 lookup_wait_s: float = 0.005, lookup_ttl_s: float = 2.0, lookup_timeout_s: float = 1.0,
+                 async_loads: bool = True, executor: concurrent.futures.Executor | None = None) -> None:
+        if lookup_wait_s < 0 or lookup_ttl_s <= 0 or lookup_timeout_s < lookup_wait_s:
+            raise ValueError(f"bad scheduler settings: lookup_wait_s={lookup_wait_s}, lookup_ttl_s={lookup_ttl_s}, "
+                             f"lookup_timeout_s={lookup_timeout_s}")
+        self.lookup_timeout_s = lookup_timeout_s
         self.lookup_fn = lookup_fn
         self.engine = engine
         self.block_size = engine.block_size
@@ -147,6 +151,11 @@ class SchedulerSide:
         self._tracked: dict[str, _Tracked] = {}
         self._loads_to_issue: dict[str, LoadSpec] = {}
         self.num_lookups = 0  # RPCs submitted, for tests and logs
+
+    def prepare(self, steps: Iterable[Callable[[], Any]]) -> None:
+        """Run `steps` (the daemon links' attaches) on the lookup thread before any lookup."""
+        for step in steps:
+            self._executor.submit(step)
 
     def _track(self, request: Any) -> _Tracked:
         tracked = self._tracked.get(request.request_id)
@@ -182,7 +191,11 @@ class SchedulerSide:
         try:
             hit = lookup.future.result(timeout=self.lookup_wait_s)
         except concurrent.futures.TimeoutError:
-            return None, False
+            if time.monotonic() - lookup.started_at < self.lookup_timeout_s:
+                return None, False
+            log.warning("kvtierd connector: the lookup of %s took over %.1f s; counting no hit",
+                        request.request_id, self.lookup_timeout_s)
+            hit = NO_HIT
         except Exception as error:  # a bug in a lookup must not stop the engine
             log.warning("kvtierd connector: lookup of %s raised %r; counting no hit", request.request_id, error)
             hit = NO_HIT

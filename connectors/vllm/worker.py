@@ -99,9 +99,12 @@ class WorkerSide:
         self.num_dropped_stores = 0
 
     def register(self, pages: EnginePagesLike) -> None:
+        """Take the engine's pages, and attach in the background: a synchronous load, which runs
+        before the forward, never waits for an Attach (it fails over to recompute instead)."""
         self.pages = pages
         if pages.device.type == "cuda":
             self._side_stream = torch.cuda.Stream(device=pages.device)
+        self._executor.submit(self.link.session)
 
     def _daemon_request_id(self, kind: str, request_id: str) -> str:
         return f"vllm-{kind}-{request_id}-{next(self._daemon_request_ids)}"
@@ -143,7 +146,7 @@ class WorkerSide:
     def _load(self, spec: LoadSpec) -> set[int]:
         """Load what can be loaded, group by group; returns the engine block ids left unfilled."""
         assert self.pages is not None, "load before register_kv_caches"
-        session = self.link.session()
+        session = self.link.session(attach=spec.is_async)
         if session is None:
             return set(spec.engine_block_ids)
         failed: set[int] = set()

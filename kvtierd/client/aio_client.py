@@ -22,7 +22,7 @@ from kvtierd.client.base import (
     Retry,
     SessionBase,
     TlsOptions,
-    attach_request,
+    attach_call,
     drain_call,
     events_request,
     evict_call,
@@ -66,7 +66,7 @@ class AsyncKvtierClient(ClientBase):
 
     async def attach(self, layout: Layout, *, map_pool: bool = True, hash_algo: str = "sha256",
                      keepalive: bool = True) -> AsyncSession:
-        response = await self._run(Call("Attach", attach_request(layout, hash_algo)))
+        response = await self._run(attach_call(layout, hash_algo, self.timeout_s))
         session = AsyncSession(self, layout, response, hash_algo)
         try:
             if map_pool:

@@ -48,6 +48,7 @@ GET_METHOD = "/kvtierd.v1.KvTier/Get"
 RETRY_BASE_S = 0.05
 RETRY_CAP_S = 1.0
 WAIT_MARGIN_S = 1.0  # Wait's RPC deadline is the daemon-side timeout plus this
+ATTACH_TIMEOUT_S = 60.0  # the least deadline of an Attach (see attach_call)
 EVENTS_RETRY_WINDOW_S = 5.0  # how long Events retries UNAVAILABLE, from its start or its last event
 
 
@@ -177,9 +178,12 @@ class Call:
     timeout_s: float | None = None  # None: the client's timeout_s
 
 
-def attach_request(layout: Layout, hash_algo: str) -> pb.AttachRequest:
+def attach_call(layout: Layout, hash_algo: str, timeout_s: float) -> Call:
+    """Attach, with a deadline of at least ATTACH_TIMEOUT_S: the first Attach of a layout builds its
+    pool (device pool, host memory, SSD slot files), which takes seconds on a loaded node."""
     Namespace(layout, "", hash_algo)  # InvalidArgument for an unknown algorithm, before any call
-    return pb.AttachRequest(layout=layout_to_proto(layout), hash_algo=hash_algo)
+    return Call("Attach", pb.AttachRequest(layout=layout_to_proto(layout), hash_algo=hash_algo),
+                timeout_s=max(timeout_s, ATTACH_TIMEOUT_S))
 
 
 def get_request(layout: Layout, block_hashes: Sequence[bytes], token_ids: TokenIds | None) -> pb.GetRequest:

@@ -30,7 +30,7 @@ from kvtierd.client.base import (
     Retry,
     SessionBase,
     TlsOptions,
-    attach_request,
+    attach_call,
     drain_call,
     events_request,
     evict_call,
@@ -79,7 +79,7 @@ class KvtierClient(ClientBase):
     def attach(self, layout: Layout, *, map_pool: bool = True, hash_algo: str = "sha256",
                keepalive: bool = True) -> Session:
         """Open a session for `layout`; FailedPrecondition if the daemon hashes differently."""
-        response = self._run(Call("Attach", attach_request(layout, hash_algo)))
+        response = self._run(attach_call(layout, hash_algo, self.timeout_s))
         session = Session(self, layout, response, hash_algo)
         try:
             if map_pool:

@@ -44,3 +44,6 @@ def test_benchmark_prints_ratios(script, num_rows):
     verdict_rows = [line for line in out.splitlines() if re.search(r"\b(PASS|MISS)$", line)]
     assert len(verdict_rows) == num_rows, out
     assert all(re.search(r"\d+\.\d+x", line) for line in verdict_rows), out
+    if script == "bench_vllm.py":  # the per-kind rows: a sliding-window model restored beside its baselines
+        kind_rows = [line for line in out.splitlines() if line.startswith("Gemma-3-style")]
+        assert len(kind_rows) == 1 and len(re.findall(r"\d+\.\d+x", kind_rows[0])) == 2, out

@@ -2,7 +2,7 @@
 serving token prompts one after the other, with or without the kvtierd connector.
 
     .venv-vllm/bin/python -P tests/connectors/vllm/kinds_engine_main.py KIND MODEL_DIR OUT_JSON \
-        --prompts PROMPTS_JSON [--address ADDR]
+        --prompts PROMPTS_JSON [--address ADDR] [--no-prefix-caching]
 
 With `--address` the engine loads tests.connectors.vllm.recording_connector (KvtierdConnector that
 also records its blocks' digests, KVTIERD_TEST_RECORD) with vLLM's prefix cache on; without it the
@@ -18,6 +18,9 @@ import os
 import sys
 
 MAX_TOKENS = 8
+# These engines run beside others on 2 cores: the tests prove what is stored and loaded, so a lookup or
+# an RPC stalled by the load waits rather than counting a miss (the defaults are 1 s and 5 s).
+TEST_EXTRA_CONFIG = {"lookup_timeout_s": 60.0, "timeout_s": 30.0}
 
 
 def main() -> None:
@@ -27,6 +30,7 @@ def main() -> None:
     parser.add_argument("out_json")
     parser.add_argument("--prompts", required=True)
     parser.add_argument("--address")
+    parser.add_argument("--no-prefix-caching", action="store_true", help="vLLM's prefix caching off")
     args = parser.parse_args()
     sys.path.insert(0, os.environ["KVTIERD_REPO"])
     from tests.connectors.vllm.model_kinds import KINDS
@@ -39,8 +43,10 @@ def main() -> None:
     from kvtierd.connectors.vllm.transfer_config import kv_transfer_config
 
     kwargs = dict(kind.engine_kwargs(), model=args.model_dir, disable_log_stats=False)
+    if args.no_prefix_caching:
+        kwargs["enable_prefix_caching"] = False
     if args.address is not None:
-        config = kv_transfer_config(args.address)
+        config = kv_transfer_config(args.address, **TEST_EXTRA_CONFIG)
         config.update(kv_connector="RecordingConnector",
                       kv_connector_module_path="tests.connectors.vllm.recording_connector")
         kwargs["kv_transfer_config"] = config

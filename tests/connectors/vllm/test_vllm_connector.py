@@ -103,7 +103,8 @@ def test_get_num_new_matched_tokens_is_none_while_the_lookup_is_pending_and_send
         gate.wait(10)
         return RequestHit(3, (1, 0, 2, 0), all_in_t0=False)
 
-    side = SchedulerSide(slow_lookup, engine_groups(KVCacheConfig(), prefix_caching=False), lookup_wait_s=0.0)
+    side = SchedulerSide(slow_lookup, engine_groups(KVCacheConfig(), prefix_caching=False), lookup_wait_s=0.0,
+                         lookup_timeout_s=60.0)
     request = Request("pending", prompt(3, 30))  # 7 full blocks, 7 = (30 - 1) // 4 lookable
     assert side.get_num_new_matched_tokens(request, 0) == (None, False)
     assert side.get_num_new_matched_tokens(request, 0) == (None, False)
@@ -297,7 +298,8 @@ def test_blocks_vllm_computes_again_after_a_failed_load_are_offered_again():
     """A planned load of 4 blocks fails on some rank and vLLM recomputes from block 0: the step that
     computes them offers all 5 full blocks (the ranks holding them answer hits), not just the fifth."""
     side = SchedulerSide(lambda query: RequestHit(4, (4, 0, 0, 0), all_in_t0=True),
-                         engine_groups(KVCacheConfig(), prefix_caching=False), lookup_wait_s=5.0)
+                         engine_groups(KVCacheConfig(), prefix_caching=False), lookup_wait_s=5.0,
+                         lookup_timeout_s=30.0)
     request = Request("reloaded", prompt(9, 22))  # 5 full blocks and 2 tokens
     block_ids = list(range(10, 16))
     assert side.get_num_new_matched_tokens(request, 0) == (4 * BLOCK_SIZE, False)
@@ -308,4 +310,25 @@ def test_blocks_vllm_computes_again_after_a_failed_load_are_offered_again():
     (store,) = side.build_connector_meta(output).stores
     (offer,) = store.groups
     assert (offer.blocks.num_blocks, offer.num_new_blocks) == (5, 5)
+    side.shutdown()
+
+
+def test_a_lookup_slower_than_lookup_timeout_s_counts_no_hit_and_the_request_goes_on():
+    """A daemon that hangs (or an Attach that builds a pool on a loaded node): None while the lookup is
+    young, then 0 tokens, not a request that waits for the cache."""
+    gate = threading.Event()
+
+    def hanging_lookup(query):
+        gate.wait(10)
+        return RequestHit(3, (3, 0, 0, 0), all_in_t0=True)
+
+    side = SchedulerSide(hanging_lookup, engine_groups(KVCacheConfig(), prefix_caching=False), lookup_wait_s=0.0,
+                         lookup_timeout_s=0.2)
+    request = Request("hanging", prompt(4, 30))
+    assert side.get_num_new_matched_tokens(request, 0) == (None, False)
+    deadline = time.monotonic() + 10
+    while (answer := side.get_num_new_matched_tokens(request, 0)) == (None, False):
+        assert time.monotonic() < deadline
+    assert answer == (0, False)
+    gate.set()
     side.shutdown()

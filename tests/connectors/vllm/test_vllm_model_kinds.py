@@ -50,13 +50,14 @@ def short_dir():
 
 
 def kind_engine(vllm_python: str, kind: ModelKind, model_dir: pathlib.Path, directory: pathlib.Path, name: str,
-                prompts: list[list[int]], address: str | None) -> EngineProcess:
+                prompts: list[list[int]], address: str | None, *flags: str) -> EngineProcess:
     prompts_json = directory / f"{name}.prompts.json"
     prompts_json.write_text(json.dumps(prompts))
     command = [vllm_python, "-P", str(KINDS_MAIN), kind.name, str(model_dir), str(directory / f"{name}.json"),
                "--prompts", str(prompts_json)]
     if address is not None:
         command += ["--address", address]
+    command += flags
     env = cpu_engine_env({k: v for k, v in os.environ.items() if not k.startswith("KVTIERD_")}, kv_cache_gib=1)
     env.update(kind.env(), KVTIERD_REPO=str(REPO), PYTHONPATH=str(REPO),
                KVTIERD_TEST_RECORD=str(directory / f"{name}.records"))
@@ -141,3 +142,21 @@ def test_the_hybrid_allocator_gives_as_much_kv_cache_with_the_connector_as_witho
         with_connector.result()
     assert kv_cache_tokens(with_connector) == kv_cache_tokens(without) > 0
     assert recorded(tmp_path, "with")[0]["num_groups"] == GROUPS[kind_name]
+
+
+@pytest.mark.timeout(600)
+def test_a_linear_attention_model_without_prefix_caching_is_refused_at_start_in_one_line(vllm_python, tmp_path,
+                                                                                       short_dir):
+    """Qwen3-Next-style with vLLM's prefix caching off has no state at block boundaries to store: the
+    engine does not start, and its log names the kind and the fix in one line; nothing was half served."""
+    kind = KINDS["qwen3next"]
+    model_dir = write_model(vllm_python, kind, tmp_path / "model")
+    args = small_daemon_args(short_dir)
+    with DaemonProcess(args) as daemon, KvtierClient(daemon.address) as client:
+        engine = kind_engine(vllm_python, kind, model_dir, tmp_path, "refused", [P1], daemon.address,
+                             "--no-prefix-caching")
+        assert engine.process.wait(300) != 0
+        assert list(client.stats().pools) == []  # no layout was ever attached
+    lines = [line for line in engine.log().splitlines() if "UnsupportedModel:" in line]
+    assert lines and "linear-attention / Mamba" in lines[-1] and "--enable-prefix-caching" in lines[-1], \
+        engine.failure_report()

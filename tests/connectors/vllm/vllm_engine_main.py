@@ -61,7 +61,9 @@ def engine_kwargs(args: argparse.Namespace) -> dict:
         kwargs["num_gpu_blocks_override"] = args.num_gpu_blocks
     if args.address is not None:
         from kvtierd.connectors.vllm.transfer_config import kv_transfer_config
-        kwargs["kv_transfer_config"] = kv_transfer_config(args.address, **json.loads(args.extra_config))
+        # beside other engines on 2 cores a stalled lookup waits rather than counting a miss (default 1 s)
+        extra = {"lookup_timeout_s": 60.0, **json.loads(args.extra_config)}
+        kwargs["kv_transfer_config"] = kv_transfer_config(args.address, **extra)
     return kwargs
 
 
