@@ -33,6 +33,9 @@ LANES: tuple[tuple[str, str, str], ...] = (
     ("slow", "slow", "needs nothing outside the dev venv but takes tens of seconds"),
 )
 FAST_LANE = "fast"
+# Not a lane: a test of any lane that needs every core to itself (vLLM at tensor parallel 2 binds an
+# OpenMP thread set to each core); scripts/test runs those after the lane's parallel part, one at a time.
+ALONE_MARKER = ("alone", "needs every core to itself: scripts/test runs it after the lane's parallel part")
 LANE_NAMES: tuple[str, ...] = tuple(lane for lane, _, _ in LANES) + (FAST_LANE,)
 
 # A test that uses one of these fixtures carries the marker.
@@ -50,7 +53,7 @@ FIXTURE_MARKERS: dict[str, str] = {
 
 
 def register_markers(config: pytest.Config) -> None:
-    for _, marker, meaning in LANES:
+    for _, marker, meaning in (*LANES, (None, *ALONE_MARKER)):
         config.addinivalue_line("markers", f"{marker}: {meaning}")
 
 

@@ -91,8 +91,15 @@ def write_model(vllm_python: str, kind: ModelKind, directory: pathlib.Path) -> p
     return directory
 
 
+def kind_params(names) -> list:
+    """The kinds, those at TP 2 marked `alone`: their ranks bind an OpenMP thread set to each of the
+    2 cores, and beside another engine the daemon starves (Attach and KeepAlive time out)."""
+    return [pytest.param(name, marks=pytest.mark.alone) if KINDS[name].tensor_parallel_size > 1 else name
+            for name in names]
+
+
 @pytest.mark.timeout(1500)
-@pytest.mark.parametrize("kind_name", sorted(GROUPS))
+@pytest.mark.parametrize("kind_name", kind_params(sorted(GROUPS)))
 def test_a_new_engine_restores_a_prefix_with_the_bytes_and_logprobs_of_vllm(vllm_python, tmp_path, short_dir,
                                                                            kind_name):
     """The restoring engine's logprobs equal a fresh prefill's and vLLM's own hit's, bit for bit; every
