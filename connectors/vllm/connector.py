@@ -28,12 +28,14 @@ of each replica set writes and every rank loads.
 
 kv_connector_extra_config keys (all optional): `address` (else KVTIERD_ADDRESS, else the
 default socket), `token` (else KVTIERD_TOKEN), `model_id` (the key namespace; default the
-model name vLLM was given), `lookup_wait_s` (0.005), `lookup_ttl_s` (2), `lookup_timeout_s` (1: a
-lookup slower than that counts no hit, the request goes on), `async_loads` (true:
+model name vLLM was given), `lookup_wait_s` (0.005), `lookup_ttl_s` (2), `lookup_timeout_s` (1, or
+`lookup_wait_s` if longer: a lookup slower than that counts no hit, the request goes on), `async_loads` (true:
 hits with blocks in T1 or T2 load in the background, scheduler.py), `wait_timeout_s`
 (30: promotion wait per load), `timeout_s` (5: per RPC), `retry_after_s` (5: between attach
-attempts), `prefetch` (true: a Lookup that finds blocks in T2 starts their promotion to T1, so
-the load that follows waits less; off, a Lookup has no side effect). kv_role: `kv_both` loads
+attempts), `start_attach_s` (10: how long the engine's start waits for each Attach; one that
+takes longer is retried in the background), `prefetch` (true: a Lookup that finds blocks in T2
+starts their promotion to T1, so the load that follows waits less; off, a Lookup has no side
+effect). kv_role: `kv_both` loads
 and stores, `kv_consumer` only loads, `kv_producer` only stores. `kv_load_failure_policy` must
 be "recompute" for a failed load (a block evicted or corrupted after the lookup, the daemon
 gone) to be recomputed; vLLM's default "fail" fails the request instead.
@@ -72,7 +74,7 @@ from kvtierd.connectors.vllm.engine_pages import EnginePages
 from kvtierd.connectors.vllm.kv_groups import engine_groups
 from kvtierd.connectors.vllm.metadata import StepMetadata
 from kvtierd.connectors.vllm.scheduler import SchedulerSide
-from kvtierd.connectors.vllm.worker import WorkerSide
+from kvtierd.connectors.vllm.worker import DEFAULT_START_ATTACH_S, WorkerSide
 from kvtierd.layout import Layout
 
 try:  # vLLM is optional: see the module docstring
@@ -114,6 +116,24 @@ def hash_algo_for(vllm_hash_algo: str) -> str:
     return "xxh3_128" if vllm_hash_algo.startswith("xxhash") else "sha256"
 
 
+def configure_logging(environ=os.environ) -> None:
+    """vLLM configures only its own loggers, so the connector's WARNINGs reach stderr through
+    Python's last-resort handler and its INFO lines (attaches, pools) nowhere: KVTIERD_LOG_LEVEL
+    (e.g. INFO) gives the "kvtierd" loggers a handler of their own at that level, in every engine
+    process that builds a connector."""
+    level = environ.get("KVTIERD_LOG_LEVEL")
+    package_log = logging.getLogger("kvtierd")
+    if not level or package_log.handlers:
+        return
+    if not isinstance(logging.getLevelName(level.upper()), int):
+        raise ValueError(f"KVTIERD_LOG_LEVEL={level!r} is not a logging level (DEBUG, INFO, WARNING, ERROR)")
+    handler = logging.StreamHandler()
+    handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s (pid %(process)d): %(message)s"))
+    package_log.setLevel(level.upper())
+    package_log.addHandler(handler)
+    package_log.propagate = False
+
+
 def _tensor_parallel_rank() -> int:
     try:
         from vllm.distributed.parallel_state import get_tensor_model_parallel_rank
@@ -126,6 +146,7 @@ class KvtierdConnector(KVConnectorBase_V1, SupportsHMA):
     """kvtierd behind vLLM's connector API. Exactly one of `scheduler` / `worker` is set, by role."""
 
     def __init__(self, vllm_config: Any, role: Any, kv_cache_config: Any = None) -> None:
+        configure_logging()
         if VLLM_AVAILABLE:
             super().__init__(vllm_config, role, kv_cache_config)
         self._connector_metadata = None
@@ -151,21 +172,27 @@ class KvtierdConnector(KVConnectorBase_V1, SupportsHMA):
                               map_pool=is_worker, timeout_s=float(extra.get("timeout_s", 5.0)),
                               retry_after_s=float(extra.get("retry_after_s", 5.0)))
 
+        start_attach_s = float(extra.get("start_attach_s", DEFAULT_START_ATTACH_S))
         if is_worker:
             self.worker = WorkerSide(link(self.layout), self.engine_groups,
                                      wait_timeout_s=float(extra.get("wait_timeout_s", 30.0)),
-                                     writes=rank_layouts.writes(rank))
+                                     writes=rank_layouts.writes(rank), start_attach_s=start_attach_s)
         else:
             self._scheduler_links = [link(layout) for layout in rank_layouts.layouts]
+            lookup_wait_s = float(extra.get("lookup_wait_s", 0.005))
             self.scheduler = SchedulerSide(daemon_lookup(self._scheduler_links, self.engine_groups,
                                                          prefetch=bool(extra.get("prefetch", True))),
                                            self.engine_groups,
                                            loads=kv_role in LOADING_ROLES, stores=kv_role in STORING_ROLES,
-                                           lookup_wait_s=float(extra.get("lookup_wait_s", 0.005)),
+                                           lookup_wait_s=lookup_wait_s,
                                            lookup_ttl_s=float(extra.get("lookup_ttl_s", 2.0)),
-                                           lookup_timeout_s=float(extra.get("lookup_timeout_s", 1.0)),
+                                           lookup_timeout_s=float(extra.get("lookup_timeout_s",
+                                                                            max(1.0, lookup_wait_s))),
                                            async_loads=bool(extra.get("async_loads", True)))
-            self.scheduler.prepare(link.session for link in self._scheduler_links)  # attach before requests come
+            if start_attach_s <= 0:
+                raise ValueError(f"start_attach_s must be > 0, got {start_attach_s}")
+            for scheduler_link in self._scheduler_links:  # before requests come (see WorkerSide.register)
+                scheduler_link.session(deadline_s=start_attach_s)
         log.info("kvtierd connector (%s, %s): layout %s, groups %s", self.role_name, kv_role, self.layout,
                  self.engine_groups.signature())
 

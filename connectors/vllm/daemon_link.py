@@ -59,9 +59,10 @@ class DaemonLink:
         self.num_attach_failures = 0
         self.closed = False
 
-    def session(self, attach: bool = True) -> Session | None:
+    def session(self, attach: bool = True, deadline_s: float | None = None) -> Session | None:
         """The live session, attaching if due (unless `attach` is False: a caller that must not wait
-        for an Attach, which may take seconds); None while the daemon cannot be reached."""
+        for an Attach, which may take seconds; `deadline_s` bounds one, default the client's Attach
+        deadline); None while the daemon cannot be reached."""
         with self._lock:
             if self._session is not None and not self._session.closed:
                 return self._session
@@ -70,7 +71,8 @@ class DaemonLink:
             try:
                 if self._client is None:
                     self._client = self._client_factory(self.target, token=self.token, timeout_s=self.timeout_s)
-                self._session = self._client.attach(self.layout, map_pool=self.map_pool, hash_algo=self.hash_algo)
+                self._session = self._client.attach(self.layout, map_pool=self.map_pool, hash_algo=self.hash_algo,
+                                                    deadline_s=deadline_s)
             except (KvtierError, OSError, RuntimeError) as error:
                 self.num_attach_failures += 1
                 self._next_attach_at = time.monotonic() + self.retry_after_s

@@ -14,7 +14,8 @@ Lookups are asynchronous. `get_num_new_matched_tokens` submits the daemon's Look
 background thread and waits at most `lookup_wait_s` (default 5 ms: a local Lookup takes well
 under a millisecond) for it; if the answer is not there yet it returns None, which tells vLLM
 to skip the request this step and ask again (base.py: "If None, it means that the connector
-needs more time"). The answer is kept per request for `lookup_ttl_s`, so repeated calls cost a
+needs more time"). The answer is kept per request for `lookup_ttl_s` from its arrival (a lookup
+slower than that is still used once), so repeated calls cost a
 dict lookup and send no RPC. A daemon that is down or refuses answers 0 hits (logged), and so
 does one slower than `lookup_timeout_s` (default 1 s: a first Attach that builds a pool on a
 loaded node, a daemon that hangs): the request goes on without the cache, never waits for it. One
@@ -52,7 +53,7 @@ import concurrent.futures
 import dataclasses
 import logging
 import time
-from collections.abc import Callable, Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 from kvtierd.connectors.vllm.group_hits import NO_HIT, RequestHit, needed_positions
@@ -104,12 +105,25 @@ class RequestKeys:
 
 @dataclasses.dataclass(slots=True)
 class _Lookup:
-    """One lookup of chain positions [first_position, end_position)."""
+    """One lookup of chain positions [first_position, end_position); `answered_at` is set (by the
+    lookup thread) when its answer arrives, from when it is kept `lookup_ttl_s`."""
 
     first_position: int
     end_position: int
     future: concurrent.futures.Future
     started_at: float
+    answered_at: float | None = None
+
+    def __post_init__(self) -> None:
+        self.future.add_done_callback(self._answered)
+
+    def _answered(self, _future: concurrent.futures.Future) -> None:
+        self.answered_at = time.monotonic()
+
+    def expired(self, now: float, ttl_s: float) -> bool:
+        """An answer older than `ttl_s` (a lookup still in flight never expires: it times out)."""
+        answered_at = self.answered_at
+        return answered_at is not None and now - answered_at > ttl_s
 
 
 @dataclasses.dataclass(slots=True)
@@ -152,11 +166,6 @@ class SchedulerSide:
         self._loads_to_issue: dict[str, LoadSpec] = {}
         self.num_lookups = 0  # RPCs submitted, for tests and logs
 
-    def prepare(self, steps: Iterable[Callable[[], Any]]) -> None:
-        """Run `steps` (the daemon links' attaches) on the lookup thread before any lookup."""
-        for step in steps:
-            self._executor.submit(step)
-
     def _track(self, request: Any) -> _Tracked:
         tracked = self._tracked.get(request.request_id)
         if tracked is None:
@@ -182,8 +191,8 @@ class SchedulerSide:
         tracked.num_local_computed_tokens = num_computed_tokens
         lookup = tracked.lookup
         now = time.monotonic()
-        if lookup is None or (lookup.first_position, lookup.end_position) != (first, end) or (
-                lookup.future.done() and now - lookup.started_at > self.lookup_ttl_s):
+        if lookup is None or (lookup.first_position, lookup.end_position) != (first, end) or \
+                lookup.expired(now, self.lookup_ttl_s):
             query = LookupQuery(first, tuple(tuple(keys[first:end]) for keys in tracked.keys.keys),
                                 tuple(request.all_token_ids[first * block_size:end * block_size]))
             lookup = tracked.lookup = _Lookup(first, end, self._executor.submit(self.lookup_fn, query), now)

@@ -51,6 +51,8 @@ from kvtierd.errors import KvtierError
 
 log = logging.getLogger(__name__)
 
+DEFAULT_START_ATTACH_S = 10.0  # the longest an engine's start waits for its first Attach
+
 
 class EnginePagesLike(Protocol):
     """The engine's KV pages as the worker moves them (engine_pages.EnginePages)."""
@@ -75,8 +77,11 @@ class WorkerSide:
     """
 
     def __init__(self, link: DaemonLink, engine_groups: EngineGroups, *, wait_timeout_s: float = 30.0,
-                 writes: bool = True) -> None:
+                 writes: bool = True, start_attach_s: float = DEFAULT_START_ATTACH_S) -> None:
+        if start_attach_s <= 0:
+            raise ValueError(f"start_attach_s must be > 0, got {start_attach_s}")
         self.link = link
+        self.start_attach_s = start_attach_s
         self.engine_groups = engine_groups
         self._groups = {group.group_id: group for group in engine_groups.groups}
         self.wait_timeout_s = wait_timeout_s
@@ -99,12 +104,16 @@ class WorkerSide:
         self.num_dropped_stores = 0
 
     def register(self, pages: EnginePagesLike) -> None:
-        """Take the engine's pages, and attach in the background: a synchronous load, which runs
-        before the forward, never waits for an Attach (it fails over to recompute instead)."""
+        """Take the engine's pages and attach, waiting at most `start_attach_s`: vLLM registers its
+        KV caches before the engine serves, and the first forward that follows may hold the GIL for
+        seconds (torch.compile of vLLM's CPU helpers), during which a gRPC call from another thread
+        of this process barely progresses. A daemon that does not answer by then is attached later,
+        by the first store that finds the retry due; a synchronous load never waits for an Attach
+        (it fails over to recompute instead)."""
         self.pages = pages
         if pages.device.type == "cuda":
             self._side_stream = torch.cuda.Stream(device=pages.device)
-        self._executor.submit(self.link.session)
+        self.link.session(deadline_s=self.start_attach_s)
 
     def _daemon_request_id(self, kind: str, request_id: str) -> str:
         return f"vllm-{kind}-{request_id}-{next(self._daemon_request_ids)}"

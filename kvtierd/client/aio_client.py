@@ -65,8 +65,8 @@ class AsyncKvtierClient(ClientBase):
             lambda timeout: method(call.request, timeout=timeout, metadata=self._metadata), call.timeout_s))
 
     async def attach(self, layout: Layout, *, map_pool: bool = True, hash_algo: str = "sha256",
-                     keepalive: bool = True) -> AsyncSession:
-        response = await self._run(attach_call(layout, hash_algo, self.timeout_s))
+                     keepalive: bool = True, deadline_s: float | None = None) -> AsyncSession:
+        response = await self._run(attach_call(layout, hash_algo, self.timeout_s, deadline_s))
         session = AsyncSession(self, layout, response, hash_algo)
         try:
             if map_pool:

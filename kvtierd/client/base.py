@@ -178,12 +178,15 @@ class Call:
     timeout_s: float | None = None  # None: the client's timeout_s
 
 
-def attach_call(layout: Layout, hash_algo: str, timeout_s: float) -> Call:
-    """Attach, with a deadline of at least ATTACH_TIMEOUT_S: the first Attach of a layout builds its
-    pool (device pool, host memory, SSD slot files), which takes seconds on a loaded node."""
+def attach_call(layout: Layout, hash_algo: str, timeout_s: float, deadline_s: float | None = None) -> Call:
+    """Attach, with a deadline of `deadline_s`, else at least ATTACH_TIMEOUT_S: the first Attach of a
+    layout builds its pool (device pool, host memory, SSD slot files), which takes seconds on a
+    loaded node."""
     Namespace(layout, "", hash_algo)  # InvalidArgument for an unknown algorithm, before any call
+    if deadline_s is not None and deadline_s <= 0:
+        raise ValueError(f"an Attach deadline must be > 0 s, got {deadline_s}")
     return Call("Attach", pb.AttachRequest(layout=layout_to_proto(layout), hash_algo=hash_algo),
-                timeout_s=max(timeout_s, ATTACH_TIMEOUT_S))
+                timeout_s=max(timeout_s, ATTACH_TIMEOUT_S) if deadline_s is None else deadline_s)
 
 
 def get_request(layout: Layout, block_hashes: Sequence[bytes], token_ids: TokenIds | None) -> pb.GetRequest:

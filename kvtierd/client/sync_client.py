@@ -77,9 +77,10 @@ class KvtierClient(ClientBase):
             lambda timeout: method(call.request, timeout=timeout, metadata=self._metadata), call.timeout_s))
 
     def attach(self, layout: Layout, *, map_pool: bool = True, hash_algo: str = "sha256",
-               keepalive: bool = True) -> Session:
-        """Open a session for `layout`; FailedPrecondition if the daemon hashes differently."""
-        response = self._run(attach_call(layout, hash_algo, self.timeout_s))
+               keepalive: bool = True, deadline_s: float | None = None) -> Session:
+        """Open a session for `layout`; FailedPrecondition if the daemon hashes differently.
+        `deadline_s` bounds the call (default: the client's timeout, at least ATTACH_TIMEOUT_S)."""
+        response = self._run(attach_call(layout, hash_algo, self.timeout_s, deadline_s))
         session = Session(self, layout, response, hash_algo)
         try:
             if map_pool:

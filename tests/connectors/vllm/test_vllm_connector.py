@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import threading
 import time
 
@@ -9,7 +10,7 @@ import pytest
 import torch
 
 from kvtierd.client import KvtierClient
-from kvtierd.connectors.vllm.connector import KvtierdConnector
+from kvtierd.connectors.vllm.connector import KvtierdConnector, configure_logging
 from kvtierd.connectors.vllm.group_hits import RequestHit
 from kvtierd.connectors.vllm.kv_groups import engine_groups
 from kvtierd.connectors.vllm.scheduler import SchedulerSide
@@ -332,3 +333,68 @@ def test_a_lookup_slower_than_lookup_timeout_s_counts_no_hit_and_the_request_goe
     assert answer == (0, False)
     gate.set()
     side.shutdown()
+
+
+def test_a_lookup_slower_than_lookup_ttl_s_is_used_once_it_answers():
+    """The answer's lifetime starts when it arrives: a lookup that took longer than lookup_ttl_s (an
+    Attach on a loaded node before it) is the hit, not thrown away for a new lookup."""
+    gate = threading.Event()
+    calls: list[int] = []
+
+    def slow_lookup(query):
+        calls.append(query.num_positions)
+        gate.wait(10)
+        return RequestHit(2, (2, 0, 0, 0), all_in_t0=True)
+
+    side = SchedulerSide(slow_lookup, engine_groups(KVCacheConfig(), prefix_caching=False), lookup_wait_s=0.0,
+                         lookup_ttl_s=0.05, lookup_timeout_s=60.0)
+    request = Request("slow", prompt(5, 30))
+    assert side.get_num_new_matched_tokens(request, 0) == (None, False)
+    ttl_passed_at = time.monotonic() + 0.1
+    while time.monotonic() < ttl_passed_at:  # the lookup is in flight for longer than lookup_ttl_s
+        assert side.get_num_new_matched_tokens(request, 0) == (None, False)
+    gate.set()
+    deadline = time.monotonic() + 10
+    while (answer := side.get_num_new_matched_tokens(request, 0)) == (None, False):
+        assert time.monotonic() < deadline
+    assert answer == (2 * BLOCK_SIZE, False) and calls == [7] and side.num_lookups == 1
+    side.shutdown()
+
+
+def test_kvtierd_log_level_gives_the_connector_its_own_handler_and_a_bad_one_is_refused(monkeypatch):
+    """vLLM configures only its loggers; KVTIERD_LOG_LEVEL=INFO makes the connector's INFO lines
+    visible; a level that is not one fails in one line and leaves the loggers as they were."""
+    package_log = logging.getLogger("kvtierd")
+    monkeypatch.setattr(package_log, "handlers", [])
+    monkeypatch.setattr(package_log, "level", logging.NOTSET)
+    monkeypatch.setattr(package_log, "propagate", True)
+    with pytest.raises(ValueError, match="KVTIERD_LOG_LEVEL='LOUD' is not a logging level"):
+        configure_logging({"KVTIERD_LOG_LEVEL": "LOUD"})
+    assert package_log.handlers == [] and package_log.level == logging.NOTSET
+    configure_logging({})
+    assert package_log.handlers == []
+    configure_logging({"KVTIERD_LOG_LEVEL": "info"})
+    assert len(package_log.handlers) == 1 and package_log.level == logging.INFO and not package_log.propagate
+    assert logging.getLogger("kvtierd.connectors.vllm.worker").isEnabledFor(logging.INFO)
+    configure_logging({"KVTIERD_LOG_LEVEL": "DEBUG"})  # a second connector in the process adds none
+    assert len(package_log.handlers) == 1 and package_log.level == logging.INFO
+    package_log.setLevel(logging.NOTSET)  # clears the loggers' cached levels too
+
+
+def test_both_sides_attach_before_the_engine_serves_and_a_down_daemon_only_delays_them(daemon, engines, tmp_path):
+    """The scheduler attaches when vLLM builds it, the worker when vLLM registers its KV caches
+    (before the first forward, which may hold the GIL for seconds); with no daemon, each start
+    gives up after its one bounded try and serves without the cache."""
+    engine = Engine(daemon.address)
+    engines.append(engine)
+    assert engine.scheduler._scheduler_links[0].session(attach=False) is not None
+    assert engine.worker.worker.link.session(attach=False) is not None
+    with KvtierClient(daemon.address) as client:
+        assert client.stats().num_sessions >= 2  # the daemon is the module's: earlier engines' may linger
+
+    down = Engine(f"unix://{tmp_path}/absent.sock", start_attach_s=2.0)
+    engines.append(down)
+    for link in (down.scheduler._scheduler_links[0], down.worker.worker.link):
+        assert link.session(attach=False) is None and link.num_attach_failures == 1
+    with pytest.raises(ValueError, match="start_attach_s must be > 0"):
+        Engine(daemon.address, start_attach_s=0)

@@ -1,8 +1,12 @@
 """End to end: real vLLM engines (the CPU build, in .venv-vllm) through KvtierdConnector to a real
 `kvtierd serve`.
 
-Each engine is its own process tree (tests/connectors/vllm/vllm_engine_main.py: the LLM process, its EngineCore
-and its worker), started in a session of its own so that a timeout or a SIGKILL reaches all three.
+Each engine is its own process tree (tests/connectors/vllm/vllm_engine_main.py), started in a session of its
+own so that a timeout or a SIGKILL reaches all of it. At TP 1 vLLM runs the worker in the engine
+core's process (the "uni" executor), so both connector roles share that process; the engine core
+runs in the LLM process here (VLLM_ENABLE_V1_MULTIPROCESSING=0: it starts in ~15 s instead of
+~40 s on 2 cores) except in the first test, which keeps vLLM's default split of the LLM process
+and the engine core process, as `vllm serve` runs it.
 The model is a tiny random Llama; decoding is greedy, so every engine must produce exactly the
 tokens of the engine without a connector (the reference), whatever it loaded from the daemon.
 vLLM's prefix cache is off in every engine: a cached token can only come from the daemon.
@@ -70,22 +74,26 @@ def hit_cap(prompt: list[int]) -> int:
     return (len(prompt) - 1) // BLOCK_SIZE * BLOCK_SIZE
 
 
-def engine_env() -> dict[str, str]:
-    return cpu_engine_env({k: v for k, v in os.environ.items() if not k.startswith("KVTIERD_")}, kv_cache_gib=1)
+def engine_env(engine_core_process: bool = False) -> dict[str, str]:
+    env = cpu_engine_env({k: v for k, v in os.environ.items() if not k.startswith("KVTIERD_")}, kv_cache_gib=1)
+    env["KVTIERD_LOG_LEVEL"] = "INFO"  # the connector's attaches in the engine's log
+    if not engine_core_process:
+        env["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+    return env
 
 
 class Engine(EngineProcess):
     """One running tests/connectors/vllm/vllm_engine_main.py; its output (vLLM's logs too) goes to `log_path`."""
 
     def __init__(self, vllm_python: str, model_dir: pathlib.Path, directory: pathlib.Path, name: str,
-                 prompts: list[list[int]], address: str | None, *flags: str) -> None:
+                 prompts: list[list[int]], address: str | None, *flags: str, engine_core_process: bool = False) -> None:
         prompts_json = directory / f"{name}.prompts.json"
         prompts_json.write_text(json.dumps(prompts))
         command = [vllm_python, "-P", str(ENGINE_MAIN), str(model_dir), str(directory / f"{name}.json"),
                    "--prompts", str(prompts_json), "--max-tokens", str(MAX_TOKENS), *flags]
         if address is not None:
             command += ["--address", address]
-        super().__init__(command, directory, name, engine_env(), timeout_s=ENGINE_TIMEOUT_S)
+        super().__init__(command, directory, name, engine_env(engine_core_process), timeout_s=ENGINE_TIMEOUT_S)
 
     def is_ready(self) -> bool:
         return READY_LINE in self.log()
@@ -96,8 +104,10 @@ def engines(vllm_python, tiny_llama, tmp_path):
     """Starts engines (`engines(name, prompts, address, *flags)`); kills what still runs at teardown."""
     started: list[Engine] = []
 
-    def start(name: str, prompts: list[list[int]], address: str | None, *flags: str) -> Engine:
-        engine = Engine(vllm_python, tiny_llama, tmp_path, name, prompts, address, *flags)
+    def start(name: str, prompts: list[list[int]], address: str | None, *flags: str,
+              engine_core_process: bool = False) -> Engine:
+        engine = Engine(vllm_python, tiny_llama, tmp_path, name, prompts, address, *flags,
+                        engine_core_process=engine_core_process)
         started.append(engine)
         return engine
 
@@ -171,10 +181,11 @@ def assert_hits_the_prefix(result: dict, prompts: list[list[int]]) -> None:
 
 @pytest.mark.timeout(900)
 def test_a_new_engine_hits_the_prefix_another_engine_stored_and_decodes_the_same(reference, engines, daemon):
-    """Engine A (cold) stores; a new engine process B loads >= the shared prefix; both match the reference."""
-    cold = engines("cold", SHARED_PROMPTS, daemon.address).result()
+    """Engine A (cold) stores; a new engine process B loads >= the shared prefix; both match the reference.
+    Both run vLLM's engine core in a process of its own, as `vllm serve` does."""
+    cold = engines("cold", SHARED_PROMPTS, daemon.address, engine_core_process=True).result()
     assert cold["output_token_ids"] == expected(reference, SHARED_PROMPTS)
-    warm = engines("warm", SHARED_PROMPTS, daemon.address).result()
+    warm = engines("warm", SHARED_PROMPTS, daemon.address, engine_core_process=True).result()
     assert_hits_the_prefix(warm, SHARED_PROMPTS)
     assert warm["output_token_ids"] == expected(reference, SHARED_PROMPTS)
     # vLLM's own metric names the tier: everything came from the daemon's T0 ("device").
