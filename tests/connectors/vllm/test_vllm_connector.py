@@ -94,18 +94,25 @@ def test_a_prompt_that_is_all_cached_still_leaves_its_last_token_to_compute(daem
     assert engine.matched_tokens(again, num_local_computed_tokens=2 * BLOCK_SIZE) == 2 * BLOCK_SIZE
 
 
-def test_get_num_new_matched_tokens_is_none_while_the_lookup_is_pending_and_sends_one_rpc():
-    """None until the lookup answers; repeated calls send no new lookup; then the hit count."""
+def gated_side(hit: RequestHit, **settings) -> tuple[SchedulerSide, threading.Event, list[int]]:
+    """A SchedulerSide whose lookups wait for the returned gate, then answer `hit`; the list
+    records each lookup's number of positions."""
     gate = threading.Event()
     calls: list[int] = []
 
-    def slow_lookup(query):
+    def gated_lookup(query):
         calls.append(query.num_positions)
         gate.wait(10)
-        return RequestHit(3, (1, 0, 2, 0), all_in_t0=False)
+        return hit
 
-    side = SchedulerSide(slow_lookup, engine_groups(KVCacheConfig(), prefix_caching=False), lookup_wait_s=0.0,
-                         lookup_timeout_s=60.0)
+    side = SchedulerSide(gated_lookup, engine_groups(KVCacheConfig(), prefix_caching=False), lookup_wait_s=0.0,
+                         **settings)
+    return side, gate, calls
+
+
+def test_get_num_new_matched_tokens_is_none_while_the_lookup_is_pending_and_sends_one_rpc():
+    """None until the lookup answers; repeated calls send no new lookup; then the hit count."""
+    side, gate, calls = gated_side(RequestHit(3, (1, 0, 2, 0), all_in_t0=False), lookup_timeout_s=60.0)
     request = Request("pending", prompt(3, 30))  # 7 full blocks, 7 = (30 - 1) // 4 lookable
     assert side.get_num_new_matched_tokens(request, 0) == (None, False)
     assert side.get_num_new_matched_tokens(request, 0) == (None, False)
@@ -317,14 +324,7 @@ def test_blocks_vllm_computes_again_after_a_failed_load_are_offered_again():
 def test_a_lookup_slower_than_lookup_timeout_s_counts_no_hit_and_the_request_goes_on():
     """A daemon that hangs (or an Attach that builds a pool on a loaded node): None while the lookup is
     young, then 0 tokens, not a request that waits for the cache."""
-    gate = threading.Event()
-
-    def hanging_lookup(query):
-        gate.wait(10)
-        return RequestHit(3, (3, 0, 0, 0), all_in_t0=True)
-
-    side = SchedulerSide(hanging_lookup, engine_groups(KVCacheConfig(), prefix_caching=False), lookup_wait_s=0.0,
-                         lookup_timeout_s=0.2)
+    side, gate, _ = gated_side(RequestHit(3, (3, 0, 0, 0), all_in_t0=True), lookup_timeout_s=0.2)
     request = Request("hanging", prompt(4, 30))
     assert side.get_num_new_matched_tokens(request, 0) == (None, False)
     deadline = time.monotonic() + 10
@@ -338,16 +338,8 @@ def test_a_lookup_slower_than_lookup_timeout_s_counts_no_hit_and_the_request_goe
 def test_a_lookup_slower_than_lookup_ttl_s_is_used_once_it_answers():
     """The answer's lifetime starts when it arrives: a lookup that took longer than lookup_ttl_s (an
     Attach on a loaded node before it) is the hit, not thrown away for a new lookup."""
-    gate = threading.Event()
-    calls: list[int] = []
-
-    def slow_lookup(query):
-        calls.append(query.num_positions)
-        gate.wait(10)
-        return RequestHit(2, (2, 0, 0, 0), all_in_t0=True)
-
-    side = SchedulerSide(slow_lookup, engine_groups(KVCacheConfig(), prefix_caching=False), lookup_wait_s=0.0,
-                         lookup_ttl_s=0.05, lookup_timeout_s=60.0)
+    side, gate, calls = gated_side(RequestHit(2, (2, 0, 0, 0), all_in_t0=True), lookup_ttl_s=0.05,
+                                   lookup_timeout_s=60.0)
     request = Request("slow", prompt(5, 30))
     assert side.get_num_new_matched_tokens(request, 0) == (None, False)
     ttl_passed_at = time.monotonic() + 0.1
