@@ -29,16 +29,16 @@ of each replica set writes and every rank loads.
 kv_connector_extra_config keys (all optional): `address` (else KVTIERD_ADDRESS, else the
 default socket), `token` (else KVTIERD_TOKEN), `model_id` (the key namespace; default the
 model name vLLM was given), `lookup_wait_s` (0.005), `lookup_ttl_s` (2), `lookup_timeout_s` (1, or
-`lookup_wait_s` if longer: a lookup slower than that counts no hit, the request goes on), `async_loads` (true:
-hits with blocks in T1 or T2 load in the background, scheduler.py), `wait_timeout_s`
+`lookup_wait_s` if longer: a lookup slower than that counts no hit, the request goes on),
+`async_loads` (true: hits with blocks in T1 or T2 load in the background, scheduler.py), `wait_timeout_s`
 (30: promotion wait per load), `timeout_s` (5: per RPC), `retry_after_s` (5: between attach
 attempts), `start_attach_s` (10: how long the engine's start waits for each Attach; one that
 takes longer is retried in the background), `prefetch` (true: a Lookup that finds blocks in T2
 starts their promotion to T1, so the load that follows waits less; off, a Lookup has no side
-effect). kv_role: `kv_both` loads
-and stores, `kv_consumer` only loads, `kv_producer` only stores. `kv_load_failure_policy` must
-be "recompute" for a failed load (a block evicted or corrupted after the lookup, the daemon
-gone) to be recomputed; vLLM's default "fail" fails the request instead.
+effect). kv_role: `kv_both` loads and stores, `kv_consumer` only loads, `kv_producer` only
+stores. `kv_load_failure_policy` must be "recompute" for a failed load (a block evicted or
+corrupted after the lookup, the daemon gone) to be recomputed; vLLM's default "fail" fails the
+request instead.
 
 The layout: vLLM picks one `KVCacheLayout` for the engine (`kv_cache_config.kv_cache_layout`,
 e.g. LBHNC on the CPU, LBNHC by default with FlashAttention); a block's bytes are its pages' bytes
@@ -173,6 +173,8 @@ class KvtierdConnector(KVConnectorBase_V1, SupportsHMA):
                               retry_after_s=float(extra.get("retry_after_s", 5.0)))
 
         start_attach_s = float(extra.get("start_attach_s", DEFAULT_START_ATTACH_S))
+        if start_attach_s <= 0:
+            raise ValueError(f"start_attach_s must be > 0, got {start_attach_s}")
         if is_worker:
             self.worker = WorkerSide(link(self.layout), self.engine_groups,
                                      wait_timeout_s=float(extra.get("wait_timeout_s", 30.0)),
@@ -189,8 +191,6 @@ class KvtierdConnector(KVConnectorBase_V1, SupportsHMA):
                                            lookup_timeout_s=float(extra.get("lookup_timeout_s",
                                                                             max(1.0, lookup_wait_s))),
                                            async_loads=bool(extra.get("async_loads", True)))
-            if start_attach_s <= 0:
-                raise ValueError(f"start_attach_s must be > 0, got {start_attach_s}")
             for scheduler_link in self._scheduler_links:  # before requests come (see WorkerSide.register)
                 scheduler_link.session(deadline_s=start_attach_s)
         log.info("kvtierd connector (%s, %s): layout %s, groups %s", self.role_name, kv_role, self.layout,

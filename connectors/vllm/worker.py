@@ -78,8 +78,7 @@ class WorkerSide:
 
     def __init__(self, link: DaemonLink, engine_groups: EngineGroups, *, wait_timeout_s: float = 30.0,
                  writes: bool = True, start_attach_s: float = DEFAULT_START_ATTACH_S) -> None:
-        if start_attach_s <= 0:
-            raise ValueError(f"start_attach_s must be > 0, got {start_attach_s}")
+        assert start_attach_s > 0, start_attach_s  # the connector refuses a bad setting in one line
         self.link = link
         self.start_attach_s = start_attach_s
         self.engine_groups = engine_groups

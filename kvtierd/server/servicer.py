@@ -3,7 +3,7 @@
 Handlers raise kvtierd.errors; the interceptor (interceptor.py) maps them to status
 codes and resolves the caller's tenant (`current_tenant()`). Every handler validates its whole
 request before the first change, so a bad request changes nothing. Client hashes become the
-daemon's keys by the tenant's prefix here, and only here (`_keys`).
+daemon's keys by the tenant's prefix in request_terms.py, and only there.
 
 Each handler decodes, authorizes, calls the tier manager (or the session table), encodes. The
 loop waits on no copy and no disk: the core's blocking steps (Put's writes, a copy-on-write,
@@ -21,15 +21,14 @@ from collections.abc import Awaitable, Callable
 from kvtierd import __version__
 from kvtierd.block_hash import pack_token_ids
 from kvtierd.errors import DRAINING_DETAILS, DeadlineExceeded, FailedPrecondition, InvalidArgument, Unavailable
-from kvtierd.index.prefix_match import check_hashes
 from kvtierd.layout import Layout
 from kvtierd.node.operations import Operations
 from kvtierd.node.pools import LayoutPool, PoolRegistry
 from kvtierd.node.sessions import SessionLease, SessionTable
-from kvtierd.node.tenants import Tenant
 from kvtierd.server.event_feed import EventFeed
 from kvtierd.server.interceptor import current_tenant
 from kvtierd.server.pool_stats import pool_stats, remote_store_message
+from kvtierd.server.request_terms import client_keys, hit_counts, lookup_chains, packed_tokens, parent_key, position_of
 from kvtierd.tiering.block_io import BlockGet, PutBlock
 from kvtierd.tiering.promotion import TierHits
 from kvtierd.v1 import kvtier_pb2 as pb
@@ -114,9 +113,10 @@ class KvTierServicer(kvtier_pb2_grpc.KvTierServicer):
 
     async def Lookup(self, request: pb.LookupRequest, context) -> pb.LookupResponse:
         session = self._session(request.session_id)
-        keys = _keys(session.tenant, session.pool, request.block_hashes)
+        keys = client_keys(session.tenant, session.pool, request.block_hashes)
         manager = session.pool.manager
-        chains = _chains(keys, _tokens(request.token_ids), list(request.chain_lengths), session.pool.layout.block_size)
+        chains = lookup_chains(keys, packed_tokens(request.token_ids), list(request.chain_lengths),
+                               session.pool.layout.block_size)
         hits = [manager.lookup(chain_keys, chain_tokens, prefetch=request.prefetch and not manager.has_remote,
                                ask_remote=False) for chain_keys, chain_tokens in chains]
         if manager.has_remote:  # the shared store, for what the local tiers lack: a round trip, on a thread
@@ -125,17 +125,17 @@ class KvTierServicer(kvtier_pb2_grpc.KvTierServicer):
             elif request.prefetch and any(h.t2 for h in hits):
                 manager.lookup_remote(chains, hits, prefetch=True)  # no round trip: nothing left to ask
         total = TierHits(*(sum(counts) for counts in zip(*((h.t0, h.t1, h.t2, h.t3) for h in hits))))
-        per_chain = [pb.ChainHits(**_hit_counts(h)) for h in hits] if request.chain_lengths else []
-        return pb.LookupResponse(**_hit_counts(total), chains=per_chain)
+        per_chain = [pb.ChainHits(**hit_counts(h)) for h in hits] if request.chain_lengths else []
+        return pb.LookupResponse(**hit_counts(total), chains=per_chain)
 
     async def Acquire(self, request: pb.AcquireRequest, context) -> pb.AcquireResponse:
         session = self._session(request.session_id)
         session.check_new(request.request_id)
-        keys = _keys(session.tenant, session.pool, request.block_hashes)
+        keys = client_keys(session.tenant, session.pool, request.block_hashes)
         self.sessions.check_quota(session, len(keys) + request.num_extra_blocks)
         manager, request_key = session.pool.manager, session.key(request.request_id)
         acquire = functools.partial(manager.acquire, request_key, keys, request.num_extra_blocks,
-                                    _tokens(request.token_ids))
+                                    packed_tokens(request.token_ids))
         acquired = (await _off_loop_owned(acquire, lambda _: manager.release(request_key)) if manager.has_remote
                     else acquire())
         pending = acquired.num_t1_blocks + acquired.num_t2_blocks + acquired.num_t3_blocks > 0
@@ -166,13 +166,13 @@ class KvTierServicer(kvtier_pb2_grpc.KvTierServicer):
         session = self._session(request.session_id)
         session.held(request.request_id)
         pool = session.pool
-        keys = _keys(session.tenant, pool, request.block_hashes)
+        keys = client_keys(session.tenant, pool, request.block_hashes)
         if len(request.block_ids) != len(keys) or not keys:
             raise InvalidArgument(f"commit needs one hash per block, got {len(request.block_ids)} block ids "
                                   f"and {len(keys)} hashes")
         key = session.key(request.request_id)
-        position = _position_of(pool, pool.manager.block_table(key), list(request.block_ids), request.request_id)
-        parent = _parent_key(session.tenant, pool, position, request.parent_hash)
+        position = position_of(pool, pool.manager.block_table(key), list(request.block_ids), request.request_id)
+        parent = parent_key(session.tenant, pool, position, request.parent_hash)
         num_held = pool.manager.commit(key, position, keys, pack_token_ids(request.token_ids), parent)
         return pb.CommitResponse(num_committed_blocks=num_held)
 
@@ -235,10 +235,10 @@ class KvTierServicer(kvtier_pb2_grpc.KvTierServicer):
                     if frame.layout is None:
                         raise InvalidArgument("the first message of a Put must name the layout")
                     pool = await self._pool(layout_from_proto(frame.layout))
-                    parent = (_parent_key(tenant, pool, 1, frame.parent_hash) if frame.parent_hash
+                    parent = (parent_key(tenant, pool, 1, frame.parent_hash) if frame.parent_hash
                               else tenant.key(pool.client_root))
                     put = pool.manager.start_put(("put", next(self._put_ids)), parent)
-                block = PutBlock(_keys(tenant, pool, [frame.block_hash])[0], frame.token_ids, frame.data)
+                block = PutBlock(client_keys(tenant, pool, [frame.block_hash])[0], frame.token_ids, frame.data)
                 put.check(block)
                 batch.append(block)
                 if len(batch) == PUT_BATCH_BLOCKS:
@@ -268,7 +268,7 @@ class KvTierServicer(kvtier_pb2_grpc.KvTierServicer):
             return
         quotas, bytes_per_block = self.sessions.quotas, pool.layout.bytes_per_block
         start_get = functools.partial(pool.manager.start_get, ("get", next(self._put_ids)),
-                                      _keys(tenant, pool, request.block_hashes), _tokens(request.token_ids),
+                                      client_keys(tenant, pool, request.block_hashes), packed_tokens(request.token_ids),
                                       lambda num_blocks: quotas.check(tenant.name, num_blocks * bytes_per_block))
         get = await _off_loop_owned(start_get, BlockGet.close) if pool.manager.has_remote else start_get()
         if get.future is None:
@@ -361,60 +361,3 @@ def _encode_blocks(get: BlockGet, hashes: list[bytes], start: int) -> list[bytes
     """GetResponses of the blocks from `start` on, a batch of them (block_frames.py)."""
     return [encode_get_response(hashes[i], get.block_bytes(i))
             for i in range(start, min(start + GET_BATCH_BLOCKS, len(hashes)))]
-
-
-def _keys(tenant: Tenant, pool: LayoutPool, client_hashes) -> list[bytes]:
-    client_hashes = list(client_hashes)  # a protobuf repeated field makes new bytes on every read: read once
-    check_hashes(client_hashes, pool.digest_size)
-    return tenant.keys(client_hashes)
-
-
-def _tokens(token_ids: bytes) -> bytes | None:
-    return pack_token_ids(token_ids) if token_ids else None
-
-
-def _hit_counts(hits: TierHits) -> dict[str, int]:
-    """The fields of a LookupResponse or ChainHits."""
-    return dict(num_hit_blocks=hits.num_blocks, num_t0_blocks=hits.t0, num_t1_blocks=hits.t1,
-                num_t2_blocks=hits.t2, num_t3_blocks=hits.t3)
-
-
-def _chains(keys: list[bytes], token_bytes: bytes | None, chain_lengths: list[int],
-            block_size: int) -> list[tuple[list[bytes], bytes | None]]:
-    """(keys, token bytes) of each chain a Lookup names (all the keys: one chain, without lengths)."""
-    if not chain_lengths:
-        return [(keys, token_bytes)]
-    if min(chain_lengths) < 1 or sum(chain_lengths) != len(keys):
-        raise InvalidArgument(f"chain_lengths must be >= 1 each and sum to the {len(keys)} hashes, "
-                              f"got {len(chain_lengths)} lengths summing to {sum(chain_lengths)}")
-    stride = 4 * block_size
-    if token_bytes is not None and len(token_bytes) < stride * len(keys):
-        raise InvalidArgument(f"{len(keys)} hashes need {block_size * len(keys)} tokens, got {len(token_bytes) // 4}")
-    chains, start = [], 0
-    for length in chain_lengths:
-        end = start + length
-        chains.append((keys[start:end], token_bytes[start * stride:end * stride] if token_bytes is not None else None))
-        start = end
-    return chains
-
-
-def _parent_key(tenant: Tenant, pool: LayoutPool, position: int, parent_hash: bytes) -> bytes:
-    """The daemon's key of the parent of the block at `position`; block 0's must be the root."""
-    check_hashes([parent_hash], pool.digest_size)
-    if position == 0 and parent_hash != pool.client_root:
-        raise InvalidArgument("the parent of a request's first block must be the root hash from Attach")
-    return tenant.key(parent_hash)
-
-
-def _position_of(pool: LayoutPool, table: list[int], block_ids: list[int], request_id: str) -> int:
-    """Where consecutive `block_ids` start in the request's table."""
-    if any(b >= pool.num_blocks for b in block_ids):
-        raise InvalidArgument(f"block ids must be in [0, {pool.num_blocks})")
-    try:
-        position = table.index(block_ids[0])
-    except ValueError:
-        raise FailedPrecondition(f"block {block_ids[0]} is not held by request {request_id!r}") from None
-    if table[position:position + len(block_ids)] != block_ids:
-        raise FailedPrecondition(f"blocks {block_ids} are not consecutive blocks of request {request_id!r}")
-    return position
-

@@ -12,6 +12,17 @@ import subprocess
 
 import pytest
 
+from kvtierd.connectors.vllm.transfer_config import cpu_engine_env
+
+
+def engine_env(**extra: str) -> dict[str, str]:
+    """This environment for a test engine: no KVTIERD_* of the caller's, vLLM's CPU settings with a
+    1 GiB KV cache, the connector's INFO lines in the engine's log, then `extra`."""
+    env = cpu_engine_env({k: v for k, v in os.environ.items() if not k.startswith("KVTIERD_")}, kv_cache_gib=1)
+    env["KVTIERD_LOG_LEVEL"] = "INFO"
+    env.update(extra)
+    return env
+
 
 class EngineProcess:
     def __init__(self, command: list[str], directory: pathlib.Path, name: str, env: dict[str, str],

@@ -16,7 +16,6 @@ Engines run one at a time (2 cores here) except in the concurrency test.
 from __future__ import annotations
 
 import json
-import os
 import pathlib
 import random
 import shutil
@@ -26,9 +25,8 @@ import tempfile
 import pytest
 
 from kvtierd.client import KvtierClient
-from kvtierd.connectors.vllm.transfer_config import cpu_engine_env
 from kvtierd.server.daemon_process import DaemonProcess, small_daemon_args, wait_until
-from tests.connectors.vllm.engine_process import EngineProcess
+from tests.connectors.vllm.engine_process import EngineProcess, engine_env
 
 ENGINE_MAIN = pathlib.Path(__file__).with_name("vllm_engine_main.py")
 READY_LINE = "vllm_engine_main: ready"  # printed by ENGINE_MAIN once the LLM is built
@@ -74,12 +72,8 @@ def hit_cap(prompt: list[int]) -> int:
     return (len(prompt) - 1) // BLOCK_SIZE * BLOCK_SIZE
 
 
-def engine_env(engine_core_process: bool = False) -> dict[str, str]:
-    env = cpu_engine_env({k: v for k, v in os.environ.items() if not k.startswith("KVTIERD_")}, kv_cache_gib=1)
-    env["KVTIERD_LOG_LEVEL"] = "INFO"  # the connector's attaches in the engine's log
-    if not engine_core_process:
-        env["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
-    return env
+def llama_engine_env(engine_core_process: bool = False) -> dict[str, str]:
+    return engine_env() if engine_core_process else engine_env(VLLM_ENABLE_V1_MULTIPROCESSING="0")
 
 
 class Engine(EngineProcess):
@@ -93,7 +87,7 @@ class Engine(EngineProcess):
                    "--prompts", str(prompts_json), "--max-tokens", str(MAX_TOKENS), *flags]
         if address is not None:
             command += ["--address", address]
-        super().__init__(command, directory, name, engine_env(engine_core_process), timeout_s=ENGINE_TIMEOUT_S)
+        super().__init__(command, directory, name, llama_engine_env(engine_core_process), timeout_s=ENGINE_TIMEOUT_S)
 
     def is_ready(self) -> bool:
         return READY_LINE in self.log()

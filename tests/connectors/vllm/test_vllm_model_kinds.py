@@ -15,7 +15,6 @@ computes P2 as the storing engine did.
 from __future__ import annotations
 
 import json
-import os
 import pathlib
 import random
 import re
@@ -26,10 +25,9 @@ import tempfile
 import pytest
 
 from kvtierd.client import KvtierClient
-from kvtierd.connectors.vllm.transfer_config import cpu_engine_env
 from kvtierd.server.daemon_process import DaemonProcess, small_daemon_args
 from tests.conftest import REPO
-from tests.connectors.vllm.engine_process import EngineProcess
+from tests.connectors.vllm.engine_process import EngineProcess, engine_env
 from tests.connectors.vllm.model_kinds import KINDS, ModelKind
 
 KINDS_MAIN = pathlib.Path(__file__).with_name("kinds_engine_main.py")
@@ -59,9 +57,8 @@ def kind_engine(vllm_python: str, kind: ModelKind, model_dir: pathlib.Path, dire
     if address is not None:
         command += ["--address", address]
     command += flags
-    env = cpu_engine_env({k: v for k, v in os.environ.items() if not k.startswith("KVTIERD_")}, kv_cache_gib=1)
-    env.update(kind.env(), KVTIERD_REPO=str(REPO), PYTHONPATH=str(REPO),
-               KVTIERD_TEST_RECORD=str(directory / f"{name}.records"), KVTIERD_LOG_LEVEL="INFO")
+    env = engine_env(**kind.env(), KVTIERD_REPO=str(REPO), PYTHONPATH=str(REPO),
+                     KVTIERD_TEST_RECORD=str(directory / f"{name}.records"))
     return EngineProcess(command, directory, name, env, timeout_s=600)
 
 

@@ -1,0 +1,69 @@
+"""What a KvTier request names, validated and turned into the core's terms: client hashes into
+the daemon's keys by the tenant's prefix (here, and only here: `client_keys`), token ids, a
+Lookup's chains, a block's parent, where blocks sit in a request's table. Each raises
+InvalidArgument or FailedPrecondition before anything is changed."""
+
+from __future__ import annotations
+
+from kvtierd.block_hash import pack_token_ids
+from kvtierd.errors import FailedPrecondition, InvalidArgument
+from kvtierd.index.prefix_match import check_hashes
+from kvtierd.node.pools import LayoutPool
+from kvtierd.node.tenants import Tenant
+from kvtierd.tiering.promotion import TierHits
+
+
+def client_keys(tenant: Tenant, pool: LayoutPool, client_hashes) -> list[bytes]:
+    client_hashes = list(client_hashes)  # a protobuf repeated field makes new bytes on every read: read once
+    check_hashes(client_hashes, pool.digest_size)
+    return tenant.keys(client_hashes)
+
+
+def packed_tokens(token_ids: bytes) -> bytes | None:
+    return pack_token_ids(token_ids) if token_ids else None
+
+
+def hit_counts(hits: TierHits) -> dict[str, int]:
+    """The fields of a LookupResponse or ChainHits."""
+    return dict(num_hit_blocks=hits.num_blocks, num_t0_blocks=hits.t0, num_t1_blocks=hits.t1,
+                num_t2_blocks=hits.t2, num_t3_blocks=hits.t3)
+
+
+def lookup_chains(keys: list[bytes], token_bytes: bytes | None, chain_lengths: list[int],
+                  block_size: int) -> list[tuple[list[bytes], bytes | None]]:
+    """(keys, token bytes) of each chain a Lookup names (all the keys: one chain, without lengths)."""
+    if not chain_lengths:
+        return [(keys, token_bytes)]
+    if min(chain_lengths) < 1 or sum(chain_lengths) != len(keys):
+        raise InvalidArgument(f"chain_lengths must be >= 1 each and sum to the {len(keys)} hashes, "
+                              f"got {len(chain_lengths)} lengths summing to {sum(chain_lengths)}")
+    stride = 4 * block_size
+    if token_bytes is not None and len(token_bytes) < stride * len(keys):
+        raise InvalidArgument(f"{len(keys)} hashes need {block_size * len(keys)} tokens, got {len(token_bytes) // 4}")
+    chains, start = [], 0
+    for length in chain_lengths:
+        end = start + length
+        chains.append((keys[start:end], token_bytes[start * stride:end * stride] if token_bytes is not None else None))
+        start = end
+    return chains
+
+
+def parent_key(tenant: Tenant, pool: LayoutPool, position: int, parent_hash: bytes) -> bytes:
+    """The daemon's key of the parent of the block at `position`; block 0's must be the root."""
+    check_hashes([parent_hash], pool.digest_size)
+    if position == 0 and parent_hash != pool.client_root:
+        raise InvalidArgument("the parent of a request's first block must be the root hash from Attach")
+    return tenant.key(parent_hash)
+
+
+def position_of(pool: LayoutPool, table: list[int], block_ids: list[int], request_id: str) -> int:
+    """Where consecutive `block_ids` start in the request's table."""
+    if any(b >= pool.num_blocks for b in block_ids):
+        raise InvalidArgument(f"block ids must be in [0, {pool.num_blocks})")
+    try:
+        position = table.index(block_ids[0])
+    except ValueError:
+        raise FailedPrecondition(f"block {block_ids[0]} is not held by request {request_id!r}") from None
+    if table[position:position + len(block_ids)] != block_ids:
+        raise FailedPrecondition(f"blocks {block_ids} are not consecutive blocks of request {request_id!r}")
+    return position
