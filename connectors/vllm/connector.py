@@ -116,21 +116,32 @@ def hash_algo_for(vllm_hash_algo: str) -> str:
     return "xxh3_128" if vllm_hash_algo.startswith("xxhash") else "sha256"
 
 
-def configure_logging(environ=os.environ) -> None:
-    """vLLM configures only its own loggers, so the connector's WARNINGs reach stderr through
-    Python's last-resort handler and its INFO lines (attaches, pools) nowhere: KVTIERD_LOG_LEVEL
-    (e.g. INFO) gives the "kvtierd" loggers a handler of their own at that level, in every engine
-    process that builds a connector."""
+def configure_logging(environ=os.environ, vllm_logger: logging.Logger | None = None) -> None:
+    """The connector's log lines go where vLLM's go, in every engine process that builds a
+    connector. vLLM configures only its own "vllm" logger (a handler on stdout, its format), so
+    the "kvtierd" loggers take that logger's handlers, at INFO (the attach line naming the daemon
+    and its tiers, and every warning), or at KVTIERD_LOG_LEVEL where set: their lines appear in
+    `vllm serve`'s log like vLLM's own. Where vLLM configured no handler (VLLM_CONFIGURE_LOGGING=0),
+    KVTIERD_LOG_LEVEL gives them a stderr handler of their own; unset, Python's defaults apply
+    (warnings to stderr). A level that is not one is refused and changes nothing."""
     level = environ.get("KVTIERD_LOG_LEVEL")
-    package_log = logging.getLogger("kvtierd")
-    if not level or package_log.handlers:
-        return
-    if not isinstance(logging.getLevelName(level.upper()), int):
+    if level and not isinstance(logging.getLevelName(level.upper()), int):
         raise ValueError(f"KVTIERD_LOG_LEVEL={level!r} is not a logging level (DEBUG, INFO, WARNING, ERROR)")
-    handler = logging.StreamHandler()
-    handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s (pid %(process)d): %(message)s"))
+    package_log = logging.getLogger("kvtierd")
+    if package_log.handlers:
+        return
+    vllm_handlers = list((vllm_logger or logging.getLogger("vllm")).handlers)
+    if vllm_handlers:
+        handlers, level = vllm_handlers, (level or "INFO")
+    elif level:
+        handler = logging.StreamHandler()
+        handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s (pid %(process)d): %(message)s"))
+        handlers = [handler]
+    else:
+        return
     package_log.setLevel(level.upper())
-    package_log.addHandler(handler)
+    for handler in handlers:
+        package_log.addHandler(handler)
     package_log.propagate = False
 
 

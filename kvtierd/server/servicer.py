@@ -40,6 +40,37 @@ PUT_BATCH_BLOCKS = 16  # blocks written together by Put (off the loop)
 GET_BATCH_BLOCKS = 8  # blocks serialized together by Get (off the loop)
 
 
+async def items_until(next_item: Callable[[], Awaitable], stop: asyncio.Event):
+    """The items `await next_item()` gives, until it raises StopAsyncIteration or `stop` is set.
+
+    Each `next_item()` runs as a task beside `stop.wait()`. A task left behind (stop set, or this
+    generator closed because its stream's call was cancelled) is cancelled, and its outcome is
+    retrieved when it ends: a stream that then ends with StopAsyncIteration is not an error, and
+    asyncio would otherwise log "Task exception was never retrieved" at shutdown.
+    """
+    while not stop.is_set():
+        item = asyncio.ensure_future(next_item())
+        item.add_done_callback(_retrieve_outcome)
+        stopped = asyncio.ensure_future(stop.wait())
+        try:
+            done, _ = await asyncio.wait({item, stopped}, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            stopped.cancel()
+            if not item.done():
+                item.cancel()
+        if item not in done:
+            return
+        try:
+            value = item.result()
+        except StopAsyncIteration:
+            return
+        yield value
+
+
+def _retrieve_outcome(task: asyncio.Future) -> None:
+    if not task.cancelled():
+        task.exception()
+
 class KvTierServicer(kvtier_pb2_grpc.KvTierServicer):
     def __init__(self, registry: PoolRegistry, sessions: SessionTable, feed: EventFeed,
                  default_wait_s: float = 60.0, operations: Operations | None = None,
@@ -58,21 +89,8 @@ class KvTierServicer(kvtier_pb2_grpc.KvTierServicer):
         server's grace period is spent on calls that finish, not on streams that never do."""
         self._shutdown.set()
 
-    async def _until_shutdown(self, next_item):
-        """The items `await next_item()` gives, until it ends or the daemon shuts down."""
-        while not self._shutdown.is_set():
-            item = asyncio.ensure_future(next_item())
-            stop = asyncio.ensure_future(self._shutdown.wait())
-            done, _ = await asyncio.wait({item, stop}, return_when=asyncio.FIRST_COMPLETED)
-            stop.cancel()
-            if item not in done:
-                item.cancel()
-                return
-            try:
-                value = item.result()
-            except StopAsyncIteration:
-                return
-            yield value
+    def _until_shutdown(self, next_item):
+        return items_until(next_item, self._shutdown)
 
     # ----------------------------------------------------------------------------- sessions
 

@@ -364,13 +364,38 @@ def test_kvtierd_log_level_gives_the_connector_its_own_handler_and_a_bad_one_is_
         configure_logging({"KVTIERD_LOG_LEVEL": "LOUD"})
     assert package_log.handlers == [] and package_log.level == logging.NOTSET
     configure_logging({})
-    assert package_log.handlers == []
+    assert package_log.handlers == []  # no vLLM handler here (vLLM is not imported) and no level
     configure_logging({"KVTIERD_LOG_LEVEL": "info"})
     assert len(package_log.handlers) == 1 and package_log.level == logging.INFO and not package_log.propagate
     assert logging.getLogger("kvtierd.connectors.vllm.worker").isEnabledFor(logging.INFO)
     configure_logging({"KVTIERD_LOG_LEVEL": "DEBUG"})  # a second connector in the process adds none
     assert len(package_log.handlers) == 1 and package_log.level == logging.INFO
     package_log.setLevel(logging.NOTSET)  # clears the loggers' cached levels too
+
+
+def test_the_connector_logs_through_the_handlers_vllm_configured(monkeypatch):
+    """Under `vllm serve` (vLLM's logging configured) the connector's INFO lines go to vLLM's own
+    handler, in its stream and format, without KVTIERD_LOG_LEVEL; the variable still sets the level."""
+    package_log = logging.getLogger("kvtierd")
+    monkeypatch.setattr(package_log, "handlers", [])
+    monkeypatch.setattr(package_log, "level", logging.NOTSET)
+    monkeypatch.setattr(package_log, "propagate", True)
+    vllm_log = logging.Logger("vllm")  # as vLLM's DEFAULT_LOGGING_CONFIG leaves it: one handler
+    records = []
+    handler = logging.Handler()
+    handler.emit = records.append
+    vllm_log.addHandler(handler)
+    try:
+        configure_logging({}, vllm_logger=vllm_log)
+        assert package_log.handlers == [handler] and package_log.level == logging.INFO and not package_log.propagate
+        logging.getLogger("kvtierd.connectors.vllm.daemon_link").info("attached to kvtierd at %s", "unix:///x")
+        logging.getLogger("kvtierd.connectors.vllm.worker").debug("not shown at INFO")
+        assert [r.getMessage() for r in records] == ["attached to kvtierd at unix:///x"]
+        monkeypatch.setattr(package_log, "handlers", [])
+        configure_logging({"KVTIERD_LOG_LEVEL": "warning"}, vllm_logger=vllm_log)
+        assert package_log.handlers == [handler] and package_log.level == logging.WARNING
+    finally:
+        package_log.setLevel(logging.NOTSET)
 
 
 def test_both_sides_attach_before_the_engine_serves_and_a_down_daemon_only_delays_them(daemon, engines, tmp_path):
