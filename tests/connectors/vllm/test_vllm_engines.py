@@ -18,9 +18,7 @@ from __future__ import annotations
 import json
 import pathlib
 import random
-import shutil
 import subprocess
-import tempfile
 
 import pytest
 
@@ -134,14 +132,6 @@ def reference(vllm_python, tiny_llama, tmp_path_factory) -> dict[tuple[int, ...]
 
 def expected(reference, prompts: list[list[int]]) -> list[list[int]]:
     return [reference[tuple(prompt)] for prompt in prompts]
-
-
-@pytest.fixture
-def short_dir():
-    """A directory with a short path: a unix socket path must fit in 108 bytes."""
-    directory = tempfile.mkdtemp(prefix="kvv-")
-    yield directory
-    shutil.rmtree(directory, ignore_errors=True)
 
 
 def start_daemon(directory: str, extra: list[str] = ()) -> DaemonProcess:
