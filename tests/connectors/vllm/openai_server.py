@@ -45,8 +45,8 @@ class OpenAIServer:
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.log_path = log_path
-        launcher = str(pathlib.Path(vllm_python).with_name("kvtierd-vllm"))
-        command = [launcher, "serve", str(model), "--served-model-name", SERVED_NAME, "--host", "127.0.0.1",
+        self.launcher = str(pathlib.Path(vllm_python).with_name("kvtierd-vllm"))
+        command = [self.launcher, "serve", str(model), "--served-model-name", SERVED_NAME, "--host", "127.0.0.1",
                    "--port", str(self.port), "--block-size", str(block_size), "--max-model-len", str(max_model_len),
                    "--dtype", "bfloat16", *extra_args]
         if address is not None:

