@@ -247,7 +247,8 @@ class WorkerSide:
     def _store_with(self, session: Session, daemon_request_id: str, spec: StoreSpec, offer: GroupStore, event,
                     pages_read: threading.Event | None) -> None:
         blocks = offer.blocks
-        acquired = session.acquire(daemon_request_id, list(blocks.block_hashes), 0, token_ids=list(blocks.token_ids))
+        acquired = session.acquire(daemon_request_id, list(blocks.block_hashes), 0, token_ids=list(blocks.token_ids),
+                                   for_store=True)
         num_hits = acquired.num_t0_hit_blocks + acquired.num_loading_blocks
         fresh_block_ids = acquired.block_ids[num_hits:blocks.num_blocks]
         if not fresh_block_ids:

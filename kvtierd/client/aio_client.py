@@ -160,8 +160,9 @@ class AsyncSession(SessionBase):
         return await self._client._run(self._lookup(block_hashes, token_ids, prefetch, chain_lengths))
 
     async def acquire(self, request_id: str, block_hashes: Sequence[bytes], num_extra_blocks: int = 0,
-                      token_ids: TokenIds | None = None) -> AcquireResult:
-        return await self._client._run(self._acquire(request_id, block_hashes, num_extra_blocks, token_ids))
+                      token_ids: TokenIds | None = None, for_store: bool = False) -> AcquireResult:
+        return await self._client._run(self._acquire(request_id, block_hashes, num_extra_blocks, token_ids,
+                                                     for_store))
 
     async def wait(self, request_id: str, timeout_s: float | None = None) -> int:
         return await self._client._run(self._wait(request_id, timeout_s, self._client.timeout_s))

@@ -293,10 +293,10 @@ class SessionBase:
                                                token_ids=optional_tokens(token_ids), prefetch=prefetch,
                                                chain_lengths=list(chain_lengths or ())))
 
-    def _acquire(self, request_id, block_hashes, num_extra_blocks, token_ids) -> Call:
+    def _acquire(self, request_id, block_hashes, num_extra_blocks, token_ids, for_store: bool) -> Call:
         request = pb.AcquireRequest(session_id=self.session_id, request_id=request_id,
                                     block_hashes=hash_list(block_hashes), token_ids=optional_tokens(token_ids),
-                                    num_extra_blocks=num_extra_blocks)
+                                    num_extra_blocks=num_extra_blocks, for_store=for_store)
         return Call("Acquire", request, lambda r: AcquireResult(list(r.block_ids), r.num_t0_hit_blocks,
                                                            r.num_t1_blocks, r.num_t2_blocks, r.pending,
                                                            r.num_t3_blocks))

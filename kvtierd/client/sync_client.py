@@ -181,8 +181,9 @@ class Session(SessionBase):
         return self._client._run(self._lookup(block_hashes, token_ids, prefetch, chain_lengths))
 
     def acquire(self, request_id: str, block_hashes: Sequence[bytes], num_extra_blocks: int = 0,
-                token_ids: TokenIds | None = None) -> AcquireResult:
-        return self._client._run(self._acquire(request_id, block_hashes, num_extra_blocks, token_ids))
+                token_ids: TokenIds | None = None, for_store: bool = False) -> AcquireResult:
+        """`for_store`: the caller acquires to store blocks it computed; what it finds is no hit."""
+        return self._client._run(self._acquire(request_id, block_hashes, num_extra_blocks, token_ids, for_store))
 
     def wait(self, request_id: str, timeout_s: float | None = None) -> int:
         """Leading ready blocks once loads land; the daemon waits `timeout_s` (None: the client's)."""

@@ -145,12 +145,14 @@ class BlockIndex:
     # ----------------------------------------------------------------------------- mutations
 
     def allocate(self, request_id: RequestId, block_hashes: Sequence[bytes], num_extra_blocks: int = 0,
-                 token_ids: Sequence[int] | None = None) -> AllocatedBlocks:
+                 token_ids: Sequence[int] | None = None, counted: bool = True) -> AllocatedBlocks:
         """Give a new request one block per hash (hits first, the first miss ends the walk, then
         fresh blocks) and `num_extra_blocks` fresh blocks after them.
 
         With `token_ids` (the prompt's tokens), each hit is verified against the stored tokens:
         a hash collision is a miss. ResourceExhausted, changing nothing, when the pool is short.
+        `counted` False: the walk is not a prefix query (a caller storing blocks it computed), so the
+        observer's query and hit counts leave it out.
         """
         if num_extra_blocks < 0:
             raise InvalidArgument(f"num_extra_blocks must be >= 0, got {num_extra_blocks}")
@@ -171,7 +173,7 @@ class BlockIndex:
             self.free_queue.remove_many(reused)
             table = hits + self._pop_free(num_new_blocks, now)
             self.tables[request_id] = table
-            if observer is not None:
+            if observer is not None and counted:
                 observer.on_query(len(block_hashes) * self.block_size, len(hits) * self.block_size)
             return AllocatedBlocks([block.block_id for block in table], len(hits))
 

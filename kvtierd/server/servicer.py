@@ -153,7 +153,7 @@ class KvTierServicer(kvtier_pb2_grpc.KvTierServicer):
         self.sessions.check_quota(session, len(keys) + request.num_extra_blocks)
         manager, request_key = session.pool.manager, session.key(request.request_id)
         acquire = functools.partial(manager.acquire, request_key, keys, request.num_extra_blocks,
-                                    packed_tokens(request.token_ids))
+                                    packed_tokens(request.token_ids), counted=not request.for_store)
         acquired = (await _off_loop_owned(acquire, lambda _: manager.release(request_key)) if manager.has_remote
                     else acquire())
         pending = acquired.num_t1_blocks + acquired.num_t2_blocks + acquired.num_t3_blocks > 0

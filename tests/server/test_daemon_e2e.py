@@ -237,3 +237,46 @@ def test_get_after_a_restart_serves_t2_before_any_attach_or_put(tmp_path):
     assert all(data == expected_block(h, LAYOUT.bytes_per_block) for h, data in got)
     assert stats.num_query_blocks == 9  # the unknown last block is asked for too
     assert [t.num_hit_blocks for t in stats.tiers if t.tier == "t2"] == [8]
+
+
+def prefix_token_counts(metrics_url: str) -> tuple[float, float]:
+    """kvtierd_prefix_query_tokens and its t0 hit tokens, summed over pools, from a scrape."""
+    text = urllib.request.urlopen(metrics_url, timeout=10).read().decode()
+    query = sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+                if line.startswith("kvtierd_prefix_query_tokens_total{"))
+    hits = sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+               if line.startswith("kvtierd_prefix_hit_tokens_total{") and 'tier="t0"' in line)
+    return query, hits
+
+
+def test_an_acquire_to_store_is_neither_a_query_nor_a_hit(tmp_path):
+    """An engine stores what it computed by acquiring the chain first (for_store): the blocks it
+    finds are not hits, in Stats and in the metrics; a load's Acquire of the same chain is."""
+    tokens = prompt(11, 32)
+    with DaemonProcess(small_daemon_args(str(tmp_path))) as daemon, KvtierClient(daemon.address) as client:
+        session = client.attach(LAYOUT, map_pool=False)
+        hashes = session.namespace.hash_blocks(tokens)
+        first = session.acquire("compute", hashes, 0, token_ids=tokens)
+        assert first.num_t0_hit_blocks == 0
+        session.commit("compute", first.block_ids, hashes, tokens, None)
+        session.release("compute")
+        before = t0_stats(client)
+        query_before, hits_before = prefix_token_counts(daemon.metrics_url)
+
+        store = session.acquire("store", hashes, 0, token_ids=tokens, for_store=True)
+        assert store.num_t0_hit_blocks == len(hashes)  # the caller still learns what is there
+        session.release("store")
+        after_store = t0_stats(client)
+        assert after_store.num_query_blocks == before.num_query_blocks
+        assert [t.num_hit_blocks for t in after_store.tiers] == [t.num_hit_blocks for t in before.tiers]
+        assert prefix_token_counts(daemon.metrics_url) == (query_before, hits_before)
+
+        load = session.acquire("load", hashes, 0, token_ids=tokens)
+        session.release("load")
+        after_load = t0_stats(client)
+        assert load.num_t0_hit_blocks == len(hashes)
+        assert after_load.num_query_blocks == before.num_query_blocks + len(hashes)
+        t0_hits = {t.tier: t.num_hit_blocks for t in after_load.tiers}["t0"]
+        assert t0_hits == {t.tier: t.num_hit_blocks for t in before.tiers}["t0"] + len(hashes)
+        query, hits = prefix_token_counts(daemon.metrics_url)
+        assert (query - query_before, hits - hits_before) == (len(tokens), len(tokens))

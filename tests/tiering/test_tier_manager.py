@@ -48,6 +48,23 @@ def test_evicted_blocks_are_offloaded_and_promoted_back_with_their_bytes(manager
     manager.release("b")
 
 
+def test_an_uncounted_acquire_promotes_from_t1_without_counting_a_query_or_a_hit(manager):
+    """counted=False (a caller that acquires to store): the T1 blocks it finds still come back
+    with their bytes, but neither the query nor the T1 hits are counted; a counted one is."""
+    chain = only_in_t1(manager)
+    before, queries_before = manager.stats(), manager.tiers.counters.num_query_blocks
+    acquisition = manager.acquire("store", chain, 0, PROMPT, counted=False)
+    assert acquisition.num_t1_blocks == 4 and acquisition.ticket.wait(10) == 4
+    manager.release("store")
+    after = manager.stats()
+    assert (after.t0.num_hit_blocks, after.t1.num_hit_blocks) == (before.t0.num_hit_blocks, before.t1.num_hit_blocks)
+    assert manager.tiers.counters.num_query_blocks == queries_before
+    counted = manager.acquire("load", chain, 0, PROMPT)
+    assert counted.num_t0_hit_blocks == 4  # promoted and committed by the uncounted one
+    manager.release("load")
+    assert manager.stats().t0.num_hit_blocks == before.t0.num_hit_blocks + 4
+
+
 def test_a_t1_load_that_lands_before_acquire_returns_still_resolves_the_ticket(manager, monkeypatch):
     """The load may finish on the finalizer thread before the acquiring thread moves on; the
     ticket must resolve anyway (it once waited forever, and SIGTERM then hung on the release)."""

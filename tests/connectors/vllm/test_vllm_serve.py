@@ -3,7 +3,8 @@ vLLM's own prefix cache on) on the real SmolLM2-135M, through `kvtierd-vllm`, wi
 `kvtierd serve`, called over HTTP as any OpenAI client calls it.
 
 - Greedy completions are the same with and without the connector; a second server process loads
-  what the first stored (vLLM's own `vllm:external_prefix_cache_hits_total`, its cache being empty).
+  what the first stored (vLLM's own `vllm:external_prefix_cache_hits_total`, its cache being empty),
+  and the daemon's hit count is exactly what vLLM loaded (stores are not hits).
 - After the daemon's restart (T0 and T1 empty, the SSD tier kept) a new server's hits come from T2
   ("disk"); a daemon killed while requests run leaves the server answering, with the same text.
 """
@@ -105,6 +106,10 @@ def test_completions_match_vllm_alone_and_a_second_server_loads_what_the_first_s
         assert second.metric_sum("vllm:prompt_tokens_cached_by_source_total", source="device") == expected_hit
         assert [second.complete(p) for p in prompts[1:]] == reference[1:]
         assert "kvtierd connector: attached to kvtierd at" in second.log()
+        # Hits counted honestly: the daemon's hit blocks are what vLLM loaded, the stores' Acquires
+        # (every block of every request, the first server's too) count for nothing.
+        daemon_hit_tokens = sum(t.num_hit_blocks for t in the_pool(client).tiers) * BLOCK_SIZE
+        assert daemon_hit_tokens == external_hits(second) == expected_hit, the_pool(client)
 
 
 def test_after_a_restart_hits_come_from_t2_and_a_killed_daemon_leaves_the_server_answering(serve, short_dir):
