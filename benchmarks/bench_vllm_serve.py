@@ -35,12 +35,17 @@ sys.path.insert(0, str(ROOT))
 
 from benchmarks import _report  # noqa: E402
 from kvtierd.client import KvtierClient  # noqa: E402
-from kvtierd.server.daemon_process import DaemonProcess, small_daemon_args  # noqa: E402
+from kvtierd.server.daemon_process import (  # noqa: E402
+    WRITE_THROUGH,
+    DaemonProcess,
+    small_daemon_args,
+    wait_until,
+    written_through,
+)
 from tests.connectors.vllm.openai_server import SERVED_NAME, OpenAIServer  # noqa: E402
 
 BLOCK_SIZE = 32
 GOAL_MEDIAN_TTFT, GOAL_THROUGHPUT, GOAL_NEW_SERVER = 3.0, 1.5, 3.0
-WRITE_THROUGH = ["--set", "policy.t0_to_t1=write_through", "--set", "policy.t1_to_t2=write_through"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -135,14 +140,8 @@ def start_daemon(directory: str) -> DaemonProcess:
 
 def wait_for_t2(address: str) -> None:
     """Until the daemon's T2 holds every block of T0 (write-through runs in the background)."""
-    from kvtierd.server.daemon_process import wait_until
-
-    def settled(client: KvtierClient) -> bool:
-        return all(0 < tiers["t0"].num_cached_blocks <= tiers["t2"].num_cached_blocks
-                   for tiers in ({t.tier: t for t in pool.tiers} for pool in client.stats().pools))
-
     with KvtierClient(address) as client:
-        if not wait_until(lambda: settled(client), timeout_s=120):
+        if not wait_until(lambda: written_through(client), timeout_s=120):
             raise SystemExit(f"bench_vllm_serve: the blocks did not reach T2 within 120 s: {client.stats()}")
 
 

@@ -135,6 +135,18 @@ class DaemonProcess:
         self.kill()
 
 
+# Flags that send every committed block down T0 -> T1 -> T2 at once, so that a restart keeps it.
+WRITE_THROUGH = ["--set", "policy.t0_to_t1=write_through", "--set", "policy.t1_to_t2=write_through"]
+
+
+def written_through(client) -> bool:
+    """True once every pool of the daemon `client` talks to caches blocks in T0 and T2 holds as
+    many (write-through copies them in the background)."""
+    pools = client.stats().pools
+    return bool(pools) and all(0 < tiers["t0"].num_cached_blocks <= tiers["t2"].num_cached_blocks
+                               for tiers in ({t.tier: t for t in pool.tiers} for pool in pools))
+
+
 def small_daemon_args(directory: str, *, t0_bytes: str = "4MiB", host_bytes: str = "8MiB",
                       ssd_bytes: str = "16MiB", extra: list[str] | None = None) -> list[str]:
     """Arguments for a daemon whose sockets, SSD files and metrics stay inside `directory`."""

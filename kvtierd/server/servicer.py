@@ -29,6 +29,7 @@ from kvtierd.server.event_feed import EventFeed
 from kvtierd.server.interceptor import current_tenant
 from kvtierd.server.pool_stats import pool_stats, remote_store_message
 from kvtierd.server.request_terms import client_keys, hit_counts, lookup_chains, packed_tokens, parent_key, position_of
+from kvtierd.server.stream_items import items_until
 from kvtierd.tiering.block_io import BlockGet, PutBlock
 from kvtierd.tiering.promotion import TierHits
 from kvtierd.v1 import kvtier_pb2 as pb
@@ -39,37 +40,6 @@ from kvtierd.wire.conversions import handle_to_proto, layout_from_proto
 PUT_BATCH_BLOCKS = 16  # blocks written together by Put (off the loop)
 GET_BATCH_BLOCKS = 8  # blocks serialized together by Get (off the loop)
 
-
-async def items_until(next_item: Callable[[], Awaitable], stop: asyncio.Event):
-    """The items `await next_item()` gives, until it raises StopAsyncIteration or `stop` is set.
-
-    Each `next_item()` runs as a task beside `stop.wait()`. A task left behind (stop set, or this
-    generator closed because its stream's call was cancelled) is cancelled, and its outcome is
-    retrieved when it ends: a stream that then ends with StopAsyncIteration is not an error, and
-    asyncio would otherwise log "Task exception was never retrieved" at shutdown.
-    """
-    while not stop.is_set():
-        item = asyncio.ensure_future(next_item())
-        item.add_done_callback(_retrieve_outcome)
-        stopped = asyncio.ensure_future(stop.wait())
-        try:
-            done, _ = await asyncio.wait({item, stopped}, return_when=asyncio.FIRST_COMPLETED)
-        finally:
-            stopped.cancel()
-            if not item.done():
-                item.cancel()
-        if item not in done:
-            return
-        try:
-            value = item.result()
-        except StopAsyncIteration:
-            return
-        yield value
-
-
-def _retrieve_outcome(task: asyncio.Future) -> None:
-    if not task.cancelled():
-        task.exception()
 
 class KvTierServicer(kvtier_pb2_grpc.KvTierServicer):
     def __init__(self, registry: PoolRegistry, sessions: SessionTable, feed: EventFeed,

@@ -14,11 +14,16 @@ import pytest
 
 from kvtierd.block_hash import pack_token_ids
 from kvtierd.client import KvtierClient
-from kvtierd.server.daemon_process import DaemonProcess, python_module_command, small_daemon_args, wait_until
+from kvtierd.server.daemon_process import (
+    WRITE_THROUGH,
+    DaemonProcess,
+    python_module_command,
+    small_daemon_args,
+    wait_until,
+)
 from tests.server.e2e_runner import LAYOUT, expected_block, prompt
 
 RUNNER = os.path.join(os.path.dirname(__file__), "e2e_runner.py")
-WRITE_THROUGH = ["--set", "policy.t0_to_t1=write_through", "--set", "policy.t1_to_t2=write_through"]
 
 
 def run_runner(address: str, *args, token: str | None = None) -> dict:

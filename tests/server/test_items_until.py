@@ -8,7 +8,7 @@ from __future__ import annotations
 import asyncio
 import gc
 
-from kvtierd.server.servicer import items_until
+from kvtierd.server.stream_items import items_until
 
 
 def stream(items: list, ended: asyncio.Event):

@@ -16,7 +16,7 @@ import zmq
 from kvtierd.client import KvtierClient
 from kvtierd.index.index_events import BlockRemoved
 from kvtierd.node.tenants import Tenant
-from kvtierd.server.daemon_process import DaemonProcess, DaemonStartError, small_daemon_args, wait_until
+from kvtierd.server.daemon_process import WRITE_THROUGH, DaemonProcess, DaemonStartError, small_daemon_args, wait_until
 from kvtierd.server.vllm_events import BatchEncoder, PoolEvents, WireFormat
 from kvtierd.server.zmq_publisher import ZmqEventPublisher
 from tests.server.e2e_runner import LAYOUT, prompt
@@ -24,7 +24,6 @@ from tests.server.e2e_runner import LAYOUT, prompt
 END_SEQ = (-1).to_bytes(8, "big", signed=True)
 EVENTS = ["--set", "events.zmq_endpoint=tcp://127.0.0.1:0", "--set", "events.replay_endpoint=tcp://127.0.0.1:0",
           "--set", "events.topic=kv@node-1@{model}"]
-WRITE_THROUGH = ["--set", "policy.t0_to_t1=write_through", "--set", "policy.t1_to_t2=write_through"]
 
 
 class Subscriber:

@@ -23,7 +23,7 @@ import subprocess
 import pytest
 
 from kvtierd.client import KvtierClient
-from kvtierd.server.daemon_process import DaemonProcess, small_daemon_args, wait_until
+from kvtierd.server.daemon_process import WRITE_THROUGH, DaemonProcess, small_daemon_args, wait_until, written_through
 from tests.connectors.vllm.engine_process import EngineProcess, engine_env
 
 ENGINE_MAIN = pathlib.Path(__file__).with_name("vllm_engine_main.py")
@@ -36,7 +36,6 @@ NUM_T0_BLOCKS = 320
 MAX_TOKENS = 48
 SHARED_PREFIX_LEN = 256  # 8 blocks
 ENGINE_TIMEOUT_S = 300  # one engine: ~15-30 s start-up on 2 cores, well under a second of generation
-WRITE_THROUGH = ["--set", "policy.t0_to_t1=write_through", "--set", "policy.t1_to_t2=write_through"]
 
 # Saved with .venv-vllm's transformers, the version vLLM reads. initializer_range 0.1 (not 0.02):
 # a model with near-uniform attention repeats one token whatever its context, and then a wrong
@@ -183,17 +182,18 @@ def test_after_a_daemon_restart_a_new_engine_hits_from_t2(reference, engines, sh
         cold = engines("cold", SHARED_PROMPTS, daemon.address).result()
         assert cold["output_token_ids"] == expected(reference, SHARED_PROMPTS)
         with KvtierClient(daemon.address) as client:
-            assert wait_until(lambda: 0 < tier(the_pool(client), "t0").num_cached_blocks
-                              <= tier(the_pool(client), "t2").num_cached_blocks, timeout_s=30), the_pool(client)
+            assert wait_until(lambda: written_through(client), timeout_s=30), the_pool(client)
         assert daemon.stop() == 0
     with start_daemon(short_dir, WRITE_THROUGH) as daemon, KvtierClient(daemon.address) as client:
         assert all(tier(pool, name).num_cached_blocks == 0 for pool in client.stats().pools for name in ("t0", "t1"))
         warm = engines("warm", SHARED_PROMPTS, daemon.address).result()
-        # Some hits were served from T2, others from T0 once the Lookup's prefetch promoted them.
-        num_t2_hit_blocks = tier(the_pool(client), "t2").num_hit_blocks
+        # T0 and T1 started empty, so every block loaded from below T0 came up from the SSD: read
+        # from T2 by the load, or first copied to T1 by the Lookup's prefetch (which of the two wins
+        # is a race). Only loads count as hits (a store's Acquire counts nothing).
+        num_lower_hit_blocks = sum(tier(the_pool(client), name).num_hit_blocks for name in ("t1", "t2"))
     assert_hits_the_prefix(warm, SHARED_PROMPTS)
     assert warm["output_token_ids"] == expected(reference, SHARED_PROMPTS)
-    assert num_t2_hit_blocks > 0
+    assert num_lower_hit_blocks > 0
     by_source = warm["cached_tokens_by_source"]  # as vLLM reports it: T2 is "disk"
     assert by_source.get("disk", 0) > 0 and sum(by_source.values()) == sum(warm["num_cached_tokens"]), warm
 
@@ -202,8 +202,7 @@ def store_then_corrupt_t2(client: KvtierClient, engines, address: str, short_dir
     """Engine A's blocks reach T2, then leave T0 and T1 (Evict), and a byte of every slot on disk is
     flipped under the running daemon: its index still lists them."""
     engines("cold", SHARED_PROMPTS, address).result()
-    assert wait_until(lambda: 0 < tier(the_pool(client), "t0").num_cached_blocks
-                      <= tier(the_pool(client), "t2").num_cached_blocks, timeout_s=30), the_pool(client)
+    assert wait_until(lambda: written_through(client), timeout_s=30), the_pool(client)
     client.evict(tiers=["t0", "t1"])
     pool = the_pool(client)
     assert tier(pool, "t0").num_cached_blocks == tier(pool, "t1").num_cached_blocks == 0, pool
