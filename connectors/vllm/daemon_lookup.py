@@ -20,6 +20,7 @@ from kvtierd.connectors.vllm.group_hits import (
     RequestHit,
     across_ranks,
     leading_presence,
+    needed_positions,
     request_hit,
 )
 from kvtierd.connectors.vllm.kv_groups import EngineGroups, GroupKind
@@ -52,6 +53,14 @@ def lookup_request(engine: EngineGroups, query: LookupQuery) -> tuple[list[bytes
     return hashes, tokens, lengths
 
 
+def num_query_blocks(engine: EngineGroups, query: LookupQuery) -> int:
+    """What the daemon counts as the query: the blocks a hit of every candidate would load (the
+    loads' Acquires then count the blocks they find as hits); 0 for a lookup asked again."""
+    if not query.count_query:
+        return 0
+    return sum(len(needed_positions(group, query.num_positions)) for group in engine.groups)
+
+
 def group_presence(engine: EngineGroups, chains: Sequence, num_positions: int) -> list[Presence]:
     """Each group's presence from the chains' answers, in the order lookup_request asked them."""
     answers = iter(chains)
@@ -74,7 +83,8 @@ def _ask(link: DaemonLink, engine: EngineGroups, query: LookupQuery, prefetch: b
                     session.hash_size, link.hash_algo)
         return None
     try:
-        response = session.lookup(hashes, token_ids=tokens, prefetch=prefetch, chain_lengths=lengths)
+        response = session.lookup(hashes, token_ids=tokens, prefetch=prefetch, chain_lengths=lengths,
+                                  num_query_blocks=num_query_blocks(engine, query))
     except KvtierError as error:
         link.failed(session, error)
         log.warning("kvtierd connector: lookup failed (%s: %s); counting no hit", type(error).__name__, error)

@@ -39,6 +39,12 @@ class GroupBlocks:
     def num_blocks(self) -> int:
         return len(self.block_hashes)
 
+    def then(self, later: GroupBlocks) -> GroupBlocks:
+        """These blocks followed by `later`, the blocks right after them in the same group."""
+        assert later.group_id == self.group_id and later.first_position == self.first_position + self.num_blocks
+        return GroupBlocks(self.group_id, self.first_position, self.block_hashes + later.block_hashes,
+                           self.token_ids + later.token_ids, self.engine_block_ids + later.engine_block_ids)
+
 
 @dataclasses.dataclass(frozen=True, slots=True)
 class LoadSpec:
@@ -64,22 +70,33 @@ class LoadSpec:
 
 @dataclasses.dataclass(frozen=True, slots=True)
 class GroupStore:
-    """Offer one group's blocks completed this step, with the chain the daemon needs before them.
+    """Offer one group's blocks completed this step, after the one block the daemon holds before them.
 
-    `blocks` is the chain from its first position (0 for full and sliding-window attention: the
-    daemon's Commit needs the root as the parent of a chain's first block; the state's own position
-    for Mamba, a chain of one) to the last completed block. Blocks the daemon already holds come
-    back as hits from Acquire and are neither copied nor committed again. Only the trailing
-    `num_new_blocks` are sure to be in the engine still when `volatile` (sliding window, Mamba:
-    vLLM frees them next step); earlier ones the daemon lacks are then not stored.
+    `blocks` is the trailing `num_new_blocks` (the new ones) after at most one block stored or
+    loaded before (their parent: the daemon's Acquire of it proves the chain reaches them, and
+    its hash is the parent the Commit names); a chain that starts at position 0 has no such block
+    (its parent is the root), a Mamba state is a chain of one. New blocks the daemon already
+    holds come back as hits from Acquire and are neither copied nor committed again. When the
+    daemon lacks the parent, `earlier` (the blocks before `blocks`, from position 0: on a
+    request's first store, when its chain begins with blocks of vLLM's own cache) is stored with
+    them; without `earlier` the offer is dropped. `volatile` (sliding window, Mamba): only the
+    new blocks are sure to be in the engine still (vLLM frees the others next step).
     """
 
     blocks: GroupBlocks
     num_new_blocks: int
     volatile: bool = False
+    earlier: GroupBlocks | None = None
 
     def __post_init__(self) -> None:
         assert 0 < self.num_new_blocks <= self.blocks.num_blocks, self
+        assert self.num_known_blocks <= 1, self
+        assert self.earlier is None or (self.earlier.first_position == 0 and not self.volatile), self
+
+    @property
+    def num_known_blocks(self) -> int:
+        """Leading blocks of `blocks` the daemon was given before (0 or 1: the parent)."""
+        return self.blocks.num_blocks - self.num_new_blocks
 
 
 @dataclasses.dataclass(frozen=True, slots=True)

@@ -37,12 +37,18 @@ the forward's synchronous loads land (vllm/v1/worker/gpu_model_runner.py, prepro
 first), so a synchronous load would be silently ignored.
 
 Stores: every step, each scheduled request gets a StoreSpec with one GroupStore per group whose
-blocks this step completed (blocks vLLM computes again after a failed load are offered again):
-full attention offers its chain up to the last full block (vLLM keeps those blocks until the
-request finishes); a sliding-window group offers the same chain, but only this step's blocks are
-sure to be in the engine still (vLLM frees out-of-window blocks next step: `volatile`); a Mamba
-group offers the state block when the step ends exactly on a block boundary (vLLM's align mode
-keeps the state at position i in that block; the next step moves the state on).
+blocks this step completed (blocks vLLM computes again after a failed load are offered again),
+each the new blocks after their parent (the block before them, which the daemon got before: the
+worker's Acquire of it checks the chain reaches them), never the whole chain again. Full
+attention offers the blocks completed since its last offer (vLLM keeps them until the request
+finishes); blocks the request found in vLLM's own cache are taken as held (they were stored when
+computed): a request vLLM serves from its cache sends no store at all, and its first store
+carries the blocks before the parent (`earlier`) to store from position 0 should the daemon have
+lost the parent. A sliding-window group offers this step's blocks (vLLM frees out-of-window
+blocks next step: `volatile`); a Mamba group offers the state block when the step ends exactly
+on a block boundary (vLLM's align mode keeps the state at position i in that block; the next
+step moves the state on). A lookup counts as a query in the daemon's hit rate the first time a
+request asks for its positions (`LookupQuery.count_query`); the loads that follow count hits.
 `request_finished` returns True (vLLM keeps the blocks) when any store was ever issued for the
 request; the worker reports it in `finished_sending` once its stores are done.
 """
@@ -70,6 +76,7 @@ class LookupQuery:
     first_position: int
     keys: tuple[tuple[bytes, ...], ...]  # per served group, in EngineGroups order
     token_ids: tuple[int, ...]  # block_size per candidate position
+    count_query: bool = False  # the request's first ask of these positions: the daemon counts it as a query
 
     @property
     def num_positions(self) -> int:
@@ -139,6 +146,8 @@ class _Tracked:
     load_async: bool = False  # the answer given for the planned load
     num_local_computed_tokens: int = 0  # from the last get_num_new_matched_tokens call
     has_stores: bool = False  # a StoreSpec was issued: request_finished delays the free
+    counted_range: tuple[int, int] | None = None  # the positions of the last lookup counted as a query
+    stores_begun: bool = False  # _store_spec has run for the request (its first step is behind)
 
 
 class SchedulerSide:
@@ -193,8 +202,10 @@ class SchedulerSide:
         now = time.monotonic()
         if lookup is None or (lookup.first_position, lookup.end_position) != (first, end) or \
                 lookup.expired(now, self.lookup_ttl_s):
+            count_query = tracked.counted_range != (first, end)
+            tracked.counted_range = (first, end)
             query = LookupQuery(first, tuple(tuple(keys[first:end]) for keys in tracked.keys.keys),
-                                tuple(request.all_token_ids[first * block_size:end * block_size]))
+                                tuple(request.all_token_ids[first * block_size:end * block_size]), count_query)
             lookup = tracked.lookup = _Lookup(first, end, self._executor.submit(self.lookup_fn, query), now)
             self.num_lookups += 1
         try:
@@ -292,38 +303,48 @@ class SchedulerSide:
         request = tracked.request
         block_size = self.block_size
         computed_before = request.num_computed_tokens
+        num_computed_blocks = computed_before // block_size
         computed_after = min(computed_before + num_scheduled_tokens, request.num_tokens)
         num_complete = min(computed_after // block_size, tracked.keys.update(request))
+        first_step, tracked.stores_begun = not tracked.stores_begun, True
         offers = []
         for index, group in enumerate(self.engine.groups):
             ids, keys = tracked.engine_block_ids[index], tracked.keys.keys[index]
             num_blocks = min(num_complete, len(ids))
             # Blocks past what vLLM counts as computed are being computed again (a load that failed on
             # some rank, a resumed preemption): offer them again; the ranks that hold them answer hits.
-            offered = tracked.num_offered_blocks[index] = min(tracked.num_offered_blocks[index],
-                                                              computed_before // block_size)
+            offered = min(tracked.num_offered_blocks[index], num_computed_blocks)
+            from_own_cache = first_step and group.kind is GroupKind.FULL and offered < num_computed_blocks
+            if from_own_cache:  # vLLM's own hits were stored when computed: taken as held, the parent checks it
+                offered = num_computed_blocks
+            tracked.num_offered_blocks[index] = offered
             if num_blocks <= offered:
                 continue
             tracked.num_offered_blocks[index] = num_blocks
             if group.kind is GroupKind.MAMBA:
                 if computed_after != num_blocks * block_size:
                     continue  # the state in the running block is past the boundary
-                start, num_new = num_blocks - 1, 1
+                start = new_start = num_blocks - 1
             else:
-                start = 0
-                num_new = num_blocks - (offered if group.kind is GroupKind.FULL else
-                                        max(offered, computed_before // block_size))
-                if num_new <= 0:
+                new_start = offered if group.kind is GroupKind.FULL else max(offered, num_computed_blocks)
+                if new_start >= num_blocks:
                     continue
-            offers.append(GroupStore(
-                GroupBlocks(group.group_id, start, tuple(keys[start:num_blocks]),
-                            tuple(request.all_token_ids[start * block_size:num_blocks * block_size]),
-                            tuple(ids[start:num_blocks])),
-                num_new, volatile=group.kind is not GroupKind.FULL))
+                start = max(new_start - 1, 0)  # the parent, stored or loaded before, then the new blocks
+            offers.append(GroupStore(self._group_blocks(tracked, index, start, num_blocks), num_blocks - new_start,
+                                     volatile=group.kind is not GroupKind.FULL,
+                                     earlier=self._group_blocks(tracked, index, 0, start) if from_own_cache and start
+                                     else None))
         if not offers:
             return None
         tracked.has_stores = True
         return StoreSpec(request.request_id, tuple(offers))
+
+    def _group_blocks(self, tracked: _Tracked, index: int, start: int, end: int) -> GroupBlocks:
+        """Chain positions [start, end) of the request's `index`th served group."""
+        block_size = self.block_size
+        return GroupBlocks(self.engine.groups[index].group_id, start, tuple(tracked.keys.keys[index][start:end]),
+                           tuple(tracked.request.all_token_ids[start * block_size:end * block_size]),
+                           tuple(tracked.engine_block_ids[index][start:end]))
 
     def request_finished(self, request: Any, block_ids: Sequence[Any]) -> tuple[bool, dict | None]:
         """(True: keep the blocks until the worker reports the stores done, None)."""

@@ -19,11 +19,14 @@ step (for an asynchronous load: the step that reports it finished), and vLLM rec
 under `kv_load_failure_policy="recompute"`.
 
 Store (started in `wait_for_save`, after the forward wrote the step's KV): a job per GroupStore:
-Acquire the chain (hits first, then fresh blocks), copy the engine pages of the fresh ones into
-the pool (on CUDA: on a side stream that waits for an event recorded after the forward), Commit
-them with their hashes and tokens (parent: the previous block's hash, or the root for a chain's
-first block), Release. A failure drops the store, logged and counted (`num_dropped_stores`); a
-later request with the same prefix stores it again. Full-attention pages stay the request's
+Acquire its blocks (the parent stored before, then the step's new blocks: hits first, then fresh
+blocks), copy the engine pages of the fresh ones into the pool (on CUDA: on a side stream that
+waits for an event recorded after the forward), Commit them with their hashes and tokens
+(parent: the previous block's hash, or the root for a chain's first block), Release: three RPCs
+carrying the new blocks and one more, never the request's whole chain. A daemon that lost the
+parent gets the chain from position 0 when the offer carries it (`earlier`), else the store is
+dropped. A failure drops the store, logged and counted (`num_dropped_stores`); a later request
+with the same prefix stores it again (`store_traffic` counts what stores sent). Full-attention pages stay the request's
 until vLLM frees them: a request that ever had a store is reported in `finished_sending` once it
 has finished and all its jobs are done. Sliding-window and Mamba pages (`volatile`) are freed by
 vLLM's next schedule and may be rewritten by the next step, so their jobs run on a thread of
@@ -35,6 +38,7 @@ nothing but still reports its requests.
 from __future__ import annotations
 
 import concurrent.futures
+import dataclasses
 import itertools
 import logging
 import threading
@@ -52,6 +56,26 @@ from kvtierd.errors import KvtierError
 log = logging.getLogger(__name__)
 
 DEFAULT_START_ATTACH_S = 10.0  # the longest an engine's start waits for its first Attach
+
+
+def _payload_nbytes(block_hashes: Sequence[bytes], token_ids: Sequence[int]) -> int:
+    """The bytes of hashes and token ids (u32) a request carries: what a store sends besides the ids."""
+    return sum(map(len, block_hashes)) + 4 * len(token_ids)
+
+
+@dataclasses.dataclass
+class StoreTraffic:
+    """What the stores of one worker sent the daemon: RPCs (Acquire, Commit, Release) and the
+    payload bytes of their hashes and token ids. Added to by the store threads, under its lock."""
+
+    rpcs: int = 0
+    payload_bytes: int = 0
+    _lock: threading.Lock = dataclasses.field(default_factory=threading.Lock, repr=False, compare=False)
+
+    def add(self, rpcs: int, payload_bytes: int) -> None:
+        with self._lock:
+            self.rpcs += rpcs
+            self.payload_bytes += payload_bytes
 
 
 class EnginePagesLike(Protocol):
@@ -101,6 +125,7 @@ class WorkerSide:
         self.num_loaded_blocks = 0
         self.num_stored_blocks = 0
         self.num_dropped_stores = 0
+        self.store_traffic = StoreTraffic()
 
     def register(self, pages: EnginePagesLike) -> None:
         """Take the engine's pages and attach, waiting at most `start_attach_s`: vLLM registers its
@@ -166,7 +191,7 @@ class WorkerSide:
         daemon_request_id = self._daemon_request_id("load", spec.request_id)
         try:
             acquired = session.acquire(daemon_request_id, list(blocks.block_hashes), 0,
-                                       token_ids=list(blocks.token_ids))
+                                       token_ids=list(blocks.token_ids), query_counted=True)
         except KvtierError as error:
             self.link.failed(session, error)
             log.warning("kvtierd connector: acquire for loading %s failed (%s: %s)", spec.request_id,
@@ -247,26 +272,38 @@ class WorkerSide:
     def _store_with(self, session: Session, daemon_request_id: str, spec: StoreSpec, offer: GroupStore, event,
                     pages_read: threading.Event | None) -> None:
         blocks = offer.blocks
-        acquired = session.acquire(daemon_request_id, list(blocks.block_hashes), 0, token_ids=list(blocks.token_ids),
-                                   for_store=True)
+        acquired = self._acquire_to_store(session, daemon_request_id, blocks)
         num_hits = acquired.num_t0_hit_blocks + acquired.num_loading_blocks
+        if num_hits < offer.num_known_blocks:  # the daemon no longer holds the parent
+            if offer.earlier is None:  # the chain cannot reach this step's blocks
+                self._count_dropped(f"the daemon no longer holds block {blocks.first_position} of group "
+                                    f"{blocks.group_id}, the parent of this step's blocks", spec.request_id)
+                return
+            self._release_after(session, daemon_request_id, None)
+            blocks = offer.earlier.then(blocks)  # vLLM's own cache still has them: store from position 0
+            acquired = self._acquire_to_store(session, daemon_request_id, blocks)
+            num_hits = acquired.num_t0_hit_blocks + acquired.num_loading_blocks
         fresh_block_ids = acquired.block_ids[num_hits:blocks.num_blocks]
         if not fresh_block_ids:
             return
-        if offer.volatile and num_hits < blocks.num_blocks - offer.num_new_blocks:
-            # The daemon lacks blocks vLLM has freed since: the chain cannot reach this step's blocks.
-            self._count_dropped(f"the daemon holds {num_hits} of group {blocks.group_id}'s "
-                                f"{blocks.num_blocks - offer.num_new_blocks} earlier blocks", spec.request_id)
-            return
+        assert num_hits or blocks.first_position == 0 or offer.volatile, "a mid-chain commit needs its parent"
         self._copy_to_pool(self._groups[blocks.group_id], blocks.engine_block_ids[num_hits:], session.pool.tensor,
                            fresh_block_ids, event)
         if pages_read is not None:
             pages_read.set()
         block_size = len(blocks.token_ids) // blocks.num_blocks
-        session.commit(daemon_request_id, fresh_block_ids, list(blocks.block_hashes[num_hits:]),
-                       list(blocks.token_ids[num_hits * block_size:]),
+        hashes, tokens = list(blocks.block_hashes[num_hits:]), list(blocks.token_ids[num_hits * block_size:])
+        session.commit(daemon_request_id, fresh_block_ids, hashes, tokens,
                        blocks.block_hashes[num_hits - 1] if num_hits else None)
+        self.store_traffic.add(rpcs=1, payload_bytes=_payload_nbytes(hashes, tokens))
         self.num_stored_blocks += len(fresh_block_ids)
+
+    def _acquire_to_store(self, session: Session, daemon_request_id: str, blocks: GroupBlocks):
+        """Acquire `blocks` to store them (no hit, no query); counted in `store_traffic` with its Release."""
+        hashes, tokens = list(blocks.block_hashes), list(blocks.token_ids)
+        acquired = session.acquire(daemon_request_id, hashes, 0, token_ids=tokens, for_store=True)
+        self.store_traffic.add(rpcs=2, payload_bytes=_payload_nbytes(hashes, tokens))
+        return acquired
 
     def _count_dropped(self, why: str, request_id: str) -> None:
         """Count a dropped store; log the first and then every 100th (a daemon that is down drops many)."""

@@ -156,13 +156,16 @@ class AsyncSession(SessionBase):
         self._keepalive: AsyncKeepAlive | None = None
 
     async def lookup(self, block_hashes: Sequence[bytes], token_ids: TokenIds | None = None,
-                     prefetch: bool = False, chain_lengths: Sequence[int] | None = None) -> pb.LookupResponse:
-        return await self._client._run(self._lookup(block_hashes, token_ids, prefetch, chain_lengths))
+                     prefetch: bool = False, chain_lengths: Sequence[int] | None = None,
+                     num_query_blocks: int = 0) -> pb.LookupResponse:
+        return await self._client._run(self._lookup(block_hashes, token_ids, prefetch, chain_lengths,
+                                                    num_query_blocks))
 
     async def acquire(self, request_id: str, block_hashes: Sequence[bytes], num_extra_blocks: int = 0,
-                      token_ids: TokenIds | None = None, for_store: bool = False) -> AcquireResult:
+                      token_ids: TokenIds | None = None, for_store: bool = False, query_counted: bool = False,
+                      parent_hash: bytes | None = None) -> AcquireResult:
         return await self._client._run(self._acquire(request_id, block_hashes, num_extra_blocks, token_ids,
-                                                     for_store))
+                                                     for_store, query_counted, parent_hash))
 
     async def wait(self, request_id: str, timeout_s: float | None = None) -> int:
         return await self._client._run(self._wait(request_id, timeout_s, self._client.timeout_s))

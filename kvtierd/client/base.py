@@ -288,15 +288,18 @@ class SessionBase:
 
         self.pool = attach_device_pool(self.handle)
 
-    def _lookup(self, block_hashes, token_ids, prefetch, chain_lengths) -> Call:
+    def _lookup(self, block_hashes, token_ids, prefetch, chain_lengths, num_query_blocks: int) -> Call:
         return Call("Lookup", pb.LookupRequest(session_id=self.session_id, block_hashes=hash_list(block_hashes),
                                                token_ids=optional_tokens(token_ids), prefetch=prefetch,
-                                               chain_lengths=list(chain_lengths or ())))
+                                               chain_lengths=list(chain_lengths or ()),
+                                               num_query_blocks=num_query_blocks))
 
-    def _acquire(self, request_id, block_hashes, num_extra_blocks, token_ids, for_store: bool) -> Call:
+    def _acquire(self, request_id, block_hashes, num_extra_blocks, token_ids, for_store: bool,
+                 query_counted: bool = False, parent_hash: bytes | None = None) -> Call:
         request = pb.AcquireRequest(session_id=self.session_id, request_id=request_id,
                                     block_hashes=hash_list(block_hashes), token_ids=optional_tokens(token_ids),
-                                    num_extra_blocks=num_extra_blocks, for_store=for_store)
+                                    num_extra_blocks=num_extra_blocks, for_store=for_store,
+                                    query_counted=query_counted, parent_hash=bytes(parent_hash or b""))
         return Call("Acquire", request, lambda r: AcquireResult(list(r.block_ids), r.num_t0_hit_blocks,
                                                            r.num_t1_blocks, r.num_t2_blocks, r.pending,
                                                            r.num_t3_blocks))

@@ -175,15 +175,21 @@ class Session(SessionBase):
         self._keepalive: KeepAlive | None = None
 
     def lookup(self, block_hashes: Sequence[bytes], token_ids: TokenIds | None = None,
-               prefetch: bool = False, chain_lengths: Sequence[int] | None = None) -> pb.LookupResponse:
+               prefetch: bool = False, chain_lengths: Sequence[int] | None = None,
+               num_query_blocks: int = 0) -> pb.LookupResponse:
         """The leading blocks held of the chain, tier by tier; with `chain_lengths`, of each of
-        the consecutive chains `block_hashes` holds (`.chains`), each matched on its own."""
-        return self._client._run(self._lookup(block_hashes, token_ids, prefetch, chain_lengths))
+        the consecutive chains `block_hashes` holds (`.chains`), each matched on its own.
+        `num_query_blocks`: blocks to count as one query of the daemon's hit rate."""
+        return self._client._run(self._lookup(block_hashes, token_ids, prefetch, chain_lengths, num_query_blocks))
 
     def acquire(self, request_id: str, block_hashes: Sequence[bytes], num_extra_blocks: int = 0,
-                token_ids: TokenIds | None = None, for_store: bool = False) -> AcquireResult:
-        """`for_store`: the caller acquires to store blocks it computed; what it finds is no hit."""
-        return self._client._run(self._acquire(request_id, block_hashes, num_extra_blocks, token_ids, for_store))
+                token_ids: TokenIds | None = None, for_store: bool = False, query_counted: bool = False,
+                parent_hash: bytes | None = None) -> AcquireResult:
+        """`for_store`: the caller acquires to store blocks it computed; what it finds is no hit.
+        `query_counted`: a Lookup counted the query (num_query_blocks); only the hits count.
+        `parent_hash`: the chain continues the block of that hash (None: it starts at the root)."""
+        return self._client._run(self._acquire(request_id, block_hashes, num_extra_blocks, token_ids, for_store,
+                                               query_counted, parent_hash))
 
     def wait(self, request_id: str, timeout_s: float | None = None) -> int:
         """Leading ready blocks once loads land; the daemon waits `timeout_s` (None: the client's)."""

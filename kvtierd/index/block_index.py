@@ -20,6 +20,7 @@ from kvtierd.index.index_events import AllBlocksCleared, BlockStored, EventQueue
 from kvtierd.index.index_metrics import IndexObserver
 from kvtierd.index.kv_block import KVBlock
 from kvtierd.index.prefix_match import check_hashes, match_prefix, pack_prompt_tokens
+from kvtierd.index.query_counting import QueryCounting
 
 RequestId = Hashable
 CopyBlock = Callable[[int, int], None]  # (src_block_id, dst_block_id): copy the bytes
@@ -145,14 +146,14 @@ class BlockIndex:
     # ----------------------------------------------------------------------------- mutations
 
     def allocate(self, request_id: RequestId, block_hashes: Sequence[bytes], num_extra_blocks: int = 0,
-                 token_ids: Sequence[int] | None = None, counted: bool = True) -> AllocatedBlocks:
+                 token_ids: Sequence[int] | None = None,
+                 counting: QueryCounting = QueryCounting.QUERY_AND_HITS) -> AllocatedBlocks:
         """Give a new request one block per hash (hits first, the first miss ends the walk, then
         fresh blocks) and `num_extra_blocks` fresh blocks after them.
 
         With `token_ids` (the prompt's tokens), each hit is verified against the stored tokens:
         a hash collision is a miss. ResourceExhausted, changing nothing, when the pool is short.
-        `counted` False: the walk is not a prefix query (a caller storing blocks it computed), so the
-        observer's query and hit counts leave it out.
+        `counting`: what the walk adds to the observer's query and hit counts (query_counting.py).
         """
         if num_extra_blocks < 0:
             raise InvalidArgument(f"num_extra_blocks must be >= 0, got {num_extra_blocks}")
@@ -173,8 +174,9 @@ class BlockIndex:
             self.free_queue.remove_many(reused)
             table = hits + self._pop_free(num_new_blocks, now)
             self.tables[request_id] = table
-            if observer is not None and counted:
-                observer.on_query(len(block_hashes) * self.block_size, len(hits) * self.block_size)
+            if observer is not None and counting is not QueryCounting.NOTHING:
+                observer.on_query(len(block_hashes) * self.block_size if counting.counts_query else 0,
+                                  len(hits) * self.block_size)
             return AllocatedBlocks([block.block_id for block in table], len(hits))
 
     def append_blocks(self, request_id: RequestId, num_blocks: int) -> list[int]:

@@ -34,10 +34,12 @@ MAX_REQUEST_ID_CHARS = 256
 
 @dataclasses.dataclass(slots=True)
 class HeldRequest:
-    """What a live request holds: its block references, and its promotion ticket."""
+    """What a live request holds: its block references, its promotion ticket, and the client hash
+    its first block continues (None: the root; set when its Acquire continued a chain stored before)."""
 
     num_blocks: int
     ticket: Ticket | None = None
+    first_parent: bytes | None = None
 
 
 @dataclasses.dataclass(eq=False)
@@ -112,8 +114,9 @@ class SessionTable:
 
     # ----------------------------------------------------------------------------- requests
 
-    def hold(self, session: SessionLease, request_id: str, num_blocks: int, ticket: Ticket | None = None) -> None:
-        session.requests[request_id] = HeldRequest(num_blocks, ticket)
+    def hold(self, session: SessionLease, request_id: str, num_blocks: int, ticket: Ticket | None = None,
+             first_parent: bytes | None = None) -> None:
+        session.requests[request_id] = HeldRequest(num_blocks, ticket, first_parent)
         self.quotas.add(session.tenant.name, num_blocks * session.pool.layout.bytes_per_block)
 
     def grow(self, session: SessionLease, request_id: str, num_blocks: int) -> None:

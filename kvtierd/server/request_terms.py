@@ -48,12 +48,24 @@ def lookup_chains(keys: list[bytes], token_bytes: bytes | None, chain_lengths: l
     return chains
 
 
-def parent_key(tenant: Tenant, pool: LayoutPool, position: int, parent_hash: bytes) -> bytes:
-    """The daemon's key of the parent of the block at `position`; block 0's must be the root."""
+def parent_key(tenant: Tenant, pool: LayoutPool, position: int, parent_hash: bytes,
+               first_parent: bytes | None = None) -> bytes:
+    """The daemon's key of the parent of the block at `position`; block 0's must be
+    `first_parent` (the hash the request's Acquire continued) or, without one, the root."""
     check_hashes([parent_hash], pool.digest_size)
-    if position == 0 and parent_hash != pool.client_root:
+    if position == 0 and parent_hash != (first_parent or pool.client_root):
+        if first_parent is not None:
+            raise InvalidArgument("the parent of a request's first block must be the parent_hash its Acquire named")
         raise InvalidArgument("the parent of a request's first block must be the root hash from Attach")
     return tenant.key(parent_hash)
+
+
+def acquire_parent(pool: LayoutPool, parent_hash: bytes) -> bytes | None:
+    """An Acquire's parent_hash, checked (None when it names none: the chain starts at the root)."""
+    if not parent_hash:
+        return None
+    check_hashes([parent_hash], pool.digest_size)
+    return parent_hash
 
 
 def position_of(pool: LayoutPool, table: list[int], block_ids: list[int], request_id: str) -> int:

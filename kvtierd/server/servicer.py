@@ -28,7 +28,16 @@ from kvtierd.node.sessions import SessionLease, SessionTable
 from kvtierd.server.event_feed import EventFeed
 from kvtierd.server.interceptor import current_tenant
 from kvtierd.server.pool_stats import pool_stats, remote_store_message
-from kvtierd.server.request_terms import client_keys, hit_counts, lookup_chains, packed_tokens, parent_key, position_of
+from kvtierd.index.query_counting import QueryCounting
+from kvtierd.server.request_terms import (
+    acquire_parent,
+    client_keys,
+    hit_counts,
+    lookup_chains,
+    packed_tokens,
+    parent_key,
+    position_of,
+)
 from kvtierd.server.stream_items import items_until
 from kvtierd.tiering.block_io import BlockGet, PutBlock
 from kvtierd.tiering.promotion import TierHits
@@ -105,6 +114,8 @@ class KvTierServicer(kvtier_pb2_grpc.KvTierServicer):
         manager = session.pool.manager
         chains = lookup_chains(keys, packed_tokens(request.token_ids), list(request.chain_lengths),
                                session.pool.layout.block_size)
+        if request.num_query_blocks > len(keys):
+            raise InvalidArgument(f"num_query_blocks ({request.num_query_blocks}) exceeds the {len(keys)} hashes")
         hits = [manager.lookup(chain_keys, chain_tokens, prefetch=request.prefetch and not manager.has_remote,
                                ask_remote=False) for chain_keys, chain_tokens in chains]
         if manager.has_remote:  # the shared store, for what the local tiers lack: a round trip, on a thread
@@ -114,20 +125,25 @@ class KvTierServicer(kvtier_pb2_grpc.KvTierServicer):
                 manager.lookup_remote(chains, hits, prefetch=True)  # no round trip: nothing left to ask
         total = TierHits(*(sum(counts) for counts in zip(*((h.t0, h.t1, h.t2, h.t3) for h in hits))))
         per_chain = [pb.ChainHits(**hit_counts(h)) for h in hits] if request.chain_lengths else []
+        manager.count_query_blocks(request.num_query_blocks)  # once the lookup has been answered
         return pb.LookupResponse(**hit_counts(total), chains=per_chain)
 
     async def Acquire(self, request: pb.AcquireRequest, context) -> pb.AcquireResponse:
         session = self._session(request.session_id)
         session.check_new(request.request_id)
         keys = client_keys(session.tenant, session.pool, request.block_hashes)
+        first_parent = acquire_parent(session.pool, request.parent_hash)
         self.sessions.check_quota(session, len(keys) + request.num_extra_blocks)
         manager, request_key = session.pool.manager, session.key(request.request_id)
+        counting = (QueryCounting.NOTHING if request.for_store else
+                    QueryCounting.HITS_ONLY if request.query_counted else QueryCounting.QUERY_AND_HITS)
         acquire = functools.partial(manager.acquire, request_key, keys, request.num_extra_blocks,
-                                    packed_tokens(request.token_ids), counted=not request.for_store)
+                                    packed_tokens(request.token_ids), counting=counting)
         acquired = (await _off_loop_owned(acquire, lambda _: manager.release(request_key)) if manager.has_remote
                     else acquire())
         pending = acquired.num_t1_blocks + acquired.num_t2_blocks + acquired.num_t3_blocks > 0
-        self.sessions.hold(session, request.request_id, len(acquired.block_ids), acquired.ticket if pending else None)
+        self.sessions.hold(session, request.request_id, len(acquired.block_ids), acquired.ticket if pending else None,
+                           first_parent)
         if acquired.writable is not None:  # evicted bytes still being copied down: the client writes after
             await asyncio.wrap_future(acquired.writable)
         return pb.AcquireResponse(block_ids=acquired.block_ids, num_t0_hit_blocks=acquired.num_t0_hit_blocks,
@@ -152,7 +168,7 @@ class KvTierServicer(kvtier_pb2_grpc.KvTierServicer):
 
     async def Commit(self, request: pb.CommitRequest, context) -> pb.CommitResponse:
         session = self._session(request.session_id)
-        session.held(request.request_id)
+        held = session.held(request.request_id)
         pool = session.pool
         keys = client_keys(session.tenant, pool, request.block_hashes)
         if len(request.block_ids) != len(keys) or not keys:
@@ -160,7 +176,7 @@ class KvTierServicer(kvtier_pb2_grpc.KvTierServicer):
                                   f"and {len(keys)} hashes")
         key = session.key(request.request_id)
         position = position_of(pool, pool.manager.block_table(key), list(request.block_ids), request.request_id)
-        parent = parent_key(session.tenant, pool, position, request.parent_hash)
+        parent = parent_key(session.tenant, pool, position, request.parent_hash, held.first_parent)
         num_held = pool.manager.commit(key, position, keys, pack_token_ids(request.token_ids), parent)
         return pb.CommitResponse(num_committed_blocks=num_held)
 
@@ -176,7 +192,7 @@ class KvTierServicer(kvtier_pb2_grpc.KvTierServicer):
             raise FailedPrecondition(f"request {request.request_id!r} has promotions in flight: Wait before Fork")
         self.sessions.check_quota(session, held.num_blocks)
         block_ids = session.pool.manager.fork(session.key(request.request_id), session.key(request.child_request_id))
-        self.sessions.hold(session, request.child_request_id, len(block_ids))
+        self.sessions.hold(session, request.child_request_id, len(block_ids), first_parent=held.first_parent)
         return pb.ForkResponse(block_ids=block_ids)
 
     async def AppendBlocks(self, request: pb.AppendBlocksRequest, context) -> pb.AppendBlocksResponse:

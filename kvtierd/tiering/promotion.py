@@ -26,6 +26,7 @@ import threading
 
 from kvtierd.block_hash import pack_token_ids
 from kvtierd.errors import KvtierError
+from kvtierd.index.query_counting import QueryCounting
 from kvtierd.index.slot_index import BlockMeta, SlotEntry
 from kvtierd.movers.copy_engine import Direction
 from kvtierd.tiering.lower_reads import LowerReads, Segment
@@ -113,21 +114,22 @@ class Promoter:
 
     def acquire(self, request_id, block_hashes: list[bytes], num_extra_blocks: int = 0, token_ids=None,
                 recompute_s_per_token=_FROM_CONFIG, num_t3_present: int | None = None,
-                counted: bool = True) -> AcquiredBlocks:
+                counting: QueryCounting = QueryCounting.QUERY_AND_HITS) -> AcquiredBlocks:
         """`num_t3_present`: how many of the chain's blocks after the local hits the shared store
-        holds, when a lookup just asked (None: ask it). `counted` False (a caller acquiring to store
-        what it computed): neither its chain nor the blocks it finds enter the query and hit counts."""
+        holds, when a lookup just asked (None: ask it). `counting`: whether its chain enters the
+        query count and the blocks it finds the hit counts (query_counting.py)."""
         tiers = self.tiers
         cost = tiers.config.recompute_s_per_token if recompute_s_per_token is _FROM_CONFIG else recompute_s_per_token
         token_bytes = pack_token_ids(token_ids) if token_ids is not None else None
-        allocation = tiers.index.allocate(request_id, block_hashes, num_extra_blocks, token_bytes, counted=counted)
+        allocation = tiers.index.allocate(request_id, block_hashes, num_extra_blocks, token_bytes, counting=counting)
         n0 = allocation.num_hit_blocks
         t1_entries = self._t1_hits(block_hashes, token_bytes, n0, cost)
         t2_metas = self._t2_hits(block_hashes, token_bytes, n0 + len(t1_entries), cost)
         t3_metas = self._t3_hits(block_hashes, token_bytes, n0 + len(t1_entries) + len(t2_metas), cost,
                                  num_t3_present)
-        if counted:
+        if counting.counts_hits:
             tiers.counters.add("num_hit_blocks", n0, "t0")
+        if counting.counts_query:
             tiers.counters.add("num_query_blocks", len(block_hashes))
         writable = tiers.write_backs.when_landed(allocation.block_ids[n0:])
         if not t1_entries and not t2_metas and not t3_metas:
@@ -144,7 +146,7 @@ class Promoter:
         for segment in segments:
             if not segment.metas:
                 segment.num_loaded = 0
-        done = lambda: self._finish(request_id, n0, targets, segments, ticket, counted)  # noqa: E731
+        done = lambda: self._finish(request_id, n0, targets, segments, ticket, counting)  # noqa: E731
 
         def start_loads() -> None:  # on a mover thread: submit may wait for the engine's budget
             if t1_entries:
@@ -309,7 +311,7 @@ class Promoter:
         tiers.after(read_transfer, after_read)
 
     def _finish(self, request_id, start: int, targets: list[int], segments: list[Segment], ticket: Ticket,
-                counted: bool) -> None:
+                counting: QueryCounting) -> None:
         """When every segment has landed: commit the contiguous prefix that loaded, resolve."""
         if any(s.num_loaded is None for s in segments):
             return
@@ -328,7 +330,7 @@ class Promoter:
                 num_committed = len(loaded)
             except KvtierError as e:  # the request went away meanwhile
                 log.info("promoted blocks of %r not committed: %s", request_id, e)
-        num_uncounted = num_committed if counted else 0
+        num_uncounted = num_committed if counting.counts_hits else 0
         for segment in segments:  # the committed blocks, tier by tier in chain order
             num_hits = min(num_uncounted, len(segment.metas))
             tiers.counters.add("num_hit_blocks", num_hits, segment.tier)

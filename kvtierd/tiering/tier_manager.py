@@ -154,6 +154,12 @@ class TierManager:
         return BlockGet.start(self, request_id, keys, pack_token_ids(token_ids) if token_ids is not None else None,
                               admit)
 
+    def count_query_blocks(self, num_blocks: int) -> None:
+        """Blocks a Lookup names as a query (the Acquires that load its hits count only their hits)."""
+        if num_blocks:
+            self.tiers.counters.add("num_query_blocks", num_blocks)
+            self.count_query(num_blocks * self.tiers.index.block_size)
+
     def count_query(self, num_tokens: int) -> None:
         """Tokens asked for that the block index did not see as a query (Put's later batches, Get's misses)."""
         if self._observer is not None and num_tokens:

@@ -40,7 +40,7 @@ class TieringStats:
     t2: TierUsage | None
     ssd: SsdStats | None  # T2's health and I/O, when T2 is configured
     t3: RemoteTierStats | None  # this layout's traffic with the shared store, when T3 is configured
-    num_query_blocks: int  # blocks asked for by Acquire, Put and Get (a Lookup takes nothing: not counted)
+    num_query_blocks: int  # blocks asked for by Acquire, Put and Get, or named as a query by a Lookup
     num_skipped_slow_blocks: int  # lower-tier hits recomputed because loading was slower
     num_failed_load_blocks: int
     num_failed_offload_blocks: int

@@ -14,6 +14,7 @@ import pytest
 
 from kvtierd.block_hash import pack_token_ids
 from kvtierd.client import KvtierClient
+from kvtierd.errors import InvalidArgument
 from kvtierd.server.daemon_process import (
     WRITE_THROUGH,
     DaemonProcess,
@@ -285,3 +286,64 @@ def test_an_acquire_to_store_is_neither_a_query_nor_a_hit(tmp_path):
         assert t0_hits == {t.tier: t.num_hit_blocks for t in before.tiers}["t0"] + len(hashes)
         query, hits = prefix_token_counts(daemon.metrics_url)
         assert (query - query_before, hits - hits_before) == (len(tokens), len(tokens))
+
+
+def test_a_lookup_names_the_query_and_the_load_counts_only_its_hits(tmp_path):
+    """An engine's first Lookup of a request counts the blocks a full hit would load
+    (num_query_blocks); the Acquire that loads the hits (query_counted) adds hits and no second
+    query; a Lookup that names more query blocks than hashes is refused and counts nothing."""
+    tokens = prompt(12, 32)
+    with DaemonProcess(small_daemon_args(str(tmp_path))) as daemon, KvtierClient(daemon.address) as client:
+        session = client.attach(LAYOUT, map_pool=False)
+        hashes = session.namespace.hash_blocks(tokens)
+        stored = session.acquire("compute", hashes[:5], 0, token_ids=tokens[:20], for_store=True)
+        session.commit("compute", stored.block_ids, hashes[:5], tokens[:20], None)
+        session.release("compute")
+        before = t0_stats(client)
+        query_before, hits_before = prefix_token_counts(daemon.metrics_url)
+
+        with pytest.raises(InvalidArgument, match="num_query_blocks"):
+            session.lookup(hashes, token_ids=tokens, num_query_blocks=len(hashes) + 1)
+        assert t0_stats(client).num_query_blocks == before.num_query_blocks
+
+        answer = session.lookup(hashes, token_ids=tokens, num_query_blocks=len(hashes))
+        assert answer.num_hit_blocks == 5
+        load = session.acquire("load", hashes[:5], 0, token_ids=tokens[:20], query_counted=True)
+        session.release("load")
+        after = t0_stats(client)
+        assert load.num_t0_hit_blocks == 5
+        assert after.num_query_blocks == before.num_query_blocks + len(hashes)
+        hits = {t.tier: t.num_hit_blocks for t in after.tiers}["t0"] - {t.tier: t.num_hit_blocks
+                                                                         for t in before.tiers}["t0"]
+        assert hits == 5
+        query, hit_tokens = prefix_token_counts(daemon.metrics_url)
+        assert (query - query_before, hit_tokens - hits_before) == (4 * len(hashes), 4 * 5)
+
+
+def test_a_store_may_continue_a_chain_stored_before_naming_only_its_parent(tmp_path):
+    """An engine stores the blocks a step filled: an Acquire of just those, naming the hash before
+    them (parent_hash), and a Commit under that parent; the whole chain is then one prefix. A
+    Commit naming another parent for the first block, or a malformed parent, is refused and
+    changes nothing."""
+    tokens = prompt(13, 32)
+    with DaemonProcess(small_daemon_args(str(tmp_path))) as daemon, KvtierClient(daemon.address) as client:
+        session = client.attach(LAYOUT, map_pool=False)
+        hashes = session.namespace.hash_blocks(tokens)
+        head = session.acquire("head", hashes[:3], 0, token_ids=tokens[:12], for_store=True)
+        session.commit("head", head.block_ids, hashes[:3], tokens[:12], None)
+        session.release("head")
+
+        with pytest.raises(InvalidArgument, match="block hash"):
+            session.acquire("bad", hashes[3:], 0, token_ids=tokens[12:], for_store=True, parent_hash=b"\x01")
+        tail = session.acquire("tail", hashes[3:], 0, token_ids=tokens[12:], for_store=True, parent_hash=hashes[2])
+        assert tail.num_t0_hit_blocks == 0
+        with pytest.raises(InvalidArgument, match="parent_hash its Acquire named"):
+            session.commit("tail", tail.block_ids, hashes[3:], tokens[12:], hashes[1])
+        with pytest.raises(InvalidArgument, match="parent_hash its Acquire named"):
+            session.commit("tail", tail.block_ids, hashes[3:], tokens[12:], None)  # the root
+        assert session.lookup(hashes, token_ids=tokens).num_hit_blocks == 3
+        assert session.commit("tail", tail.block_ids, hashes[3:], tokens[12:], hashes[2]) == len(hashes) - 3
+        session.release("tail")
+        assert session.lookup(hashes, token_ids=tokens).num_hit_blocks == len(hashes)
+        stats = t0_stats(client)
+        assert stats.num_free_blocks == stats.num_blocks  # nothing held (the refused Acquire held nothing)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from kvtierd.index.query_counting import QueryCounting
 from kvtierd.server.daemon_process import wait_until
 from kvtierd.tiering.tier_config import EdgePolicy
 from tests.factories import BLOCK_SIZE, NAMESPACE, tokens
@@ -49,11 +50,11 @@ def test_evicted_blocks_are_offloaded_and_promoted_back_with_their_bytes(manager
 
 
 def test_an_uncounted_acquire_promotes_from_t1_without_counting_a_query_or_a_hit(manager):
-    """counted=False (a caller that acquires to store): the T1 blocks it finds still come back
+    """QueryCounting.NOTHING (a caller that acquires to store): the T1 blocks it finds still come back
     with their bytes, but neither the query nor the T1 hits are counted; a counted one is."""
     chain = only_in_t1(manager)
     before, queries_before = manager.stats(), manager.tiers.counters.num_query_blocks
-    acquisition = manager.acquire("store", chain, 0, PROMPT, counted=False)
+    acquisition = manager.acquire("store", chain, 0, PROMPT, counting=QueryCounting.NOTHING)
     assert acquisition.num_t1_blocks == 4 and acquisition.ticket.wait(10) == 4
     manager.release("store")
     after = manager.stats()
@@ -63,6 +64,21 @@ def test_an_uncounted_acquire_promotes_from_t1_without_counting_a_query_or_a_hit
     assert counted.num_t0_hit_blocks == 4  # promoted and committed by the uncounted one
     manager.release("load")
     assert manager.stats().t0.num_hit_blocks == before.t0.num_hit_blocks + 4
+
+
+def test_a_lookup_counts_the_query_and_a_hits_only_acquire_counts_only_its_promoted_hits(manager):
+    """An engine's Lookup names the query (count_query_blocks); the Acquire that loads the hits
+    (HITS_ONLY) adds its T1 hits, once they landed, and no second query."""
+    chain = only_in_t1(manager)
+    before, queries_before = manager.stats(), manager.tiers.counters.num_query_blocks
+    manager.count_query_blocks(6)
+    acquisition = manager.acquire("load", chain, 0, PROMPT, counting=QueryCounting.HITS_ONLY)
+    assert acquisition.num_t1_blocks == 4 and acquisition.ticket.wait(10) == 4
+    manager.release("load")
+    after = manager.stats()
+    assert after.t1.num_hit_blocks == before.t1.num_hit_blocks + 4
+    assert after.t0.num_hit_blocks == before.t0.num_hit_blocks
+    assert manager.tiers.counters.num_query_blocks == queries_before + 6
 
 
 def test_a_t1_load_that_lands_before_acquire_returns_still_resolves_the_ticket(manager, monkeypatch):

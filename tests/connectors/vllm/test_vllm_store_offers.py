@@ -1,0 +1,178 @@
+"""The connector's incremental store path: each step offers its new blocks after their parent,
+never the whole chain again; requests served from vLLM's own cache send no store; the daemon's
+query count takes each request's first ask once."""
+
+from __future__ import annotations
+
+import pytest
+
+from kvtierd.client import KvtierClient
+from kvtierd.connectors.vllm.group_hits import NO_HIT, RequestHit
+from kvtierd.connectors.vllm.kv_groups import engine_groups
+from kvtierd.connectors.vllm.scheduler import LookupQuery, SchedulerSide
+from kvtierd.server.daemon_process import DaemonProcess, small_daemon_args, wait_until
+from tests.connectors.vllm.vllm_fakes import (
+    BLOCK_SIZE,
+    CachedRequestData,
+    Engine,
+    KVCacheBlocks,
+    KVCacheConfig,
+    NewRequestData,
+    Request,
+    SchedulerOutput,
+    block_value,
+)
+
+
+def prompt(seed: int, num_tokens: int) -> list[int]:
+    return [(seed * 7919 + i) % 30_000 + 10 for i in range(num_tokens)]
+
+
+def scheduler(lookup=lambda query: NO_HIT) -> SchedulerSide:
+    return SchedulerSide(lookup, engine_groups(KVCacheConfig(), prefix_caching=True), lookup_wait_s=5.0,
+                         lookup_timeout_s=30.0)
+
+
+def first_step(request: Request, block_ids: list[int], num_computed: int, num_scheduled: int) -> SchedulerOutput:
+    """The step that schedules `request` new, with `num_computed` tokens already there."""
+    request.num_computed_tokens = num_computed
+    return SchedulerOutput([NewRequestData(request.request_id, request.prompt_token_ids, (block_ids,), num_computed)],
+                           CachedRequestData(), {request.request_id: num_scheduled}, set())
+
+
+def next_step(request: Request, num_scheduled: int) -> SchedulerOutput:
+    return SchedulerOutput([], CachedRequestData([request.request_id], set(), [[]], [None],
+                                                 [request.num_computed_tokens]),
+                           {request.request_id: num_scheduled}, set())
+
+
+def test_a_chunked_prefill_offers_each_chunks_blocks_after_one_parent():
+    side = scheduler()
+    request = Request("chunked", prompt(1, 6 * BLOCK_SIZE + 1))
+    block_ids = list(range(20, 27))
+    side.update_state_after_alloc(request, KVCacheBlocks(block_ids), 0)
+    (store,) = side.build_connector_meta(first_step(request, block_ids, 0, 3 * BLOCK_SIZE)).stores
+    (offer,) = store.groups
+    assert (offer.blocks.first_position, offer.blocks.num_blocks, offer.num_new_blocks, offer.earlier) == (0, 3, 3,
+                                                                                                          None)
+    request.num_computed_tokens = 3 * BLOCK_SIZE
+    (store,) = side.build_connector_meta(next_step(request, 3 * BLOCK_SIZE + 1)).stores
+    (offer,) = store.groups
+    assert (offer.blocks.first_position, offer.blocks.num_blocks, offer.num_new_blocks) == (2, 4, 3)
+    assert offer.blocks.block_hashes[0] == side._tracked["chunked"].keys.keys[0][2]  # the parent
+    assert offer.blocks.engine_block_ids == tuple(block_ids[2:6])
+    assert offer.blocks.token_ids == tuple(request.all_token_ids[2 * BLOCK_SIZE:6 * BLOCK_SIZE])
+    side.shutdown()
+
+
+def test_blocks_from_vllms_own_cache_are_not_offered_again_and_a_request_all_cached_sends_no_store():
+    side = scheduler()
+    partly = Request("partly", prompt(2, 5 * BLOCK_SIZE + 2))  # 3 blocks in vLLM's cache, 2 to compute
+    ids = list(range(30, 36))
+    side.update_state_after_alloc(partly, KVCacheBlocks(ids), 0)
+    (store,) = side.build_connector_meta(first_step(partly, ids, 3 * BLOCK_SIZE, 2 * BLOCK_SIZE + 2)).stores
+    (offer,) = store.groups
+    assert (offer.blocks.first_position, offer.blocks.num_blocks, offer.num_new_blocks) == (2, 3, 2)
+    assert offer.earlier is not None and (offer.earlier.first_position, offer.earlier.num_blocks) == (0, 2)
+    assert offer.earlier.then(offer.blocks).engine_block_ids == tuple(ids[:5])
+
+    cached = Request("cached", prompt(3, 3 * BLOCK_SIZE + 2))  # every full block in vLLM's cache
+    ids = list(range(40, 44))
+    side.update_state_after_alloc(cached, KVCacheBlocks(ids), 0)
+    assert side.build_connector_meta(first_step(cached, ids, 3 * BLOCK_SIZE, 2)).stores == []
+    assert side.request_finished(cached, ids) == (False, None)  # nothing to wait for: freed at once
+    side.shutdown()
+
+
+def test_a_request_counts_as_a_query_once_per_range_it_asks_for():
+    queries: list[LookupQuery] = []
+
+    def lookup(query: LookupQuery) -> RequestHit:
+        queries.append(query)
+        return NO_HIT
+
+    side = SchedulerSide(lookup, engine_groups(KVCacheConfig(), prefix_caching=True), lookup_wait_s=5.0,
+                         lookup_timeout_s=30.0, lookup_ttl_s=1e-6)
+    request = Request("asks", prompt(4, 4 * BLOCK_SIZE + 3))
+    for _ in range(2):  # the second ask comes after the answer expired: a new RPC, not a new query
+        assert wait_until(lambda: side._tracked.get("asks") is None or side._tracked["asks"].lookup is None
+                          or side._tracked["asks"].lookup.future.done())
+        assert side.get_num_new_matched_tokens(request, 0) == (0, False)
+    assert side.get_num_new_matched_tokens(request, BLOCK_SIZE) == (0, False)  # vLLM's own hit grew
+    assert [(q.first_position, q.count_query) for q in queries] == [(0, True), (0, False), (1, True)]
+    side.shutdown()
+
+
+@pytest.fixture
+def daemon(tmp_path):
+    with DaemonProcess(small_daemon_args(str(tmp_path))) as process:
+        yield process
+
+
+def compute_step(engine: Engine, output: SchedulerOutput, request: Request, block_ids: list[int],
+                 positions: range) -> None:
+    """One engine step that computes `positions` of `request` (their blocks get block_value)."""
+    metadata = engine.scheduler.build_connector_meta(output)
+    engine._worker_step(metadata, output, lambda: [engine.write_block(block_ids[i], block_value(request.block_hashes[i]))
+                                                   for i in positions])
+
+
+def test_stores_send_only_new_blocks_and_a_lost_parent_is_stored_again_from_vllms_own_cache(daemon):
+    engine = Engine(daemon.address)
+    worker = engine.worker._worker()
+    try:
+        with KvtierClient(daemon.address) as client:
+            session = client.attach(worker.link.layout, map_pool=False)
+
+            def held(request: Request) -> int:
+                return session.lookup(request.block_hashes, token_ids=request.all_token_ids).num_hit_blocks
+
+            request = Request("chunks", prompt(5, 6 * BLOCK_SIZE + 1))
+            ids = engine.free_block_ids[:7]
+            engine.scheduler.update_state_after_alloc(request, KVCacheBlocks(ids), 0)
+            compute_step(engine, first_step(request, ids, 0, 3 * BLOCK_SIZE), request, ids, range(3))
+            request.num_computed_tokens = 3 * BLOCK_SIZE
+            assert wait_until(lambda: held(request) == 3)
+            before = worker.store_traffic.payload_bytes
+            compute_step(engine, next_step(request, 3 * BLOCK_SIZE + 1), request, ids, range(3, 6))
+            assert wait_until(lambda: held(request) == 6)
+            per_block = 32 + 4 * BLOCK_SIZE
+            assert worker.store_traffic.payload_bytes - before == per_block * (4 + 3)  # Acquire 4, Commit 3
+
+            # the daemon loses everything (blocks on their way down are evicted once they land)
+            assert wait_until(lambda: client.evict(all_tenants=True) is not None and held(request) == 0)
+            again = Request("again", request.prompt_token_ids)
+            ids = engine.free_block_ids[7:14]
+            engine.scheduler.update_state_after_alloc(again, KVCacheBlocks(ids), 0)
+            compute_step(engine, first_step(again, ids, 5 * BLOCK_SIZE, BLOCK_SIZE + 1), again, ids, range(6))
+            assert wait_until(lambda: held(again) == 6)  # the parent was gone: stored from position 0
+            assert worker.num_dropped_stores == 0
+    finally:
+        engine.close()
+
+
+def test_a_step_whose_parent_the_daemon_lost_mid_request_is_dropped_and_counted(daemon):
+    engine = Engine(daemon.address)
+    worker = engine.worker._worker()
+    try:
+        with KvtierClient(daemon.address) as client:
+            session = client.attach(worker.link.layout, map_pool=False)
+            request = Request("lost", prompt(6, 4 * BLOCK_SIZE + 1))
+            ids = engine.free_block_ids[:5]
+            engine.scheduler.update_state_after_alloc(request, KVCacheBlocks(ids), 0)
+            compute_step(engine, first_step(request, ids, 0, 2 * BLOCK_SIZE), request, ids, range(2))
+            request.num_computed_tokens = 2 * BLOCK_SIZE
+
+            def held() -> int:
+                return session.lookup(request.block_hashes, token_ids=request.all_token_ids).num_hit_blocks
+
+            assert wait_until(lambda: held() == 2)
+            assert wait_until(lambda: client.evict(all_tenants=True) is not None and held() == 0)
+            compute_step(engine, next_step(request, 2 * BLOCK_SIZE + 1), request, ids, range(2, 4))
+            assert wait_until(lambda: worker.num_dropped_stores == 1)
+            engine.finish(request, ids)
+            engine.drain()
+            hashes = request.block_hashes
+            assert session.lookup(hashes[2:], token_ids=request.all_token_ids[2 * BLOCK_SIZE:]).num_hit_blocks == 0
+    finally:
+        engine.close()
