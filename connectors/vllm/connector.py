@@ -67,6 +67,7 @@ from typing import Any
 
 import torch
 
+from kvtierd.connectors.vllm.connector_stats import KvtierdConnectorStats, KvtierdPromMetrics
 from kvtierd.connectors.vllm.daemon_link import DaemonLink
 from kvtierd.connectors.vllm.daemon_lookup import daemon_lookup
 from kvtierd.connectors.vllm.engine_layouts import RankLayouts
@@ -189,7 +190,8 @@ class KvtierdConnector(KVConnectorBase_V1, SupportsHMA):
         if is_worker:
             self.worker = WorkerSide(link(self.layout), self.engine_groups,
                                      wait_timeout_s=float(extra.get("wait_timeout_s", 30.0)),
-                                     writes=rank_layouts.writes(rank), start_attach_s=start_attach_s)
+                                     writes=rank_layouts.writes(rank), start_attach_s=start_attach_s,
+                                     counts_tokens=rank == 0)
         else:
             self._scheduler_links = [link(layout) for layout in rank_layouts.layouts]
             lookup_wait_s = float(extra.get("lookup_wait_s", 0.005))
@@ -211,6 +213,22 @@ class KvtierdConnector(KVConnectorBase_V1, SupportsHMA):
     def requires_kv_delivery(self) -> bool:
         """False: a best-effort cache; vLLM never waits for a store to be delivered."""
         return False
+
+    # ------------------------------------------------------------------ metrics (connector_stats.py)
+
+    def get_kv_connector_stats(self) -> KvtierdConnectorStats | None:
+        """What this side did since the last call: the worker's loads and stores, the scheduler's lookups."""
+        side = self.worker if self.worker is not None else self.scheduler
+        return side.stats.take()
+
+    @classmethod
+    def build_kv_connector_stats(cls, data: dict[str, Any] | None = None) -> KvtierdConnectorStats:
+        return KvtierdConnectorStats(data=dict(data or {}))
+
+    @classmethod
+    def build_prom_metrics(cls, vllm_config: Any, metric_types: dict, labelnames: list[str],
+                           per_engine_labelvalues: dict[int, list[object]]) -> KvtierdPromMetrics:
+        return KvtierdPromMetrics(vllm_config, metric_types, labelnames, per_engine_labelvalues)
 
     # ------------------------------------------------------------------ metadata binding
 

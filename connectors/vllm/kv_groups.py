@@ -66,6 +66,11 @@ class ServedGroup:
     window_tokens: int = 0  # sliding window only
 
     @property
+    def block_nbytes(self) -> int:
+        """One block's bytes in this group: a page per layer."""
+        return self.page_nbytes * len(self.layer_names)
+
+    @property
     def num_window_blocks(self) -> int:
         """How many blocks before a hit's end the group must hold: 0 for all of them (full
         attention), the window's `cdiv(window - 1, block_size)` (as vLLM), 1 for a Mamba state."""

@@ -4,7 +4,9 @@ Read inside the engine's process, from an `LLM` built with `disable_log_stats=Fa
 `vllm:prompt_tokens_cached_by_source` is the Prometheus counter a `vllm serve` exports too: the
 scheduler records, per newly scheduled request, the connector's hit split by
 `get_external_cache_hit_sources` (vllm/v1/core/sched/scheduler.py; vllm/v1/metrics/loggers.py).
-kvtierd's tiers show as vLLM's sources: T0 "device", T1 "host", T2 "disk".
+kvtierd's tiers show as vLLM's sources: T0 "device", T1 "host", T2 "disk" (with vLLM's prefix cache
+on, "device" also counts vLLM's own hits); the connector's own `vllm:kvtierd_loaded_tokens{tier}`
+counts only what kvtierd loaded, with it on or off.
 """
 
 from __future__ import annotations
@@ -13,16 +15,27 @@ from typing import Any
 
 CACHED_BY_SOURCE = "vllm:prompt_tokens_cached_by_source"
 TIER_OF_SOURCE = {"device": "T0", "host": "T1", "disk": "T2"}
+LOADED_TOKENS = "vllm:kvtierd_loaded_tokens"
+
+
+def counter_by_label(llm: Any, name: str, label: str) -> dict[str, int]:
+    """A counter's totals so far by one label's values (summed over engines), non-zero only."""
+    totals: dict[str, int] = {}
+    for metric in llm.get_metrics():
+        if metric.name == name:
+            value = metric.labels[label]
+            totals[value] = totals.get(value, 0) + int(metric.value)
+    return {value: n for value, n in totals.items() if n}
 
 
 def cached_tokens_by_source(llm: Any) -> dict[str, int]:
     """Cached prompt tokens so far, by vLLM's source label (summed over engines), non-zero only."""
-    totals: dict[str, int] = {}
-    for metric in llm.get_metrics():
-        if metric.name == CACHED_BY_SOURCE:
-            source = metric.labels["source"]
-            totals[source] = totals.get(source, 0) + int(metric.value)
-    return {source: n for source, n in totals.items() if n}
+    return counter_by_label(llm, CACHED_BY_SOURCE, "source")
+
+
+def loaded_tokens_by_tier(llm: Any) -> dict[str, int]:
+    """The connector's own count (connector_stats.py) of the prompt tokens it loaded, by daemon tier."""
+    return counter_by_label(llm, LOADED_TOKENS, "tier")
 
 
 def difference(after: dict[str, int], before: dict[str, int]) -> dict[str, int]:

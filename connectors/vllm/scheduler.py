@@ -62,6 +62,7 @@ import time
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
+from kvtierd.connectors.vllm.connector_stats import StatsRecorder
 from kvtierd.connectors.vllm.group_hits import NO_HIT, RequestHit, needed_positions
 from kvtierd.connectors.vllm.kv_groups import NULL_BLOCK_ID, EngineGroups, GroupKind, group_block_hash
 from kvtierd.connectors.vllm.metadata import GroupBlocks, GroupStore, LoadSpec, StepMetadata, StoreSpec
@@ -120,6 +121,7 @@ class _Lookup:
     future: concurrent.futures.Future
     started_at: float
     answered_at: float | None = None
+    observed: bool = False  # its round trip is in the stats
 
     def __post_init__(self) -> None:
         self.future.add_done_callback(self._answered)
@@ -174,6 +176,7 @@ class SchedulerSide:
         self._tracked: dict[str, _Tracked] = {}
         self._loads_to_issue: dict[str, LoadSpec] = {}
         self.num_lookups = 0  # RPCs submitted, for tests and logs
+        self.stats = StatsRecorder()  # the lookups' round trips, for vLLM's connector metrics
 
     def _track(self, request: Any) -> _Tracked:
         tracked = self._tracked.get(request.request_id)
@@ -210,6 +213,10 @@ class SchedulerSide:
             self.num_lookups += 1
         try:
             hit = lookup.future.result(timeout=self.lookup_wait_s)
+            if not lookup.observed:
+                lookup.observed = True
+                answered_at = lookup.answered_at or time.monotonic()  # its callback may not have run yet
+                self.stats.observe_lookup(answered_at - lookup.started_at)
         except concurrent.futures.TimeoutError:
             if time.monotonic() - lookup.started_at < self.lookup_timeout_s:
                 return None, False
@@ -309,8 +316,7 @@ class SchedulerSide:
         first_step, tracked.stores_begun = not tracked.stores_begun, True
         offers = []
         for index, group in enumerate(self.engine.groups):
-            ids, keys = tracked.engine_block_ids[index], tracked.keys.keys[index]
-            num_blocks = min(num_complete, len(ids))
+            num_blocks = min(num_complete, len(tracked.engine_block_ids[index]))
             # Blocks past what vLLM counts as computed are being computed again (a load that failed on
             # some rank, a resumed preemption): offer them again; the ranks that hold them answer hits.
             offered = min(tracked.num_offered_blocks[index], num_computed_blocks)

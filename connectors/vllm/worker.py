@@ -26,7 +26,7 @@ waits for an event recorded after the forward), Commit them with their hashes an
 carrying the new blocks and one more, never the request's whole chain. A daemon that lost the
 parent gets the chain from position 0 when the offer carries it (`earlier`), else the store is
 dropped. A failure drops the store, logged and counted (`num_dropped_stores`); a later request
-with the same prefix stores it again (`store_traffic` counts what stores sent). Full-attention pages stay the request's
+with the same prefix stores it again (`stats` counts what stores sent). Full-attention pages stay the request's
 until vLLM frees them: a request that ever had a store is reported in `finished_sending` once it
 has finished and all its jobs are done. Sliding-window and Mamba pages (`volatile`) are freed by
 vLLM's next schedule and may be rewritten by the next step, so their jobs run on a thread of
@@ -38,7 +38,6 @@ nothing but still reports its requests.
 from __future__ import annotations
 
 import concurrent.futures
-import dataclasses
 import itertools
 import logging
 import threading
@@ -48,6 +47,7 @@ from typing import Protocol
 import torch
 
 from kvtierd.client import Session
+from kvtierd.connectors.vllm.connector_stats import StatsRecorder
 from kvtierd.connectors.vllm.daemon_link import DaemonLink
 from kvtierd.connectors.vllm.kv_groups import EngineGroups, ServedGroup
 from kvtierd.connectors.vllm.metadata import GroupBlocks, GroupStore, LoadSpec, StepMetadata, StoreSpec
@@ -61,21 +61,6 @@ DEFAULT_START_ATTACH_S = 10.0  # the longest an engine's start waits for its fir
 def _payload_nbytes(block_hashes: Sequence[bytes], token_ids: Sequence[int]) -> int:
     """The bytes of hashes and token ids (u32) a request carries: what a store sends besides the ids."""
     return sum(map(len, block_hashes)) + 4 * len(token_ids)
-
-
-@dataclasses.dataclass
-class StoreTraffic:
-    """What the stores of one worker sent the daemon: RPCs (Acquire, Commit, Release) and the
-    payload bytes of their hashes and token ids. Added to by the store threads, under its lock."""
-
-    rpcs: int = 0
-    payload_bytes: int = 0
-    _lock: threading.Lock = dataclasses.field(default_factory=threading.Lock, repr=False, compare=False)
-
-    def add(self, rpcs: int, payload_bytes: int) -> None:
-        with self._lock:
-            self.rpcs += rpcs
-            self.payload_bytes += payload_bytes
 
 
 class EnginePagesLike(Protocol):
@@ -101,7 +86,8 @@ class WorkerSide:
     """
 
     def __init__(self, link: DaemonLink, engine_groups: EngineGroups, *, wait_timeout_s: float = 30.0,
-                 writes: bool = True, start_attach_s: float = DEFAULT_START_ATTACH_S) -> None:
+                 writes: bool = True, start_attach_s: float = DEFAULT_START_ATTACH_S,
+                 counts_tokens: bool = True) -> None:
         assert start_attach_s > 0, start_attach_s  # the connector refuses a bad setting in one line
         self.link = link
         self.start_attach_s = start_attach_s
@@ -125,7 +111,8 @@ class WorkerSide:
         self.num_loaded_blocks = 0
         self.num_stored_blocks = 0
         self.num_dropped_stores = 0
-        self.store_traffic = StoreTraffic()
+        self.stats = StatsRecorder()  # for vLLM's connector metrics (connector_stats.py)
+        self.counts_tokens = counts_tokens  # False on TP ranks > 0: rank 0 counts the tokens they share
 
     def register(self, pages: EnginePagesLike) -> None:
         """Take the engine's pages and attach, waiting at most `start_attach_s`: vLLM registers its
@@ -183,11 +170,21 @@ class WorkerSide:
         if session is None:
             return set(spec.engine_block_ids)
         failed: set[int] = set()
+        tokens_per_tier = (0, 0, 0, 0)
         for blocks in spec.groups:
-            failed |= self._load_group(session, spec, blocks)
+            group_failed, ready_per_tier = self._load_group(session, spec, blocks)
+            failed |= group_failed
+            if blocks.num_blocks == max(g.num_blocks for g in spec.groups):  # a group that loads the whole hit
+                block_size = len(blocks.token_ids) // blocks.num_blocks
+                tokens_per_tier = tuple(n * block_size for n in ready_per_tier)
+        if self.counts_tokens:
+            self.stats.add_loaded_tokens(tokens_per_tier)
+        self.stats.add("failed_load_blocks", len(failed))
         return failed
 
-    def _load_group(self, session: Session, spec: LoadSpec, blocks: GroupBlocks) -> set[int]:
+    def _load_group(self, session: Session, spec: LoadSpec,
+                    blocks: GroupBlocks) -> tuple[set[int], tuple[int, int, int, int]]:
+        """(the engine block ids left unfilled, the blocks filled from T0, T1, T2, T3)."""
         daemon_request_id = self._daemon_request_id("load", spec.request_id)
         try:
             acquired = session.acquire(daemon_request_id, list(blocks.block_hashes), 0,
@@ -196,7 +193,7 @@ class WorkerSide:
             self.link.failed(session, error)
             log.warning("kvtierd connector: acquire for loading %s failed (%s: %s)", spec.request_id,
                         type(error).__name__, error)
-            return set(blocks.engine_block_ids)
+            return set(blocks.engine_block_ids), (0, 0, 0, 0)
         num_ready = acquired.num_t0_hit_blocks
         if acquired.pending:
             try:
@@ -220,7 +217,13 @@ class WorkerSide:
             num_ready = 0
         self._submit(spec.request_id, self._executor, self._release_after, session, daemon_request_id, event)
         self.num_loaded_blocks += num_ready
-        return set(blocks.engine_block_ids[num_ready:])
+        self.stats.add("loaded_bytes", num_ready * self._groups[blocks.group_id].block_nbytes)
+        ready_per_tier, left = [], num_ready
+        for count in (acquired.num_t0_hit_blocks, acquired.num_t1_blocks, acquired.num_t2_blocks,
+                      acquired.num_t3_blocks):  # the table's order: T0 hits, then each lower tier's
+            ready_per_tier.append(min(left, count))
+            left -= ready_per_tier[-1]
+        return set(blocks.engine_block_ids[num_ready:]), tuple(ready_per_tier)
 
     def take_load_error_block_ids(self) -> set[int]:
         errors, self._load_error_block_ids = self._load_error_block_ids, set()
@@ -295,18 +298,25 @@ class WorkerSide:
         hashes, tokens = list(blocks.block_hashes[num_hits:]), list(blocks.token_ids[num_hits * block_size:])
         session.commit(daemon_request_id, fresh_block_ids, hashes, tokens,
                        blocks.block_hashes[num_hits - 1] if num_hits else None)
-        self.store_traffic.add(rpcs=1, payload_bytes=_payload_nbytes(hashes, tokens))
+        self._count_store_rpcs(1, hashes, tokens)
         self.num_stored_blocks += len(fresh_block_ids)
+        self.stats.add("stored_blocks", len(fresh_block_ids))
+        self.stats.add("stored_bytes", len(fresh_block_ids) * self._groups[blocks.group_id].block_nbytes)
 
     def _acquire_to_store(self, session: Session, daemon_request_id: str, blocks: GroupBlocks):
-        """Acquire `blocks` to store them (no hit, no query); counted in `store_traffic` with its Release."""
+        """Acquire `blocks` to store them (no hit, no query); counted in `stats` with its Release."""
         hashes, tokens = list(blocks.block_hashes), list(blocks.token_ids)
         acquired = session.acquire(daemon_request_id, hashes, 0, token_ids=tokens, for_store=True)
-        self.store_traffic.add(rpcs=2, payload_bytes=_payload_nbytes(hashes, tokens))
+        self._count_store_rpcs(2, hashes, tokens)
         return acquired
+
+    def _count_store_rpcs(self, num_rpcs: int, block_hashes: Sequence[bytes], token_ids: Sequence[int]) -> None:
+        self.stats.add("store_rpcs", num_rpcs)
+        self.stats.add("store_request_bytes", _payload_nbytes(block_hashes, token_ids))
 
     def _count_dropped(self, why: str, request_id: str) -> None:
         """Count a dropped store; log the first and then every 100th (a daemon that is down drops many)."""
+        self.stats.add("dropped_stores", 1)
         with self._lock:
             self.num_dropped_stores += 1
             count = self.num_dropped_stores

@@ -21,6 +21,7 @@ from collections.abc import Awaitable, Callable
 from kvtierd import __version__
 from kvtierd.block_hash import pack_token_ids
 from kvtierd.errors import DRAINING_DETAILS, DeadlineExceeded, FailedPrecondition, InvalidArgument, Unavailable
+from kvtierd.index.query_counting import QueryCounting
 from kvtierd.layout import Layout
 from kvtierd.node.operations import Operations
 from kvtierd.node.pools import LayoutPool, PoolRegistry
@@ -28,7 +29,6 @@ from kvtierd.node.sessions import SessionLease, SessionTable
 from kvtierd.server.event_feed import EventFeed
 from kvtierd.server.interceptor import current_tenant
 from kvtierd.server.pool_stats import pool_stats, remote_store_message
-from kvtierd.index.query_counting import QueryCounting
 from kvtierd.server.request_terms import (
     acquire_parent,
     client_keys,

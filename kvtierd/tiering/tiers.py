@@ -37,7 +37,7 @@ TIER_NAMES = ("t0", "t1", "t2", "t3")
 class TierCounters:
     """Monotonic counters an operator reads (per tier: t0 device, t1 host, t2 ssd, t3 shared store)."""
 
-    num_query_blocks: int = 0  # blocks asked for by Acquire, Put and Get or named by a Lookup: the hit rate's denominator
+    num_query_blocks: int = 0  # asked for by Acquire, Put and Get or named by a Lookup: the hit rate's denominator
     num_hit_blocks: dict[str, int] = dataclasses.field(default_factory=lambda: dict.fromkeys(TIER_NAMES, 0))
     num_skipped_slow_blocks: int = 0  # lower-tier hits not loaded: recompute was expected faster
     num_failed_load_blocks: int = 0  # promotions that failed: a miss, never a hit

@@ -173,6 +173,8 @@ def test_a_new_engine_hits_the_prefix_another_engine_stored_and_decodes_the_same
     assert warm["output_token_ids"] == expected(reference, SHARED_PROMPTS)
     # vLLM's own metric names the tier: everything came from the daemon's T0 ("device").
     assert warm["cached_tokens_by_source"] == {"device": sum(warm["num_cached_tokens"])}, warm
+    # and the connector's own metric, on the same registry, counts the same tokens loaded from T0
+    assert warm["kvtierd_loaded_tokens"] == {"t0": sum(warm["num_cached_tokens"])}, warm
 
 
 @pytest.mark.timeout(900)

@@ -4,7 +4,8 @@ vLLM's own prefix cache on) on the real SmolLM2-135M, through `kvtierd-vllm`, wi
 
 - Greedy completions are the same with and without the connector; a second server process loads
   what the first stored (vLLM's own `vllm:external_prefix_cache_hits_total`, its cache being empty),
-  and the daemon's hit count is exactly what vLLM loaded (stores are not hits).
+  and the daemon's hit count is exactly what vLLM loaded (stores are not hits); its query count
+  is vLLM's external_prefix_cache_queries but for each prompt's partial last block.
 - After the daemon's restart (T0 and T1 empty, the SSD tier kept) a new server's hits come from T2
   ("disk"); a daemon killed while requests run leaves the server answering, with the same text.
 """
@@ -74,13 +75,23 @@ def external_hits(server: OpenAIServer) -> float:
     return server.metric_sum("vllm:external_prefix_cache_hits_total")
 
 
-def whole_blocks_before_the_last_token(text: str, server: OpenAIServer) -> int:
-    """The tokens a hit of `text`'s prompt can be: its full blocks, short of the last token."""
+def num_prompt_tokens(text: str, server: OpenAIServer) -> int:
     request = urllib.request.Request(server.url + "/tokenize", data=json.dumps({"model": "model", "prompt": text})
                                      .encode(), headers={"Content-Type": "application/json"})
     with urllib.request.urlopen(request, timeout=30) as reply:
-        num_tokens = json.load(reply)["count"]
-    return (num_tokens - 1) // BLOCK_SIZE * BLOCK_SIZE
+        return json.load(reply)["count"]
+
+
+def whole_blocks_before_the_last_token(text: str, server: OpenAIServer) -> int:
+    """The tokens a hit of `text`'s prompt can be: its full blocks, short of the last token."""
+    return (num_prompt_tokens(text, server) - 1) // BLOCK_SIZE * BLOCK_SIZE
+
+
+def queries_beyond_whole_blocks(texts: list[str], server: OpenAIServer) -> int:
+    """What vLLM's external_prefix_cache_queries counts of each request and the daemon's query does
+    not: vLLM counts every token beyond its own hit (a block multiple), the daemon the whole blocks
+    a hit could load (short of the last token). The difference is each prompt's tail."""
+    return sum(num_prompt_tokens(t, server) - whole_blocks_before_the_last_token(t, server) for t in texts)
 
 
 def test_completions_match_vllm_alone_and_a_second_server_loads_what_the_first_stored(serve, short_dir):
@@ -98,6 +109,8 @@ def test_completions_match_vllm_alone_and_a_second_server_loads_what_the_first_s
         assert external_hits(first) == 0
         assert wait_until(lambda: tier(the_pool(client), "t0").num_cached_blocks >= expected_hit // BLOCK_SIZE,
                           timeout_s=30), the_pool(client)
+        vllm_queries = first.metric_sum("vllm:external_prefix_cache_queries_total")
+        tails = queries_beyond_whole_blocks(prompts, first)
         first.stop()
 
         second = serve("second", daemon.address)
@@ -110,6 +123,16 @@ def test_completions_match_vllm_alone_and_a_second_server_loads_what_the_first_s
         # (every block of every request, the first server's too) count for nothing.
         daemon_hit_tokens = sum(t.num_hit_blocks for t in the_pool(client).tiers) * BLOCK_SIZE
         assert daemon_hit_tokens == external_hits(second) == expected_hit, the_pool(client)
+        # The connector's own metrics on vLLM's /metrics say the same, by tier; its stores are counted.
+        assert wait_until(lambda: second.metric_sum("vllm:kvtierd_loaded_tokens_total") == expected_hit,
+                          timeout_s=30), second.metrics()
+        assert second.metric_sum("vllm:kvtierd_loaded_tokens_total", tier="t0") == expected_hit
+        assert second.metric_sum("vllm:kvtierd_bytes_total", direction="load") > 0
+        assert second.metric_sum("vllm:kvtierd_lookup_seconds_count") >= len(prompts)
+        # And the queries: each request's first ask, the same as vLLM's but for each prompt's tail.
+        vllm_queries += second.metric_sum("vllm:external_prefix_cache_queries_total")
+        daemon_query_tokens = the_pool(client).num_query_blocks * BLOCK_SIZE
+        assert vllm_queries - daemon_query_tokens == tails * 2, (vllm_queries, daemon_query_tokens, tails)
 
 
 def test_after_a_restart_hits_come_from_t2_and_a_killed_daemon_leaves_the_server_answering(serve, short_dir):

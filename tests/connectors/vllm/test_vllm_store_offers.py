@@ -113,8 +113,8 @@ def compute_step(engine: Engine, output: SchedulerOutput, request: Request, bloc
                  positions: range) -> None:
     """One engine step that computes `positions` of `request` (their blocks get block_value)."""
     metadata = engine.scheduler.build_connector_meta(output)
-    engine._worker_step(metadata, output, lambda: [engine.write_block(block_ids[i], block_value(request.block_hashes[i]))
-                                                   for i in positions])
+    engine._worker_step(metadata, output, lambda: [
+        engine.write_block(block_ids[i], block_value(request.block_hashes[i])) for i in positions])
 
 
 def test_stores_send_only_new_blocks_and_a_lost_parent_is_stored_again_from_vllms_own_cache(daemon):
@@ -133,11 +133,12 @@ def test_stores_send_only_new_blocks_and_a_lost_parent_is_stored_again_from_vllm
             compute_step(engine, first_step(request, ids, 0, 3 * BLOCK_SIZE), request, ids, range(3))
             request.num_computed_tokens = 3 * BLOCK_SIZE
             assert wait_until(lambda: held(request) == 3)
-            before = worker.store_traffic.payload_bytes
+            worker.stats.take()
             compute_step(engine, next_step(request, 3 * BLOCK_SIZE + 1), request, ids, range(3, 6))
             assert wait_until(lambda: held(request) == 6)
-            per_block = 32 + 4 * BLOCK_SIZE
-            assert worker.store_traffic.payload_bytes - before == per_block * (4 + 3)  # Acquire 4, Commit 3
+            sent = worker.stats.take().data
+            assert sent["store_request_bytes"] == (32 + 4 * BLOCK_SIZE) * (4 + 3)  # Acquire 4 blocks, Commit 3
+            assert (sent["store_rpcs"], sent["stored_blocks"]) == (3, 3)
 
             # the daemon loses everything (blocks on their way down are evicted once they land)
             assert wait_until(lambda: client.evict(all_tenants=True) is not None and held(request) == 0)

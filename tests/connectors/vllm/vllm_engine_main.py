@@ -14,8 +14,9 @@ Prints `vllm_engine_main: ready` once the engine is built (before generating), t
 OUT_JSON: per prompt (in order) the output token ids and `num_cached_tokens`, plus the import,
 start-up and generate seconds, the engine's preemption count, and vLLM's
 `vllm:prompt_tokens_cached_by_source` (connectors/vllm/metrics.py: the tier kvtierd served each
-cached token from, as vLLM reports it). `--hold-s` keeps the engine (and
-its connector sessions) alive that long after OUT_JSON is written, printing
+cached token from, as vLLM reports it) and the connector's own `vllm:kvtierd_loaded_tokens`.
+`--hold-s` keeps the engine (and its connector sessions) alive that long after OUT_JSON is
+written, printing
 `vllm_engine_main: holding`.
 
 `RequestOutput.num_cached_tokens` is the hit count to read in vLLM 0.32: the scheduler sets the
@@ -80,7 +81,7 @@ def main() -> None:
     from vllm import LLM, SamplingParams
     from vllm.inputs import TokensPrompt
 
-    from kvtierd.connectors.vllm.metrics import cached_tokens_by_source
+    from kvtierd.connectors.vllm.metrics import cached_tokens_by_source, loaded_tokens_by_tier
     imported = time.monotonic()
     llm = LLM(**engine_kwargs(args))
     built = time.monotonic()
@@ -94,6 +95,7 @@ def main() -> None:
         "num_cached_tokens": [output.num_cached_tokens for output in outputs],
         "num_preemptions": num_preemptions(llm),
         "cached_tokens_by_source": cached_tokens_by_source(llm),
+        "kvtierd_loaded_tokens": loaded_tokens_by_tier(llm),
         "import_s": round(imported - started, 2),
         "startup_s": round(built - imported, 2),
         "generate_s": round(generated - built, 3),

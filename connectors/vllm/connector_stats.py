@@ -1,0 +1,166 @@
+"""The connector's own metrics inside vLLM: what it loaded per tier, failed to load, stored,
+dropped, the bytes it moved, its store RPCs and its lookup latency, on vLLM's /metrics and in
+its periodic "KV Transfer metrics" log line.
+
+vLLM 0.32's path (vllm/distributed/kv_transfer/kv_connector/v1/base.py and metrics.py): every
+worker's `get_kv_connector_stats()` after each step, aggregated over workers
+(vllm/distributed/kv_transfer/kv_connector/utils.py, KVOutputAggregator) and with the scheduler
+side's own (vllm/v1/core/sched/scheduler.py, update_from_output), reaches the API server as
+`to_dict()`; there `build_kv_connector_stats(data)` rebuilds it for the log line and
+`build_prom_metrics(...)`'s `observe(data, engine_idx)` adds it to Prometheus counters labelled
+per engine as vLLM's own. So `data` holds only ints and a list of floats (it crosses processes),
+and each report is what happened since the previous one (the counters add deltas).
+
+The counts are the connector's, not vLLM's prefix cache's: they are the same with vLLM's prefix
+cache on or off. Tokens are counted by TP rank 0 only (every rank loads the same tokens, each
+its own shard of their bytes); bytes, blocks and RPCs by every rank.
+"""
+
+from __future__ import annotations
+
+import threading
+from typing import Any
+
+from prometheus_client import Counter, Histogram
+
+TIERS = ("t0", "t1", "t2", "t3")
+LOADED_TOKENS = tuple(f"loaded_tokens_{tier}" for tier in TIERS)  # loaded into vLLM, by the tier that held them
+COUNTS = (*LOADED_TOKENS,
+          "failed_load_blocks",  # planned loads vLLM recomputes (evicted, the daemon gone, a failed copy)
+          "stored_blocks",  # new blocks committed to the daemon
+          "dropped_stores",  # stores given up (the daemon down or full, a lost parent)
+          "loaded_bytes", "stored_bytes",  # KV bytes copied between vLLM's pages and the pool
+          "store_rpcs",  # Acquire, Commit and Release calls of the stores
+          "store_request_bytes")  # the hashes and token ids (u32) those calls carried
+LOOKUP_SECONDS = "lookup_seconds"  # one float per Lookup RPC round trip (the scheduler's)
+LOOKUP_BUCKETS_S = (0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.25, 0.5, 1.0)
+
+try:  # vLLM is optional (as in connector.py)
+    from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorPromMetrics, KVConnectorStats
+except ImportError:
+    import dataclasses
+
+    @dataclasses.dataclass
+    class KVConnectorStats:  # type: ignore[no-redef]
+        """Stands in for vLLM's base class where vLLM is not installed (the unit tests)."""
+
+        data: dict[str, Any] = dataclasses.field(default_factory=dict)
+
+        def to_dict(self) -> dict[str, Any]:
+            return self.data
+
+    class KVConnectorPromMetrics:  # type: ignore[no-redef]
+        def __init__(self, vllm_config, metric_types, labelnames, per_engine_labelvalues) -> None:
+            self._counter_cls = metric_types[Counter]
+            self._histogram_cls = metric_types[Histogram]
+            self._labelnames = labelnames
+            self.per_engine_labelvalues = per_engine_labelvalues
+
+
+class KvtierdConnectorStats(KVConnectorStats):
+    """A report: `data` maps each of COUNTS to an int and LOOKUP_SECONDS to a list of floats
+    (keys may be missing: zero, none)."""
+
+    def reset(self) -> None:
+        self.data = {}
+
+    def aggregate(self, other: KVConnectorStats) -> KvtierdConnectorStats:
+        """This report plus `other`'s (another worker's, the scheduler's, a later interval's)."""
+        for key in COUNTS:
+            if other.data.get(key):
+                self.data[key] = self.data.get(key, 0) + other.data[key]
+        if other.data.get(LOOKUP_SECONDS):
+            self.data[LOOKUP_SECONDS] = [*self.data.get(LOOKUP_SECONDS, ()), *other.data[LOOKUP_SECONDS]]
+        return self
+
+    def reduce(self) -> dict[str, int | float]:
+        """The log line's figures: the counts, and the lookups' number and mean milliseconds."""
+        figures: dict[str, int | float] = {key: self.data[key] for key in COUNTS if self.data.get(key)}
+        lookups = self.data.get(LOOKUP_SECONDS) or []
+        if lookups:
+            figures["lookups"] = len(lookups)
+            figures["lookup_mean_ms"] = round(1e3 * sum(lookups) / len(lookups), 3)
+        return figures
+
+    def is_empty(self) -> bool:
+        return not any(self.data.get(key) for key in (*COUNTS, LOOKUP_SECONDS))
+
+
+class StatsRecorder:
+    """What one side of the connector counted since its last report; added to from any thread."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._counts: dict[str, int] = {}
+        self._lookup_seconds: list[float] = []
+
+    def add(self, key: str, count: int) -> None:
+        assert key in COUNTS, key
+        if count:
+            with self._lock:
+                self._counts[key] = self._counts.get(key, 0) + count
+
+    def add_loaded_tokens(self, tokens_per_tier: tuple[int, int, int, int]) -> None:
+        for key, count in zip(LOADED_TOKENS, tokens_per_tier):
+            self.add(key, count)
+
+    def observe_lookup(self, seconds: float) -> None:
+        with self._lock:
+            self._lookup_seconds.append(seconds)
+
+    def take(self) -> KvtierdConnectorStats | None:
+        """The report since the last one (None when nothing happened), and start a new one."""
+        with self._lock:
+            counts, self._counts = self._counts, {}
+            lookups, self._lookup_seconds = self._lookup_seconds, []
+        if not counts and not lookups:
+            return None
+        return KvtierdConnectorStats(data={**counts, **({LOOKUP_SECONDS: lookups} if lookups else {})})
+
+
+class KvtierdPromMetrics(KVConnectorPromMetrics):
+    """vLLM's Prometheus counters for the connector, per engine (vLLM's labels), loads by tier:
+    vllm:kvtierd_loaded_tokens_total{tier}, vllm:kvtierd_failed_load_blocks_total,
+    vllm:kvtierd_stored_blocks_total, vllm:kvtierd_dropped_stores_total,
+    vllm:kvtierd_bytes_total{direction="load"|"store"}, vllm:kvtierd_store_rpcs_total,
+    vllm:kvtierd_store_request_bytes_total and the histogram vllm:kvtierd_lookup_seconds."""
+
+    def __init__(self, vllm_config: Any, metric_types: dict, labelnames: list[str],
+                 per_engine_labelvalues: dict[int, list[object]]) -> None:
+        super().__init__(vllm_config, metric_types, labelnames, per_engine_labelvalues)
+        counter, histogram = self._counter_cls, self._histogram_cls
+        loaded = counter(name="vllm:kvtierd_loaded_tokens", labelnames=[*labelnames, "tier"],
+                         documentation="Prompt tokens kvtierd loaded into vLLM, by the daemon tier that held them.")
+        moved = counter(name="vllm:kvtierd_bytes", labelnames=[*labelnames, "direction"],
+                        documentation="KV bytes copied between vLLM's pages and kvtierd's pool (all TP ranks).")
+        plain = {
+            "failed_load_blocks": counter(name="vllm:kvtierd_failed_load_blocks", labelnames=labelnames,
+                                          documentation="Planned kvtierd loads vLLM recomputed instead (blocks)."),
+            "stored_blocks": counter(name="vllm:kvtierd_stored_blocks", labelnames=labelnames,
+                                     documentation="New blocks vLLM stored in kvtierd."),
+            "dropped_stores": counter(name="vllm:kvtierd_dropped_stores", labelnames=labelnames,
+                                      documentation="Stores given up (daemon down or full, a lost parent)."),
+            "store_rpcs": counter(name="vllm:kvtierd_store_rpcs", labelnames=labelnames,
+                                  documentation="Acquire, Commit and Release calls of vLLM's stores."),
+            "store_request_bytes": counter(name="vllm:kvtierd_store_request_bytes", labelnames=labelnames,
+                                           documentation="Block hashes and token ids those calls carried (bytes)."),
+        }
+        lookup = histogram(name="vllm:kvtierd_lookup_seconds", labelnames=labelnames, buckets=list(LOOKUP_BUCKETS_S),
+                           documentation="Round trip of the scheduler's Lookup RPCs to kvtierd.")
+        self._counters: dict[int, dict[str, Any]] = {}
+        self._lookups: dict[int, Any] = {}
+        for engine, values in per_engine_labelvalues.items():
+            children = {key: metric.labels(*values) for key, metric in plain.items()}
+            children.update({key: loaded.labels(*values, tier) for key, tier in zip(LOADED_TOKENS, TIERS)})
+            children["loaded_bytes"] = moved.labels(*values, "load")
+            children["stored_bytes"] = moved.labels(*values, "store")
+            self._counters[engine] = children
+            self._lookups[engine] = lookup.labels(*values)
+
+    def observe(self, transfer_stats_data: dict[str, Any], engine_idx: int = 0) -> None:
+        counters = self._counters[engine_idx]
+        for key in COUNTS:
+            if transfer_stats_data.get(key):
+                counters[key].inc(transfer_stats_data[key])
+        for seconds in transfer_stats_data.get(LOOKUP_SECONDS) or ():
+            self._lookups[engine_idx].observe(seconds)
