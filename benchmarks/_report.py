@@ -132,6 +132,12 @@ def verdict(passed: bool) -> str:
     return "PASS" if passed else "MISS"
 
 
+def print_goals(goals: Sequence[tuple[str, bool]]) -> None:
+    """One line per goal, its text (the figure and the target in it) and then its verdict, last on the
+    line as in every benchmark's table."""
+    print_table(["goal", "verdict"], [[text, verdict(passed)] for text, passed in goals])
+
+
 def median_and_best(median: float, best: float, digits: int = 0) -> str:
     """`median (best)`, e.g. `812 (790)`."""
     return f"{median:,.{digits}f} ({best:,.{digits}f})"

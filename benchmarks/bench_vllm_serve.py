@@ -153,7 +153,7 @@ def run_phase(name: str, vllm_python: str, model: Path, workload: Workload, work
               daemon: DaemonProcess | None, seed: int, dataset: str = "prefix_repetition") -> PhaseResult:
     print(f"bench_vllm_serve: {name}: starting vllm serve", file=sys.stderr, flush=True)
     server = OpenAIServer(vllm_python, model, work / f"{name}.log", address=daemon.address if daemon else None,
-                          extra_args=("--num-gpu-blocks-override", str(workload.num_vllm_blocks)))
+                          extra_args=("--num-gpu-blocks-override", str(workload.num_vllm_blocks)), eager=False)
     try:
         server.wait_ready()
         cpu_before = process_cpu_s(daemon.process.pid) if daemon else None
@@ -236,8 +236,7 @@ def report(phases: list[PhaseResult], overhead: list[PhaseResult]) -> None:
          f"({step_time_ratio:.3f}x)", step_time_ratio <= GOAL_STEP_TIME),
         ("every request of every phase completed", all(p.failed == 0 for p in phases + overhead)),
     ]
-    for text, passed in goals:
-        print(f"{_report.verdict(passed)}  {text}")
+    _report.print_goals(goals)
 
 
 def main(argv: list[str] | None = None) -> int:

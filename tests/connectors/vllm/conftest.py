@@ -7,6 +7,8 @@ import tempfile
 
 import pytest
 
+from kvtierd.server.daemon_process import DaemonProcess, small_daemon_args
+
 
 @pytest.fixture
 def short_dir():
@@ -14,3 +16,10 @@ def short_dir():
     directory = tempfile.mkdtemp(prefix="kvv-")
     yield directory
     shutil.rmtree(directory, ignore_errors=True)
+
+
+@pytest.fixture
+def daemon(tmp_path):
+    """A small `kvtierd serve` of this test's own (some modules share one per module instead)."""
+    with DaemonProcess(small_daemon_args(str(tmp_path))) as process:
+        yield process

@@ -26,6 +26,7 @@ from tests.connectors.vllm.vllm_fakes import (
     Request,
     SchedulerOutput,
     block_value,
+    prompt,
     vllm_config,
 )
 
@@ -42,10 +43,6 @@ def engines():
     yield made
     for engine in made:
         engine.close()
-
-
-def prompt(seed: int, num_tokens: int, shared: list[int] = ()) -> list[int]:
-    return list(shared) + [(seed * 7919 + i) % 30_000 + 10 for i in range(num_tokens - len(shared))]
 
 
 def as_bits(tensor: torch.Tensor) -> torch.Tensor:

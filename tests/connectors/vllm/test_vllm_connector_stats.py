@@ -3,23 +3,12 @@ rebuilt from their dict in the API server and added to Prometheus counters per e
 
 from __future__ import annotations
 
-import pytest
 from prometheus_client import CollectorRegistry, Counter, Histogram
 
 from kvtierd.connectors.vllm.connector import KvtierdConnector
 from kvtierd.connectors.vllm.connector_stats import LOOKUP_SECONDS, KvtierdConnectorStats, KvtierdPromMetrics
-from kvtierd.server.daemon_process import DaemonProcess, small_daemon_args, wait_until
-from tests.connectors.vllm.vllm_fakes import BLOCK_SIZE, Engine, Request
-
-
-def prompt(seed: int, num_tokens: int) -> list[int]:
-    return [(seed * 7919 + i) % 30_000 + 10 for i in range(num_tokens)]
-
-
-@pytest.fixture
-def daemon(tmp_path):
-    with DaemonProcess(small_daemon_args(str(tmp_path))) as process:
-        yield process
+from kvtierd.server.daemon_process import wait_until
+from tests.connectors.vllm.vllm_fakes import BLOCK_SIZE, Engine, Request, prompt
 
 
 def test_each_side_reports_what_it_did_since_its_last_report(daemon):

@@ -128,7 +128,9 @@ def test_completions_match_vllm_alone_and_a_second_server_loads_what_the_first_s
                           timeout_s=30), second.metrics()
         assert second.metric_sum("vllm:kvtierd_loaded_tokens_total", tier="t0") == expected_hit
         assert second.metric_sum("vllm:kvtierd_bytes_total", direction="load") > 0
-        assert second.metric_sum("vllm:kvtierd_lookup_seconds_count") >= len(prompts)
+        # A Lookup goes out for a request with full blocks beyond vLLM's own hit: the first question
+        # here; the later ones share the handbook's 34 blocks with it and end within block 35.
+        assert second.metric_sum("vllm:kvtierd_lookup_seconds_count") >= 1
         # And the queries: each request's first ask, the same as vLLM's but for each prompt's tail.
         vllm_queries += second.metric_sum("vllm:external_prefix_cache_queries_total")
         daemon_query_tokens = the_pool(client).num_query_blocks * BLOCK_SIZE

@@ -10,22 +10,19 @@ from kvtierd.client import KvtierClient
 from kvtierd.connectors.vllm.group_hits import NO_HIT, RequestHit
 from kvtierd.connectors.vllm.kv_groups import engine_groups
 from kvtierd.connectors.vllm.scheduler import LookupQuery, SchedulerSide
-from kvtierd.server.daemon_process import DaemonProcess, small_daemon_args, wait_until
+from kvtierd.server.daemon_process import wait_until
 from tests.connectors.vllm.vllm_fakes import (
     BLOCK_SIZE,
     CachedRequestData,
     Engine,
     KVCacheBlocks,
     KVCacheConfig,
-    NewRequestData,
     Request,
     SchedulerOutput,
-    block_value,
+    new_request_data,
+    prompt,
+    running_request_data,
 )
-
-
-def prompt(seed: int, num_tokens: int) -> list[int]:
-    return [(seed * 7919 + i) % 30_000 + 10 for i in range(num_tokens)]
 
 
 def scheduler(lookup=lambda query: NO_HIT) -> SchedulerSide:
@@ -35,15 +32,12 @@ def scheduler(lookup=lambda query: NO_HIT) -> SchedulerSide:
 
 def first_step(request: Request, block_ids: list[int], num_computed: int, num_scheduled: int) -> SchedulerOutput:
     """The step that schedules `request` new, with `num_computed` tokens already there."""
-    request.num_computed_tokens = num_computed
-    return SchedulerOutput([NewRequestData(request.request_id, request.prompt_token_ids, (block_ids,), num_computed)],
-                           CachedRequestData(), {request.request_id: num_scheduled}, set())
+    return SchedulerOutput([new_request_data(request, block_ids, num_computed)], CachedRequestData(),
+                           {request.request_id: num_scheduled}, set())
 
 
 def next_step(request: Request, num_scheduled: int) -> SchedulerOutput:
-    return SchedulerOutput([], CachedRequestData([request.request_id], set(), [[]], [None],
-                                                 [request.num_computed_tokens]),
-                           {request.request_id: num_scheduled}, set())
+    return SchedulerOutput([], running_request_data([request]), {request.request_id: num_scheduled}, set())
 
 
 def test_a_chunked_prefill_offers_each_chunks_blocks_after_one_parent():
@@ -104,76 +98,59 @@ def test_a_request_counts_as_a_query_once_per_range_it_asks_for():
 
 
 @pytest.fixture
-def daemon(tmp_path):
-    with DaemonProcess(small_daemon_args(str(tmp_path))) as process:
-        yield process
-
-
-def compute_step(engine: Engine, output: SchedulerOutput, request: Request, block_ids: list[int],
-                 positions: range) -> None:
-    """One engine step that computes `positions` of `request` (their blocks get block_value)."""
-    metadata = engine.scheduler.build_connector_meta(output)
-    engine._worker_step(metadata, output, lambda: [
-        engine.write_block(block_ids[i], block_value(request.block_hashes[i])) for i in positions])
-
-
-def test_stores_send_only_new_blocks_and_a_lost_parent_is_stored_again_from_vllms_own_cache(daemon):
+def attached(daemon):
+    """(a fake engine with the connector on `daemon`, its worker side, a session of the engine's layout)."""
     engine = Engine(daemon.address)
     worker = engine.worker._worker()
     try:
         with KvtierClient(daemon.address) as client:
-            session = client.attach(worker.link.layout, map_pool=False)
-
-            def held(request: Request) -> int:
-                return session.lookup(request.block_hashes, token_ids=request.all_token_ids).num_hit_blocks
-
-            request = Request("chunks", prompt(5, 6 * BLOCK_SIZE + 1))
-            ids = engine.free_block_ids[:7]
-            engine.scheduler.update_state_after_alloc(request, KVCacheBlocks(ids), 0)
-            compute_step(engine, first_step(request, ids, 0, 3 * BLOCK_SIZE), request, ids, range(3))
-            request.num_computed_tokens = 3 * BLOCK_SIZE
-            assert wait_until(lambda: held(request) == 3)
-            worker.stats.take()
-            compute_step(engine, next_step(request, 3 * BLOCK_SIZE + 1), request, ids, range(3, 6))
-            assert wait_until(lambda: held(request) == 6)
-            sent = worker.stats.take().data
-            assert sent["store_request_bytes"] == (32 + 4 * BLOCK_SIZE) * (4 + 3)  # Acquire 4 blocks, Commit 3
-            assert (sent["store_rpcs"], sent["stored_blocks"]) == (3, 3)
-
-            # the daemon loses everything (blocks on their way down are evicted once they land)
-            assert wait_until(lambda: client.evict(all_tenants=True) is not None and held(request) == 0)
-            again = Request("again", request.prompt_token_ids)
-            ids = engine.free_block_ids[7:14]
-            engine.scheduler.update_state_after_alloc(again, KVCacheBlocks(ids), 0)
-            compute_step(engine, first_step(again, ids, 5 * BLOCK_SIZE, BLOCK_SIZE + 1), again, ids, range(6))
-            assert wait_until(lambda: held(again) == 6)  # the parent was gone: stored from position 0
-            assert worker.num_dropped_stores == 0
+            yield engine, worker, client, client.attach(worker.link.layout, map_pool=False)
     finally:
         engine.close()
 
 
-def test_a_step_whose_parent_the_daemon_lost_mid_request_is_dropped_and_counted(daemon):
-    engine = Engine(daemon.address)
-    worker = engine.worker._worker()
-    try:
-        with KvtierClient(daemon.address) as client:
-            session = client.attach(worker.link.layout, map_pool=False)
-            request = Request("lost", prompt(6, 4 * BLOCK_SIZE + 1))
-            ids = engine.free_block_ids[:5]
-            engine.scheduler.update_state_after_alloc(request, KVCacheBlocks(ids), 0)
-            compute_step(engine, first_step(request, ids, 0, 2 * BLOCK_SIZE), request, ids, range(2))
-            request.num_computed_tokens = 2 * BLOCK_SIZE
+def test_stores_send_only_new_blocks_and_a_lost_parent_is_stored_again_from_vllms_own_cache(attached):
+    engine, worker, client, session = attached
+    def held(request: Request) -> int:
+        return session.lookup(request.block_hashes, token_ids=request.all_token_ids).num_hit_blocks
 
-            def held() -> int:
-                return session.lookup(request.block_hashes, token_ids=request.all_token_ids).num_hit_blocks
+    request = Request("chunks", prompt(5, 6 * BLOCK_SIZE + 1))
+    ids = engine.free_block_ids[:7]
+    engine.scheduler.update_state_after_alloc(request, KVCacheBlocks(ids), 0)
+    engine.compute_step(first_step(request, ids, 0, 3 * BLOCK_SIZE), [(request, ids, range(3))])
+    assert wait_until(lambda: held(request) == 3)
+    worker.stats.take()
+    engine.compute_step(next_step(request, 3 * BLOCK_SIZE + 1), [(request, ids, range(3, 6))])
+    assert wait_until(lambda: held(request) == 6)
+    sent = worker.stats.take().data
+    assert sent["store_request_bytes"] == (32 + 4 * BLOCK_SIZE) * (4 + 3)  # Acquire 4 blocks, Commit 3
+    assert (sent["store_rpcs"], sent["stored_blocks"]) == (3, 3)
 
-            assert wait_until(lambda: held() == 2)
-            assert wait_until(lambda: client.evict(all_tenants=True) is not None and held() == 0)
-            compute_step(engine, next_step(request, 2 * BLOCK_SIZE + 1), request, ids, range(2, 4))
-            assert wait_until(lambda: worker.num_dropped_stores == 1)
-            engine.finish(request, ids)
-            engine.drain()
-            hashes = request.block_hashes
-            assert session.lookup(hashes[2:], token_ids=request.all_token_ids[2 * BLOCK_SIZE:]).num_hit_blocks == 0
-    finally:
-        engine.close()
+    # the daemon loses everything (blocks on their way down are evicted once they land)
+    assert wait_until(lambda: client.evict(all_tenants=True) is not None and held(request) == 0)
+    again = Request("again", request.prompt_token_ids)
+    ids = engine.free_block_ids[7:14]
+    engine.scheduler.update_state_after_alloc(again, KVCacheBlocks(ids), 0)
+    engine.compute_step(first_step(again, ids, 5 * BLOCK_SIZE, BLOCK_SIZE + 1), [(again, ids, range(6))])
+    assert wait_until(lambda: held(again) == 6)  # the parent was gone: stored from position 0
+    assert worker.num_dropped_stores == 0
+
+
+def test_a_step_whose_parent_the_daemon_lost_mid_request_is_dropped_and_counted(attached):
+    engine, worker, client, session = attached
+    request = Request("lost", prompt(6, 4 * BLOCK_SIZE + 1))
+    ids = engine.free_block_ids[:5]
+    engine.scheduler.update_state_after_alloc(request, KVCacheBlocks(ids), 0)
+    engine.compute_step(first_step(request, ids, 0, 2 * BLOCK_SIZE), [(request, ids, range(2))])
+
+    def held() -> int:
+        return session.lookup(request.block_hashes, token_ids=request.all_token_ids).num_hit_blocks
+
+    assert wait_until(lambda: held() == 2)
+    assert wait_until(lambda: client.evict(all_tenants=True) is not None and held() == 0)
+    engine.compute_step(next_step(request, 2 * BLOCK_SIZE + 1), [(request, ids, range(2, 4))])
+    assert wait_until(lambda: worker.num_dropped_stores == 1)
+    engine.finish(request, ids)
+    engine.drain()
+    hashes = request.block_hashes
+    assert session.lookup(hashes[2:], token_ids=request.all_token_ids[2 * BLOCK_SIZE:]).num_hit_blocks == 0

@@ -28,6 +28,7 @@ from kvtierd.connectors.vllm.connector import KvtierdConnector
 NUM_LAYERS, NUM_KV_HEADS, HEAD_DIM, BLOCK_SIZE = 2, 2, 8, 4
 MODEL = "vllm-connector-test"
 BLOCK_SHAPE = (NUM_LAYERS, NUM_KV_HEADS, BLOCK_SIZE, 2 * HEAD_DIM)  # one engine block, every layer's page
+# (at BLOCK_SIZE; the Engine and its Requests take another block size)
 
 
 @dataclasses.dataclass
@@ -74,8 +75,8 @@ class VllmConfig:
     kv_transfer_config: KVTransferConfig
 
 
-def vllm_config(address: str, kv_role: str = "kv_both", **extra) -> VllmConfig:
-    return VllmConfig(ModelConfig(), CacheConfig(), ParallelConfig(),
+def vllm_config(address: str, kv_role: str = "kv_both", block_size: int = BLOCK_SIZE, **extra) -> VllmConfig:
+    return VllmConfig(ModelConfig(), CacheConfig(block_size), ParallelConfig(),
                       KVTransferConfig(kv_role=kv_role, kv_connector_extra_config={"address": address, **extra}))
 
 
@@ -88,17 +89,28 @@ def chain_hashes(token_ids: list[int], block_size: int = BLOCK_SIZE) -> list[byt
     return hashes
 
 
+def prompt(seed: int, num_tokens: int, shared: list[int] = ()) -> list[int]:
+    """`shared`, then token ids of `seed` alone: prompts of different seeds share only `shared`."""
+    return list(shared) + [(seed * 7919 + i) % 30_000 + 10 for i in range(num_tokens - len(shared))]
+
+
 class Request:
-    def __init__(self, request_id: str, prompt_token_ids: list[int]) -> None:
+    def __init__(self, request_id: str, prompt_token_ids: list[int], block_size: int = BLOCK_SIZE) -> None:
         self.request_id = request_id
         self.prompt_token_ids = list(prompt_token_ids)
         self.all_token_ids = list(prompt_token_ids)
         self.num_computed_tokens = 0
-        self.block_hashes = chain_hashes(self.all_token_ids)
+        self.block_size = block_size
+        self.block_hashes = chain_hashes(self.all_token_ids, block_size)
 
     @property
     def num_tokens(self) -> int:
         return len(self.all_token_ids)
+
+    def append_output(self, token_id: int) -> None:
+        """A decoded token; a block it fills gets its hash, as vLLM's block hasher adds it."""
+        self.all_token_ids.append(token_id)
+        self.block_hashes = chain_hashes(self.all_token_ids, self.block_size)
 
 
 @dataclasses.dataclass
@@ -217,7 +229,7 @@ LAYER_NAMES = [f"model.layers.{layer}.self_attn.attn" for layer in range(NUM_LAY
 @dataclasses.dataclass
 class KVCacheConfig:
     """One full-attention group of every layer, as vLLM configures a uniform model (no KVCacheTensors:
-    the connector then reads each layer's block stride from its view)."""
+    the connector then reads each layer's block stride from its view). `uniform` sets the block size."""
 
     kv_cache_layout: str = "LBHNC"
     kv_cache_groups: list = dataclasses.field(
@@ -228,11 +240,33 @@ class KVCacheConfig:
     num_blocks: int | None = None
     prefix_cacheable_group_ids: list | None = None  # None: every group
 
+    @classmethod
+    def uniform(cls, kv_cache_layout: str = "LBHNC", block_size: int = BLOCK_SIZE) -> KVCacheConfig:
+        return cls(kv_cache_layout, [KVCacheGroupSpec(list(LAYER_NAMES), FullAttentionSpec(block_size))],
+                   hash_block_size=block_size)
 
-def block_value(block_hash: bytes) -> torch.Tensor:
+
+def block_value(block_hash: bytes, block_size: int = BLOCK_SIZE) -> torch.Tensor:
     """The KV a forward writes for a block: a fixed function of its hash."""
     generator = torch.Generator().manual_seed(int.from_bytes(block_hash[:8], "little") >> 1)
-    return torch.randn(BLOCK_SHAPE, generator=generator).to(torch.float16)
+    shape = (NUM_LAYERS, NUM_KV_HEADS, block_size, 2 * HEAD_DIM)
+    return torch.randn(shape, generator=generator).to(torch.float16)
+
+
+def new_request_data(request: Request, block_ids: list[int], num_computed_tokens: int) -> NewRequestData:
+    """`request` scheduled for the first time, `num_computed_tokens` of it already there (vLLM's own hits
+    or a load); sets the request's count, as vLLM's scheduler has when it builds the metadata."""
+    request.num_computed_tokens = num_computed_tokens
+    return NewRequestData(request.request_id, request.prompt_token_ids, (block_ids,), num_computed_tokens)
+
+
+def running_request_data(requests: list[Request], new_block_ids: list[list[int] | None] | None = None,
+                         ) -> CachedRequestData:
+    """`requests` scheduled again (a later chunk, a decode step), with the blocks allocated for this step."""
+    new_ids = new_block_ids or [None] * len(requests)
+    return CachedRequestData([r.request_id for r in requests], set(), [[] for _ in requests],
+                             [None if ids is None else (ids,) for ids in new_ids],
+                             [r.num_computed_tokens for r in requests])
 
 
 @dataclasses.dataclass
@@ -249,11 +283,12 @@ class Engine:
     vllm_worker.py), and writes `block_value` into the blocks a forward computes."""
 
     def __init__(self, address: str, kv_layout: str = "LBHNC", num_engine_blocks: int = 64,
-                 device: str = "cpu", kv_role: str = "kv_both", **extra) -> None:
-        config = vllm_config(address, kv_role, **extra)
-        self.scheduler = KvtierdConnector(config, "scheduler", KVCacheConfig(kv_layout))
-        self.worker = KvtierdConnector(config, "worker", KVCacheConfig(kv_layout))
-        self.kv_caches = vllm_kv_caches(kv_layout, NUM_LAYERS, num_engine_blocks, NUM_KV_HEADS, BLOCK_SIZE, HEAD_DIM,
+                 device: str = "cpu", kv_role: str = "kv_both", block_size: int = BLOCK_SIZE, **extra) -> None:
+        config = vllm_config(address, kv_role, block_size, **extra)
+        self.block_size = block_size
+        self.scheduler = KvtierdConnector(config, "scheduler", KVCacheConfig.uniform(kv_layout, block_size))
+        self.worker = KvtierdConnector(config, "worker", KVCacheConfig.uniform(kv_layout, block_size))
+        self.kv_caches = vllm_kv_caches(kv_layout, NUM_LAYERS, num_engine_blocks, NUM_KV_HEADS, block_size, HEAD_DIM,
                                         torch.float16, device)
         self.layer_caches = list(self.kv_caches.values())
         self.worker.register_kv_caches(dict(reversed(list(self.kv_caches.items()))))
@@ -299,7 +334,7 @@ class Engine:
         it computes), save, report."""
         num_external, load_async = self.matched(request)
         self.num_async_loads += load_async
-        num_blocks = math.ceil(request.num_tokens / BLOCK_SIZE)
+        num_blocks = math.ceil(request.num_tokens / self.block_size)
         block_ids, self.free_block_ids = self.free_block_ids[:num_blocks], self.free_block_ids[num_blocks:]
         self.scheduler.update_state_after_alloc(request, KVCacheBlocks(block_ids), num_external)
         errors: set[int] = set()
@@ -312,18 +347,29 @@ class Engine:
                 self.idle_step(errors)
                 time.sleep(0.005)
             self.scheduler.update_state_after_alloc(request, KVCacheBlocks(block_ids), 0)
-        request.num_computed_tokens = num_external
-        new = NewRequestData(request.request_id, request.prompt_token_ids, (block_ids,), num_external)
+        new = new_request_data(request, block_ids, num_external)
         output = SchedulerOutput([new], CachedRequestData(), {request.request_id: request.num_tokens - num_external},
                                  self._take_finished())
-        metadata = self.scheduler.build_connector_meta(output)
-        request.num_computed_tokens = request.num_tokens  # the scheduler advances after building
-        errors |= self._worker_step(metadata, output, lambda: [
-            self.write_block(block_ids[i], block_value(request.block_hashes[i]))
-            for i in range(num_external // BLOCK_SIZE, len(request.block_hashes))])
+        metadata, step_errors = self.compute_step(output, [(request, block_ids, range(
+            num_external // self.block_size, len(request.block_hashes)))])
+        errors |= step_errors
         if load_metadata is not None:  # the step that carried the load
             metadata = type(metadata)(load_metadata.loads, metadata.stores, metadata.preempted_req_ids)
         return StepResult(num_external, block_ids, errors, metadata)
+
+    def compute_step(self, output: SchedulerOutput, computed: list[tuple[Request, list[int], range]]):
+        """One engine step: the scheduler's metadata for `output`, then the worker's step, whose forward
+        writes `block_value` into each request's blocks at the chain positions given; each scheduled
+        request's num_computed_tokens advances after the metadata is built, as vLLM's scheduler does.
+        Returns (the metadata, the step's load errors)."""
+        metadata = self.scheduler.build_connector_meta(output)
+        for request, _, _ in computed:
+            request.num_computed_tokens = min(request.num_computed_tokens
+                                              + output.num_scheduled_tokens[request.request_id], request.num_tokens)
+        errors = self._worker_step(metadata, output, lambda: [
+            self.write_block(block_ids[i], block_value(request.block_hashes[i], self.block_size))
+            for request, block_ids, positions in computed for i in positions])
+        return metadata, errors
 
     def idle_step(self, errors: set[int] | None = None):
         """A step with nothing scheduled; its load errors join `errors`. Returns its metadata."""
