@@ -40,10 +40,11 @@ def add_demo_flags(parser: argparse.ArgumentParser) -> None:
                             "$XDG_CACHE_HOME/kvtierd/models or ~/.cache/kvtierd/models)")
     model.add_argument("--random-weights", action="store_true",
                        help="a small random-weight Llama instead, with messages of random token ids (fast; no fetch)")
-    model.add_argument("--layers", type=positive, default=RANDOM_MODEL.num_hidden_layers,
-                       help="layers of the random-weight model")
-    model.add_argument("--hidden", type=positive, default=RANDOM_MODEL.hidden_size,
-                       help="hidden size of the random-weight model (heads of 64)")
+    # The flags of the random-weight model default to None: given without --random-weights, they are refused.
+    model.add_argument("--layers", type=positive,
+                       help=f"layers of the random-weight model (default {RANDOM_MODEL.num_hidden_layers})")
+    model.add_argument("--hidden", type=positive,
+                       help=f"hidden size of the random-weight model, heads of 64 (default {RANDOM_MODEL.hidden_size})")
     traffic = parser.add_argument_group("traffic")
     traffic.add_argument("--conversations", type=positive,
                          help=f"default {chat.num_conversations} ({random_traffic.num_conversations} random)")
@@ -53,32 +54,54 @@ def add_demo_flags(parser: argparse.ArgumentParser) -> None:
                               f"{chat.num_shared_requests} ({random_traffic.num_shared_requests} random)")
     traffic.add_argument("--reply-tokens", type=positive,
                          help=f"at most, per reply; default {chat.reply_tokens} ({random_traffic.reply_tokens} random)")
-    traffic.add_argument("--system-prompt-tokens", type=positive, default=random_traffic.system_prompt_tokens,
-                         help="random weights: the system prompt's length")
-    traffic.add_argument("--first-turn-tokens", type=positive, default=random_traffic.first_turn_tokens,
-                         help="random weights: a conversation's first message")
+    traffic.add_argument("--system-prompt-tokens", type=positive,
+                         help=f"random weights: the system prompt's length (default "
+                              f"{random_traffic.system_prompt_tokens})")
+    traffic.add_argument("--first-turn-tokens", type=positive,
+                         help=f"random weights: a conversation's first message (default "
+                              f"{random_traffic.first_turn_tokens})")
     tiers = parser.add_argument_group("tiers of the daemon the demo starts")
     tiers.add_argument("--t0-blocks", type=positive,
                        help=f"default {CHAT_T0_BLOCKS} ({RANDOM_T0_BLOCKS} random)")
     tiers.add_argument("--t1-blocks", type=positive,
                        help=f"default {CHAT_T1_BLOCKS} ({RANDOM_T1_BLOCKS} random)")
-    parser.add_argument("--seed", type=int, default=0, help="of the random weights and tokens")
+    parser.add_argument("--seed", type=int, help="random weights: of the weights and tokens (default 0)")
     parser.add_argument("--json", action="store_true", help="print the report as JSON (progress goes to stderr)")
+
+
+# The flags that shape the random-weight model and its random-token messages: None unless given.
+RANDOM_ONLY_FLAGS = ("layers", "hidden", "system_prompt_tokens", "first_turn_tokens", "seed")
+
+
+def refuse_flags_that_do_not_apply(args: argparse.Namespace) -> None:
+    """A flag the chosen model ignores is an error, not a silent full run of another model."""
+    if args.model and args.random_weights:
+        raise InvalidArgument("--model and --random-weights exclude each other")
+    if not args.random_weights:
+        given = [f"--{name.replace('_', '-')}" for name in RANDOM_ONLY_FLAGS if getattr(args, name) is not None]
+        if given:
+            raise InvalidArgument(f"{', '.join(given)} {'applies' if len(given) == 1 else 'apply'} only with "
+                                  "--random-weights")
+    if args.model_cache and (args.model or args.random_weights):
+        raise InvalidArgument(f"--model-cache applies only to SmolLM2 (not with "
+                              f"{'--model' if args.model else '--random-weights'})")
 
 
 def demo_options(args: argparse.Namespace) -> DemoOptions:
     """DemoOptions from the demo's flags: unset counts take the chosen model's defaults."""
-    if args.model and args.random_weights:
-        raise InvalidArgument("--model and --random-weights exclude each other")
+    refuse_flags_that_do_not_apply(args)
     base = DemoOptions()
+    seed = 0 if args.seed is None else args.seed
     if args.random_weights:
-        heads = max(1, args.hidden // 64)
-        random_model = dataclasses.replace(RANDOM_MODEL, num_hidden_layers=args.layers, hidden_size=args.hidden,
-                                           intermediate_size=args.hidden * 11 // 4, num_attention_heads=heads,
+        layers, hidden = args.layers or RANDOM_MODEL.num_hidden_layers, args.hidden or RANDOM_MODEL.hidden_size
+        heads = max(1, hidden // 64)
+        random_model = dataclasses.replace(RANDOM_MODEL, num_hidden_layers=layers, hidden_size=hidden,
+                                           intermediate_size=hidden * 11 // 4, num_attention_heads=heads,
                                            num_key_value_heads=max(1, heads // 2), head_dim=0)
-        workload = DemoWorkload(system_prompt_tokens=args.system_prompt_tokens,
-                                first_turn_tokens=args.first_turn_tokens, vocab_size=random_model.vocab_size,
-                                seed=args.seed)
+        random_traffic = DemoWorkload()
+        workload = DemoWorkload(system_prompt_tokens=args.system_prompt_tokens or random_traffic.system_prompt_tokens,
+                                first_turn_tokens=args.first_turn_tokens or random_traffic.first_turn_tokens,
+                                vocab_size=random_model.vocab_size, seed=seed)
         base = dataclasses.replace(base, random_weights=True, random_model=random_model, t0_blocks=RANDOM_T0_BLOCKS,
                                    t1_blocks=RANDOM_T1_BLOCKS)
     else:
@@ -88,7 +111,7 @@ def demo_options(args: argparse.Namespace) -> DemoOptions:
     workload = dataclasses.replace(workload, **{k: v for k, v in counts.items() if v is not None})
     tiers = {"t0_blocks": args.t0_blocks, "t1_blocks": args.t1_blocks}
     return dataclasses.replace(base, workload=workload, model_path=args.model, model_cache=args.model_cache,
-                               seed=args.seed, address=args.address,
+                               seed=seed, address=args.address,
                                **{k: v for k, v in tiers.items() if v is not None})
 
 

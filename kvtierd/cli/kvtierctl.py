@@ -8,11 +8,12 @@
     kvtierctl flush [--tenant NAME | --all] [--model-id M]
     kvtierctl drain [--resume] [--wait SECONDS]
     kvtierctl health
+    kvtierctl --version
 
-Exit codes: 0 done (health: healthy); 1 health found problems, or drain --wait timed out;
-2 a bad argument; 3 the daemon is unreachable, or did not answer within --timeout seconds;
-4 the daemon refused (credentials, permission); 130 interrupted (Ctrl-C, except ending --watch).
-Every error is one line on stderr.
+Exit codes: 0 done (health: healthy), or stdout's reader went away (a closed pipe: `| head -1`);
+1 health found problems, or drain --wait timed out; 2 a bad argument; 3 the daemon is unreachable,
+or did not answer within --timeout seconds; 4 the daemon refused (credentials, permission);
+130 interrupted (Ctrl-C, except ending --watch). Every error is one line on stderr.
 """
 
 from __future__ import annotations
@@ -28,6 +29,9 @@ from typing import NoReturn
 
 from google.protobuf.json_format import MessageToDict
 
+from kvtierd import __version__
+from kvtierd.cli.unix_tool import SubcommandParser, quiet_on_closed_pipe, wait_unless_reader_gone
+from kvtierd.cli.wording import plural
 from kvtierd.errors import (
     DeadlineExceeded,
     InvalidArgument,
@@ -40,9 +44,10 @@ from kvtierd.errors import (
 EXIT_PROBLEMS, EXIT_USAGE, EXIT_UNREACHABLE, EXIT_REFUSED, EXIT_INTERRUPTED = 1, 2, 3, 4, 130
 
 
-class OneLineParser(argparse.ArgumentParser):
+class OneLineParser(SubcommandParser):
     """A usage error is one line on stderr and exit 2, not argparse's usage block (`--help` still
-    prints everything). The parser of every subcommand is one too (add_subparsers' parser_class)."""
+    prints everything). The parser of every subcommand is one too (add_subparsers' parser_class),
+    and refuses its own unknown arguments: the line points at that subcommand's --help."""
 
     def error(self, message: str) -> NoReturn:
         self.exit(EXIT_USAGE, f"kvtierctl: error: {message} (see `{self.prog} --help`)\n")
@@ -59,11 +64,14 @@ def seconds(text: str) -> float:
     return value
 
 
+@quiet_on_closed_pipe  # `kvtierctl stats | head -1`: exit 0, no traceback
 def main(argv: list[str] | None = None) -> int:
     parser = OneLineParser(prog="kvtierctl", description="Operate a kvtierd daemon: stats, capacity "
                            "planning, inspect, evict, flush, drain, health.",
                            epilog="exit codes: 0 ok, 1 problems found, 2 bad argument, 3 daemon unreachable "
-                           "(or no answer within --timeout), 4 refused, 130 interrupted")
+                           "(or no answer within --timeout), 4 refused, 130 interrupted; a closed pipe "
+                           "(kvtierctl stats | head -1) ends quietly with 0")
+    parser.add_argument("--version", action="version", version=f"kvtierctl {__version__}")
     parser.add_argument("--address", help="the daemon (default: KVTIERD_ADDRESS, else the default socket)")
     parser.add_argument("--token", help="bearer token (default: KVTIERD_TOKEN)")
     parser.add_argument("--timeout", type=seconds, default=10.0,
@@ -74,7 +82,8 @@ def main(argv: list[str] | None = None) -> int:
     stats = commands.add_parser("stats", help="usage, hit rate, evictions, bytes moved, errors per tier")
     stats.add_argument("--tenant", help="per-tenant usage: a tenant's name, or '*' for every tenant (admin)")
     stats.add_argument("--watch", nargs="?", const=2.0, type=seconds, metavar="SECONDS",
-                       help="refresh every SECONDS (default 2) with rates, until Ctrl-C")
+                       help="refresh every SECONDS (default 2) with rates, until Ctrl-C or the end of "
+                            "the pipe it writes to")
     stats.add_argument("--json", action="store_true", help="print the raw figures as JSON")
 
     from kvtierd.cli.kvtierctl_plan import add_plan_flags, add_prompt_flags
@@ -155,12 +164,12 @@ def run_against_daemon(args: argparse.Namespace) -> int:
                                                always_print_fields_with_no_presence=True)))
             else:
                 print(f"dropped {result.num_t0_blocks:,} T0, {result.num_t1_blocks:,} T1, {result.num_t2_blocks:,} T2 "
-                      f"blocks; {result.num_t0_held_blocks:,} T0 blocks skipped (in use)")
+                      f"blocks; {plural(result.num_t0_held_blocks, 'T0 block')} skipped (in use)")
             return 0
         if args.command == "drain":
             result = client.drain(resume=args.resume)
             state = "draining: new sessions are refused" if result.draining else "admitting sessions"
-            print(f"{state}; {result.num_sessions} sessions attached", flush=True)
+            print(f"{state}; {plural(result.num_sessions, 'session')} attached", flush=True)
             if args.wait is not None and result.draining:
                 return wait_for_sessions(client, args.wait)
             return 0
@@ -188,7 +197,8 @@ def answered_within(target: str, timeout_s: float):
 
 
 def watch(client, interval_s: float, view) -> int:
-    """Refresh until Ctrl-C (exit 0); on a terminal the screen is redrawn in place."""
+    """Refresh until Ctrl-C, or until stdout's reader goes away (exit 0 both), found at once, not at
+    the next refresh; on a terminal the screen is redrawn in place."""
     previous, before_s = None, time.monotonic()
     try:
         while True:
@@ -197,7 +207,8 @@ def watch(client, interval_s: float, view) -> int:
             sys.stdout.write(("\x1b[H\x1b[2J" if sys.stdout.isatty() else "") + text + "\n\n")
             sys.stdout.flush()
             previous, before_s = stats, now_s
-            time.sleep(interval_s)
+            if wait_unless_reader_gone(interval_s):
+                return 0
     except KeyboardInterrupt:
         return 0
 
@@ -208,7 +219,7 @@ def wait_for_sessions(client, timeout_s: float) -> int:
     while (num_sessions := client.stats().num_sessions) and time.monotonic() < deadline:
         time.sleep(0.5)
     if num_sessions:
-        print(f"still {num_sessions} sessions attached after {timeout_s:g} s", file=sys.stderr)
+        print(f"still {plural(num_sessions, 'session')} attached after {timeout_s:g} s", file=sys.stderr)
         return EXIT_PROBLEMS
     print("no sessions attached: safe to stop the daemon")
     return 0

@@ -8,6 +8,7 @@ import json
 import re
 from pathlib import Path
 
+from kvtierd.cli.wording import plural
 from kvtierd.errors import InvalidArgument
 from kvtierd.layout import DTYPES, Layout
 from kvtierd.planning.capacity_plan import (
@@ -160,16 +161,29 @@ def run_inspect(client, args: argparse.Namespace) -> int:
         session.close()
     block_size = session.layout.block_size
     report = dict(num_blocks=len(hashes), num_hit_blocks=found.num_hit_blocks, t0=found.num_t0_blocks,
-                  t1=found.num_t1_blocks, t2=found.num_t2_blocks, block_size=block_size)
+                  t1=found.num_t1_blocks, t2=found.num_t2_blocks, t3=found.num_t3_blocks, block_size=block_size)
     if args.json:
         print(json.dumps(report))
+    elif found.num_hit_blocks:
+        print(f"{found.num_hit_blocks:,} of {plural(len(hashes), 'full block')} cached "
+              f"({found.num_hit_blocks * block_size:,} of {len(hashes) * block_size:,} tokens): "
+              + hit_ranges(found.num_t0_blocks, found.num_t1_blocks, found.num_t2_blocks, found.num_t3_blocks))
     else:
-        print(f"{found.num_hit_blocks} of {len(hashes)} full blocks cached ({found.num_hit_blocks * block_size:,} of "
-              f"{len(hashes) * block_size:,} tokens): blocks 0-{found.num_t0_blocks - 1} in T0, then "
-              f"{found.num_t1_blocks} in T1, then {found.num_t2_blocks} in T2"
-              if found.num_hit_blocks
-              else f"none of the {len(hashes)} full blocks is cached (as tenant {session.tenant})")
+        none = ("the prompt's one full block is not cached" if len(hashes) == 1
+                else f"none of the prompt's {len(hashes):,} full blocks is cached")
+        print(f"{none} (as tenant {session.tenant})")
     return 0
+
+
+def hit_ranges(*num_tier_blocks: int) -> str:
+    """Where a chain's leading hits are, T0 first (Lookup's order): "blocks 0-5 in T0, then block 6 in T1"."""
+    ranges, first = [], 0
+    for tier, count in enumerate(num_tier_blocks):
+        if count:
+            span = f"block {first}" if count == 1 else f"blocks {first}-{first + count - 1}"
+            ranges.append(f"{span} in T{tier}")
+            first += count
+    return ", then ".join(ranges)
 
 
 def _read(path: str) -> str:

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 
+from kvtierd.cli.wording import plural
 from kvtierd.planning.capacity import format_bytes
 from kvtierd.v1 import kvtier_pb2 as pb
 
@@ -33,8 +34,8 @@ class StatsView:
 
     def lines(self, address: str) -> list[str]:
         s = self.stats
-        lines = [f"kvtierd {s.version} at {address}: {s.num_sessions} sessions, "
-                 f"{s.num_reclaimed_refs:,} block refs reclaimed from dead sessions"]
+        lines = [f"kvtierd {s.version} at {address}: {plural(s.num_sessions, 'session')}, "
+                 f"{plural(s.num_reclaimed_refs, 'block ref')} reclaimed from dead sessions"]
         if s.remote.enabled:
             lines.append(store_line(s.remote))
         if not s.pools:
@@ -76,15 +77,16 @@ class StatsView:
                 text += f" ({format_bytes(delta / self.interval_s)}/s)"
             moved.append(text)
         lines.append("  moved: " + (", ".join(moved) if moved else "nothing yet"))
-        lines.append(f"  errors: {pool.num_corrupted_blocks:,} corrupted T2 blocks dropped, "
-                     f"{pool.num_t2_io_errors:,} T2 I/O errors, {pool.num_failed_load_blocks:,} failed loads, "
-                     f"{pool.num_failed_offload_blocks:,} failed offloads"
+        lines.append(f"  errors: {plural(pool.num_corrupted_blocks, 'corrupted T2 block')} dropped, "
+                     f"{plural(pool.num_t2_io_errors, 'T2 I/O error')}, "
+                     f"{plural(pool.num_failed_load_blocks, 'failed load')}, "
+                     f"{plural(pool.num_failed_offload_blocks, 'failed offload')}"
                      + ("" if pool.t2_admitting or not _has_t2(pool) else f"; T2 NOT admitting: {pool.t2_reason}"))
         if pool.HasField("t3"):
             t3 = pool.t3
-            lines.append(f"  t3 (shared store, {t3.codec}): {t3.num_hit_blocks:,} hit blocks "
-                         f"({format_bytes(t3.read_bytes)} read), {t3.num_miss_blocks:,} misses, "
-                         f"{t3.num_corrupt_blocks:,} refused values; {t3.num_written_blocks:,} written "
+            lines.append(f"  t3 (shared store, {t3.codec}): {plural(t3.num_hit_blocks, 'hit block')} "
+                         f"({format_bytes(t3.read_bytes)} read), {plural(t3.num_miss_blocks, 'miss', 'misses')}, "
+                         f"{plural(t3.num_corrupt_blocks, 'refused value')}; {t3.num_written_blocks:,} written "
                          f"({format_bytes(t3.written_bytes)}), {t3.num_dropped_writes:,} dropped, "
                          f"{t3.num_failed_writes:,} failed, backlog {format_bytes(t3.write_backlog_bytes)}")
         return lines
@@ -94,9 +96,10 @@ def store_line(remote: pb.RemoteStoreStats) -> str:
     """The node's shared store (T3) in one line."""
     state = {"closed": "serving", "open": "BREAKER OPEN", "half_open": "probing (half-open)"}.get(
         remote.breaker_state, remote.breaker_state)
-    return (f"shared store (T3): {remote.mode}, {remote.num_nodes} nodes, {state}"
-            f"{f' ({remote.num_open_nodes} nodes open)' if remote.num_open_nodes else ''}; "
-            f"{remote.num_errors:,} failed calls, breakers opened {remote.num_breaker_opens:,} times")
+    return (f"shared store (T3): {remote.mode}, {plural(remote.num_nodes, 'node')}, {state}"
+            f"{' (' + plural(remote.num_open_nodes, 'node') + ' open)' if remote.num_open_nodes else ''}; "
+            f"{plural(remote.num_errors, 'failed call')}, breakers opened "
+            f"{plural(remote.num_breaker_opens, 'time')}")
 
 
 def _has_t2(pool: pb.PoolStats) -> bool:
@@ -122,31 +125,33 @@ def health_problems(stats: pb.StatsResponse) -> tuple[list[str], list[str]]:
         name = pool.layout.model_id
         held = pool.num_blocks - pool.num_free_blocks
         if held and not stats.num_sessions:
-            problems.append(f"{name}: {held:,} T0 blocks held with no session open (a leak)")
+            problems.append(f"{name}: {plural(held, 'T0 block')} held with no session open (a leak)")
         if pool.num_corrupted_blocks:
-            problems.append(f"{name}: {pool.num_corrupted_blocks:,} corrupted T2 blocks dropped (disk or file damage)")
+            problems.append(f"{name}: {plural(pool.num_corrupted_blocks, 'corrupted T2 block')} dropped "
+                            "(disk or file damage)")
         if pool.num_t2_io_errors:
-            problems.append(f"{name}: {pool.num_t2_io_errors:,} T2 I/O errors")
+            problems.append(f"{name}: {plural(pool.num_t2_io_errors, 'T2 I/O error')}")
         if _has_t2(pool) and not pool.t2_admitting:
             problems.append(f"{name}: T2 is not admitting blocks: {pool.t2_reason or 'unknown reason'}")
         if pool.num_failed_load_blocks or pool.num_failed_offload_blocks:
-            notes.append(f"{name}: {pool.num_failed_load_blocks:,} failed loads (recomputed), "
-                         f"{pool.num_failed_offload_blocks:,} failed offloads")
+            notes.append(f"{name}: {plural(pool.num_failed_load_blocks, 'failed load')} (recomputed), "
+                         f"{plural(pool.num_failed_offload_blocks, 'failed offload')}")
     remote = stats.remote
     if remote.enabled and (remote.breaker_state == "open" or remote.mode == "unknown"):
-        problems.append(f"shared store (T3): {remote.num_open_nodes} of {remote.num_nodes} nodes unreachable"
+        problems.append(f"shared store (T3): {remote.num_open_nodes} of {plural(remote.num_nodes, 'node')} "
+                        "unreachable"
                         if remote.num_nodes and remote.mode != "unknown" else
                         "shared store (T3) unreachable: no endpoint answered yet")
     elif remote.enabled and remote.breaker_state == "half_open":
         notes.append("shared store (T3): probing a node that failed (half-open)")
     if remote.enabled and remote.num_errors:
-        notes.append(f"shared store (T3): {remote.num_errors:,} failed calls since start, breakers opened "
-                     f"{remote.num_breaker_opens:,} times")
+        notes.append(f"shared store (T3): {plural(remote.num_errors, 'failed call')} since start, breakers "
+                     f"opened {plural(remote.num_breaker_opens, 'time')}")
     for pool in stats.pools:
         if pool.HasField("t3") and pool.t3.num_corrupt_blocks:
-            notes.append(f"{pool.layout.model_id}: {pool.t3.num_corrupt_blocks:,} T3 values refused by their "
-                         "check (overwritten by another writer, or another layout): served as misses")
+            notes.append(f"{pool.layout.model_id}: {plural(pool.t3.num_corrupt_blocks, 'T3 value')} refused by "
+                         "their check (overwritten by another writer, or another layout): served as misses")
     if stats.num_reclaimed_refs:
-        notes.append(f"{stats.num_reclaimed_refs:,} block refs were reclaimed from sessions that died or lost "
+        notes.append(f"reclaimed {plural(stats.num_reclaimed_refs, 'block ref')} from sessions that died or lost "
                      "their lease (runners that crashed: the daemon returned their blocks)")
     return problems, notes

@@ -11,16 +11,18 @@ from pathlib import Path
 
 from kvtierd import __version__
 from kvtierd.cli.arg_types import positive
+from kvtierd.cli.unix_tool import SubcommandParser, quiet_on_closed_pipe
 from kvtierd.errors import KvtierError
 from kvtierd.planning.chat_workload import ChatWorkload
 
 
+@quiet_on_closed_pipe  # `kvtierd simulate | head -1`: exit 0, no traceback
 def main(argv: list[str] | None = None) -> int:
     # A file-size limit must surface as EFBIG to the SSD tier (which stops admitting), not kill us.
     signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
     parser = argparse.ArgumentParser(prog="kvtierd", description="KV-cache tiering daemon for LLM inference.")
     parser.add_argument("--version", action="version", version=f"kvtierd {__version__}")
-    commands = parser.add_subparsers(dest="command", required=True)
+    commands = parser.add_subparsers(dest="command", required=True, parser_class=SubcommandParser)
 
     simulate = commands.add_parser(
         "simulate", help="run a simulated multi-turn chat workload through the block index",

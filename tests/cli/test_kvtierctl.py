@@ -68,7 +68,7 @@ PLAN = ("plan", "--bytes-per-token", "819200")
     ((*PLAN, "--length", "34"),
      "kvtierctl: error: the following arguments are required: --t0 (see `kvtierctl plan --help`)"),
     (("--bogus", "health"), "kvtierctl: error: unrecognized arguments: --bogus (see `kvtierctl --help`)"),
-    (("health", "--bogus"), "kvtierctl: error: unrecognized arguments: --bogus (see `kvtierctl --help`)"),
+    (("health", "--bogus"), "kvtierctl: error: unrecognized arguments: --bogus (see `kvtierctl health --help`)"),
     (("bogus",), "kvtierctl: error: argument command: invalid choice: 'bogus' (choose from 'stats', 'plan', "
                  "'inspect', 'evict', 'flush', 'drain', 'health') (see `kvtierctl --help`)"),
     ((), "kvtierctl: error: the following arguments are required: command (see `kvtierctl --help`)"),
