@@ -339,6 +339,13 @@ _FLAGS = (
     ("--log-level", "log_level", "LEVEL", ", ".join(LOG_LEVELS)),
 )
 _ENV_OF = {key: name for name, key in ENV_KEYS.items()}
+_FLAG_OF = {key: flag for flag, key, _, _ in _FLAGS} | {"server.insecure_tcp": "--insecure-tcp"}
+
+
+def setting_name(key: str) -> str:
+    """How an error names a config key: "--ssd-dir (ssd.directory)" where a flag sets it, else the key."""
+    flag = _FLAG_OF.get(key)
+    return f"{flag} ({key})" if flag else key
 
 
 def _dest(key: str) -> str:

@@ -5,30 +5,34 @@ standard health service and server reflection; copy engines run on their own thr
 Prometheus endpoint on its own port. Listens on a unix socket (mode 0600) by default and on
 TCP with TLS (optionally requiring client certificates) when configured.
 
+Start: the configuration is checked against the machine (startup_checks.py), then every
+listener is bound (ports first, the unix socket last), then the SSD directory is locked
+(directory_lock.py), then the servers start and `ready` is printed. A mistake at any step is one
+KvtierError naming the setting (kvtierd_main prints it as one line and exits 2), and `stop()`
+releases only what this daemon acquired: it never unlinks a socket or lock of another daemon.
+
 SIGTERM or SIGINT: health turns NOT_SERVING, the server stops accepting and gives in-flight
 calls `grace_s`, sessions are closed (their blocks released), every pool drains its in-flight
-moves and flushes its T2 index, the socket file is removed, and the process exits 0.
+moves and flushes its T2 index, the socket file is removed (if still ours), the SSD directory
+lock is released, and the process exits 0.
 """
 
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import os
 import signal
-import socket
-import stat
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
-from kvtierd.errors import FailedPrecondition, InvalidArgument
+from kvtierd.errors import FailedPrecondition
 from kvtierd.layout import llama3_8b
 from kvtierd.metrics.daemon_metrics import DaemonMetrics
 from kvtierd.node.config_summary import config_lines
-from kvtierd.node.daemon_config import DaemonConfig, admin_tenant_names
+from kvtierd.node.daemon_config import DaemonConfig, admin_tenant_names, setting_name
 from kvtierd.node.operations import Operations
 from kvtierd.node.pools import PoolRegistry, PoolSettings
 from kvtierd.node.quotas import QuotaBook
@@ -36,9 +40,12 @@ from kvtierd.node.remote_section import remote_config_of
 from kvtierd.node.sessions import SessionTable
 from kvtierd.node.tenants import Authenticator, TokenBook
 from kvtierd.planning.capacity import PoolCapacity
+from kvtierd.server.directory_lock import DirectoryLock
 from kvtierd.server.event_feed import EventFeed
 from kvtierd.server.interceptor import StatusInterceptor
+from kvtierd.server.listeners import SocketFile, add_port, bind_unix_socket
 from kvtierd.server.servicer import KvTierServicer
+from kvtierd.server.startup_checks import check_machine
 from kvtierd.server.vllm_events import BatchEncoder, WireFormat
 from kvtierd.server.zmq_publisher import ZmqEventPublisher
 from kvtierd.tiering.tier_config import TierConfig
@@ -78,7 +85,11 @@ def planning_lines(config: DaemonConfig, request_tokens: int = 8192) -> list[str
 
 
 class Daemon:
-    """The server and everything it owns; `start()` binds, `stop()` shuts down in order."""
+    """The server and everything it owns; `start()` binds, `stop()` shuts down in order.
+
+    `socket_file` and `ssd_lock` are set once start has acquired them; `stop()` releases what is
+    set, so it is right after a start that failed half way too.
+    """
 
     def __init__(self, config: DaemonConfig) -> None:
         self.config = config
@@ -109,10 +120,13 @@ class Daemon:
         self.servicer: KvTierServicer | None = None
         self.addresses: list[str] = []
         self.metrics_port: int | None = None
+        self.socket_file: SocketFile | None = None  # the unix socket this daemon bound
+        self.ssd_lock: DirectoryLock | None = None  # held on ssd.directory while T2 is on
         self._tasks: list[asyncio.Task] = []
         self._stopped = asyncio.Event()
 
     async def start(self) -> None:
+        check_machine(self.config)
         server_config = self.config.server
         if self.publisher is not None:
             try:
@@ -129,41 +143,43 @@ class Daemon:
         self.server.add_generic_rpc_handlers((kvtier_handlers(self.servicer),))
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
         reflection.enable_server_reflection([SERVICE_NAME, health.SERVICE_NAME, reflection.SERVICE_NAME], self.server)
-        if server_config.socket:
-            prepare_socket_path(server_config.socket)
-            with _umask(0o177):
-                self.server.add_insecure_port("unix:" + server_config.socket)
-            self.addresses.append("unix://" + server_config.socket)
         if server_config.tcp:
             port = self._add_tcp_port(server_config)
             host = server_config.tcp.rsplit(":", 1)[0]
             self.addresses.append(f"{host}:{port}")
-        await self.server.start()
         if server_config.health_tcp:
-            await self._start_health_listener(server_config.health_tcp)
+            self._add_health_listener(server_config.health_tcp)
+        if server_config.metrics_port >= 0:
+            self._serve_metrics(server_config.metrics_host, server_config.metrics_port)
+        if server_config.socket:  # last: a refused port leaves no socket file behind
+            self.socket_file = bind_unix_socket(self.server, server_config.socket, setting_name("server.socket"))
+            self.addresses.append("unix://" + server_config.socket)
+        ssd = self.config.ssd
+        if ssd.directory and ssd.capacity_bytes:  # before any pool opens T2 in it
+            self.ssd_lock = DirectoryLock.acquire(ssd.directory, setting_name("ssd.directory"))
+        await self.server.start()
+        if self.health_server is not None:
+            await self.health_server.start()
         if server_config.socket:
             os.chmod(server_config.socket, 0o600)
         await self._set_serving(False)
-        if server_config.metrics_port >= 0:
-            address = f"{server_config.metrics_host}:{server_config.metrics_port}"
-            try:
-                _, self.metrics_port = self.metrics.serve_http(server_config.metrics_host, server_config.metrics_port)
-            except OSError as e:
-                raise FailedPrecondition(f"cannot serve metrics on {address}: {e.strerror}; choose another "
-                                         "--metrics-port (0: any free port, -1: no metrics endpoint)") from None
         self._tasks = [asyncio.create_task(self.sessions.run_reaper(min(1.0, server_config.lease_s / 4))),
                        asyncio.create_task(self.feed.run())]
 
-    async def _start_health_listener(self, address: str) -> None:
+    def _add_health_listener(self, address: str) -> None:
         """grpc.health.v1 alone, in the clear: Kubernetes' gRPC probes cannot speak TLS, and the
-        health status is all this listener reveals."""
+        health status is all this listener reveals. Bound here, started with the server."""
         self.health_server = grpc.aio.server(options=[("grpc.so_reuseport", 0)])
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.health_server)
-        port = self.health_server.add_insecure_port(address)
-        if not port:
-            raise FailedPrecondition(f"cannot listen for health checks on {address}")
-        await self.health_server.start()
+        port = add_port(self.health_server, address, setting_name("server.health_tcp"))
         self.health_address = f"{address.rsplit(':', 1)[0]}:{port}"
+
+    def _serve_metrics(self, host: str, port: int) -> None:
+        try:
+            _, self.metrics_port = self.metrics.serve_http(host, port)
+        except OSError as e:
+            raise FailedPrecondition(f"cannot serve metrics on {host}:{port}: {e.strerror}; choose another "
+                                     f"{setting_name('server.metrics_port')} (0: any free port, -1: none)") from None
 
     async def _set_serving(self, draining: bool) -> None:
         """Health SERVING, or NOT_SERVING while draining (load balancers and probes stop sending)."""
@@ -183,12 +199,8 @@ class Daemon:
                     client_ca = f.read()
             credentials = grpc.ssl_server_credentials([(key, cert)], root_certificates=client_ca,
                                                       require_client_auth=client_ca is not None)
-            port = self.server.add_secure_port(server_config.tcp, credentials)
-        else:
-            port = self.server.add_insecure_port(server_config.tcp)
-        if not port:
-            raise FailedPrecondition(f"cannot listen on {server_config.tcp}")
-        return port
+            return add_port(self.server, server_config.tcp, setting_name("server.tcp"), credentials)
+        return add_port(self.server, server_config.tcp, setting_name("server.tcp"))
 
     def startup_lines(self) -> list[str]:
         lines = [f"kvtierd: listening on {address}" for address in self.addresses]
@@ -227,9 +239,12 @@ class Daemon:
             log.info("released %d block references of sessions open at shutdown", num_refs)
         await asyncio.to_thread(self.registry.close)
         self.metrics.close()
-        if self.config.server.socket:
-            with contextlib.suppress(FileNotFoundError):
-                os.unlink(self.config.server.socket)
+        if self.socket_file is not None:
+            self.socket_file.remove()
+            self.socket_file = None
+        if self.ssd_lock is not None:
+            self.ssd_lock.release()
+            self.ssd_lock = None
 
 
 def kv_event_publisher(config: DaemonConfig, tenant_name) -> ZmqEventPublisher | None:
@@ -262,37 +277,6 @@ _HANDLER_KINDS = {(False, False): grpc.unary_unary_rpc_method_handler,
                   (True, False): grpc.stream_unary_rpc_method_handler,
                   (False, True): grpc.unary_stream_rpc_method_handler,
                   (True, True): grpc.stream_stream_rpc_method_handler}
-
-
-def prepare_socket_path(path: str) -> None:
-    """Make the socket's directory (0700 when we create it) and remove a stale socket file;
-    refuse when another process is serving on it or the path is not a socket."""
-    directory = os.path.dirname(os.path.abspath(path))
-    os.makedirs(directory, mode=0o700, exist_ok=True)
-    try:
-        mode = os.lstat(path).st_mode
-    except FileNotFoundError:
-        return
-    if not stat.S_ISSOCK(mode):
-        raise InvalidArgument(f"{path} exists and is not a socket; choose another --socket")
-    probe = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-    try:
-        probe.connect(path)
-    except (ConnectionRefusedError, FileNotFoundError):
-        os.unlink(path)  # stale: left by a daemon that did not exit cleanly
-        return
-    finally:
-        probe.close()
-    raise FailedPrecondition(f"another process is serving on {path}; stop it or choose another --socket")
-
-
-@contextlib.contextmanager
-def _umask(mask: int):
-    previous = os.umask(mask)
-    try:
-        yield
-    finally:
-        os.umask(previous)
 
 
 async def serve(config: DaemonConfig, print_line=print) -> int:

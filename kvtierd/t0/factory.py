@@ -16,7 +16,7 @@ from kvtierd.t0.pool_handle import PoolHandle, PoolKind, check_num_blocks
 from kvtierd.t0.shm_pool import ShmDevicePool
 
 
-def _resolve_device(device: str | torch.device) -> tuple[PoolKind, int | None]:
+def resolve_device(device: str | torch.device) -> tuple[PoolKind, int | None]:
     """'auto' → cuda:0 if CUDA is available, else shm; 'cpu'/'shm' → shm; 'cuda[:N]' → CUDA."""
     text = str(device)
     if text == "auto":
@@ -46,7 +46,7 @@ def create_device_pool(layout: Layout, num_blocks: int, device: str | torch.devi
     `name` picks the shm segment name (shm pools only; default: unique per process).
     """
     num_blocks = check_num_blocks(num_blocks)
-    kind, device_index = _resolve_device(device)
+    kind, device_index = resolve_device(device)
     if kind == "shm":
         return ShmDevicePool.create(layout, num_blocks, name=name)
     if name is not None:

@@ -1,0 +1,149 @@
+"""Checking a DaemonConfig against this machine, before the daemon binds or creates anything.
+
+`check_machine(config)` raises the first mistake it finds as one line naming the setting (flag
+and config key). It only reads: nothing is created, bound or changed. It refuses
+
+- server.socket: a path longer than a unix socket holds (107 bytes on Linux); a directory that
+  cannot be created (a component is a file) or is not writable;
+- server.tls_cert, tls_key, tls_client_ca: a file that cannot be read;
+- ssd.directory (when T2 is on: a directory and capacity_bytes > 0): a directory that cannot be
+  created or is not writable, or a filesystem without ssd.capacity_bytes free. A layout's slot
+  file is preallocated to the whole capacity at its first Attach; slot files already in the
+  directory (`<directory>/*/kvtierd-slots.bin`, a restarted daemon's) count as free, since a
+  layout reuses its own. One layout's room is checked, not pool.max_layouts';
+- host.capacity_bytes above the machine's memory (MemTotal), and pool.t0_bytes above the size of
+  /dev/shm where the device pool lives there (the device resolves to the CPU);
+- pool.device naming a CUDA device this machine lacks.
+
+Writability is os.access: root passes it everywhere but on a read-only filesystem (EROFS).
+What these checks cannot see is refused where it happens: ports in use and sockets served by
+another daemon at bind (listeners.py), another daemon's SSD directory at its lock
+(directory_lock.py), a tokens or password file at load (tenants.py, remote_section.py).
+"""
+
+from __future__ import annotations
+
+import os
+
+from kvtierd.errors import FailedPrecondition, InvalidArgument
+from kvtierd.node.daemon_config import DaemonConfig, setting_name
+from kvtierd.planning.capacity import format_bytes
+from kvtierd.server.listeners import MAX_UNIX_PATH_BYTES
+from kvtierd.t0.factory import resolve_device
+from kvtierd.t2.ssd_files import SLOT_FILE_NAME
+
+SHM_DIRECTORY = "/dev/shm"  # where a CPU device pool (T0) lives
+
+
+def check_machine(config: DaemonConfig) -> None:
+    """Raise InvalidArgument or FailedPrecondition for the first setting this machine cannot honour."""
+    server = config.server
+    if server.socket:
+        check_socket_path(server.socket)
+    for key in ("tls_cert", "tls_key", "tls_client_ca"):
+        if getattr(server, key):
+            check_readable(getattr(server, key), f"server.{key}")
+    if config.ssd.directory and config.ssd.capacity_bytes:
+        check_ssd_directory(config.ssd.directory, config.ssd.capacity_bytes)
+    memory_bytes = machine_memory_bytes()
+    if config.host.capacity_bytes > memory_bytes:
+        raise FailedPrecondition(f"{setting_name('host.capacity_bytes')}: {format_bytes(config.host.capacity_bytes)} "
+                                 f"is more than this machine's memory ({format_bytes(memory_bytes)})")
+    if device_pool_in_shm(config.pool.device):
+        shm_bytes = filesystem_size_bytes(SHM_DIRECTORY)
+        if shm_bytes is not None and config.pool.t0_bytes > shm_bytes:
+            raise FailedPrecondition(
+                f"{setting_name('pool.t0_bytes')}: {format_bytes(config.pool.t0_bytes)} is more than "
+                f"{SHM_DIRECTORY} holds ({format_bytes(shm_bytes)}), where the CPU device pool lives")
+
+
+def check_socket_path(path: str) -> None:
+    setting = setting_name("server.socket")
+    num_path_bytes = len(os.fsencode(path))
+    if num_path_bytes > MAX_UNIX_PATH_BYTES:
+        raise InvalidArgument(f"{setting}: {path} is {num_path_bytes} bytes long; a unix socket path holds at most "
+                              f"{MAX_UNIX_PATH_BYTES}: choose a shorter one")
+    check_creatable_directory(os.path.dirname(os.path.abspath(path)), setting)
+
+
+def check_readable(path: str, key: str) -> None:
+    try:
+        with open(path, "rb"):
+            pass
+    except OSError as e:
+        raise InvalidArgument(f"{setting_name(key)}: cannot read {path}: {e.strerror}") from None
+
+
+def check_ssd_directory(directory: str, capacity_bytes: int) -> None:
+    setting = setting_name("ssd.directory")
+    existing = check_creatable_directory(os.path.abspath(directory), setting)
+    status = os.statvfs(existing)
+    free_bytes = status.f_bavail * status.f_frsize
+    slot_file_bytes = slot_files_bytes(directory) if existing == os.path.abspath(directory) else 0
+    if free_bytes + slot_file_bytes < capacity_bytes:
+        held = f" (and {format_bytes(slot_file_bytes)} in earlier slot files)" if slot_file_bytes else ""
+        raise FailedPrecondition(
+            f"{setting_name('ssd.capacity_bytes')}: {format_bytes(capacity_bytes)} does not fit in {directory}: "
+            f"its filesystem has {format_bytes(free_bytes)} free{held}; a layout's slot file takes all of it")
+
+
+def check_creatable_directory(directory: str, setting: str) -> str:
+    """Refuse a directory that cannot be created or written; returns its nearest existing
+    ancestor (the directory itself when it exists)."""
+    existing = directory
+    while not os.path.exists(existing):
+        existing = os.path.dirname(existing)
+    if not os.path.isdir(existing):
+        what = directory if existing == directory else f"its ancestor {existing}"
+        raise FailedPrecondition(f"{setting}: cannot use the directory {directory}: {what} is not a directory")
+    if not os.access(existing, os.W_OK | os.X_OK):
+        what = "it" if existing == directory else f"its ancestor {existing}"
+        raise FailedPrecondition(f"{setting}: cannot write in the directory {directory}: {what} is not writable")
+    return existing
+
+
+def slot_files_bytes(directory: str) -> int:
+    """Bytes the SSD tier's slot files in `<directory>/*/` hold on disk."""
+    total = 0
+    try:
+        with os.scandir(directory) as entries:
+            subdirectories = [entry.path for entry in entries if entry.is_dir(follow_symlinks=False)]
+    except OSError:
+        return 0
+    for subdirectory in subdirectories:
+        try:
+            total += os.stat(os.path.join(subdirectory, SLOT_FILE_NAME)).st_blocks * 512
+        except OSError:
+            pass
+    return total
+
+
+def machine_memory_bytes() -> int:
+    """MemTotal from /proc/meminfo; physical pages times page size where there is none."""
+    try:
+        with open("/proc/meminfo") as meminfo:
+            for line in meminfo:
+                if line.startswith("MemTotal:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    return os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+
+
+def filesystem_size_bytes(path: str) -> int | None:
+    try:
+        status = os.statvfs(path)
+    except OSError:
+        return None
+    return status.f_blocks * status.f_frsize
+
+
+def device_pool_in_shm(device: str) -> bool:
+    """Whether pool.device resolves to the CPU (a /dev/shm pool), as the pool factory resolves it;
+    a CUDA device this machine lacks is refused here."""
+    try:
+        kind, _ = resolve_device(device)
+    except InvalidArgument:
+        raise InvalidArgument(f"{setting_name('pool.device')}: this machine has no CUDA device {device!r}; "
+                              "use auto or cpu") from None
+    return kind == "shm"
