@@ -78,8 +78,9 @@ class DaemonLink:
             except (KvtierError, OSError, RuntimeError) as error:
                 self.num_attach_failures += 1
                 self._next_attach_at = time.monotonic() + self.retry_after_s
-                log.warning("kvtierd connector: cannot attach to kvtierd (%s: %s); serving without the "
-                            "cache, next try in %.0f s", type(error).__name__, error, self.retry_after_s)
+                log.warning("kvtierd connector: cannot attach to kvtierd at %s (%s: %s); serving without the "
+                            "cache, next try in %.0f s", self.target or "the default socket", type(error).__name__,
+                            error, self.retry_after_s)
                 return None
             log.info("kvtierd connector: attached to kvtierd at %s, session %s (%s, pool mapped: %s); %s",
                      self._client.target, self._session.session_id, self.layout.model_id, self.map_pool,

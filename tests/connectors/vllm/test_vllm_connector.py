@@ -406,9 +406,20 @@ def test_both_sides_attach_before_the_engine_serves_and_a_down_daemon_only_delay
     with KvtierClient(daemon.address) as client:
         assert client.stats().num_sessions >= 2  # the daemon is the module's: earlier engines' may linger
 
-    down = Engine(f"unix://{tmp_path}/absent.sock", start_attach_s=2.0)
+    warnings = []
+    handler = logging.Handler(logging.WARNING)
+    handler.emit = warnings.append
+    link_log = logging.getLogger("kvtierd.connectors.vllm.daemon_link")
+    link_log.addHandler(handler)
+    try:
+        down = Engine(f"unix://{tmp_path}/absent.sock", start_attach_s=2.0)
+    finally:
+        link_log.removeHandler(handler)
     engines.append(down)
     for link in (down.scheduler._scheduler_links[0], down.worker.worker.link):
         assert link.session(attach=False) is None and link.num_attach_failures == 1
+    # one warning per side at start, naming the address the engine was given
+    assert [w.getMessage().split(" (")[0] for w in warnings] == \
+        [f"kvtierd connector: cannot attach to kvtierd at unix://{tmp_path}/absent.sock"] * 2
     with pytest.raises(ValueError, match="start_attach_s must be > 0"):
         Engine(daemon.address, start_attach_s=0)
