@@ -74,10 +74,11 @@ _FAMILIES: dict[str, tuple[type, str, str, tuple[str, ...]]] = {
     "cached_blocks": (GaugeMetricFamily, "kvtierd_cached_blocks",
                       "Blocks holding reusable content (t0: in the index; t2: on the SSD).", ("tier",)),
     "transfer_bytes": (CounterMetricFamily, "kvtierd_transfer_bytes",
-                       "Bytes copied per direction (d2h: device to host, h2d: host to device, h2h: host to host).",
-                       ("direction",)),
+                       "Bytes this model's copies moved per direction (d2h: device to host, h2d: host to device, "
+                       "h2h: host to host); the node's total is the sum over models.", ("direction",)),
     "bandwidth": (GaugeMetricFamily, "kvtierd_transfer_bandwidth_bytes_per_second",
-                  "Measured copy bandwidth per direction.", ("direction",)),
+                  "Measured copy bandwidth per direction of the device's copy engine, shared by the models on "
+                  "the device (the same in each: average, never add up).", ("direction",)),
     "offloaded_blocks": (CounterMetricFamily, "kvtierd_offloaded_blocks", "Blocks copied down each tier edge.",
                          ("edge",)),
     "failed_loads": (CounterMetricFamily, "kvtierd_failed_loads",
@@ -93,7 +94,8 @@ _FAMILIES: dict[str, tuple[type, str, str, tuple[str, ...]]] = {
     "t3_hits": (CounterMetricFamily, "kvtierd_t3_hit_blocks", "Blocks read from the shared store, verified and "
                 "loaded.", ()),
     "t3_misses": (CounterMetricFamily, "kvtierd_t3_miss_blocks",
-                  "Blocks asked of the shared store and not loaded (absent, dropped, a node down, refused).", ()),
+                  "Blocks of a query (Acquire, Get, Lookup with num_query_blocks) asked of the shared store and "
+                  "not loaded, once each: absent, on a node down or behind an open breaker, dropped, refused.", ()),
     "t3_corrupt": (CounterMetricFamily, "kvtierd_t3_corrupt_blocks",
                    "Shared-store values refused by the frame check (another layout or chain, short, bad checksum).",
                    ()),

@@ -61,12 +61,25 @@ class Bandwidth:
 
 
 class Transfer:
-    """One submitted batch; `wait` returns when its bytes have landed, or raises its error."""
+    """One submitted batch; `wait` returns when its bytes have landed, or raises its error.
+    `on_landed(transfer)` (the submitter's byte count) runs once it landed, before it resolves."""
 
-    def __init__(self, direction: Direction, nbytes: int) -> None:
+    def __init__(self, direction: Direction, nbytes: int,
+                 on_landed: Callable[[Transfer], None] | None = None) -> None:
         self.direction = direction
         self.nbytes = nbytes
+        self.on_landed = on_landed
         self.future: concurrent.futures.Future[None] = concurrent.futures.Future()
+
+    def land(self, bandwidth: Bandwidth, seconds: float) -> None:
+        """The copy landed in `seconds`: a bandwidth sample, the submitter's count, then resolved
+        (so whoever waits on it sees both)."""
+        bandwidth.record(self.nbytes, seconds)
+        try:
+            if self.on_landed is not None:
+                self.on_landed(self)
+        finally:
+            self.future.set_result(None)
 
     def wait(self, timeout_s: float | None = None) -> None:
         self.future.result(timeout_s)
@@ -101,8 +114,9 @@ class CopyEngine(abc.ABC):
         self._budget = threading.Condition()
         self.closed = False
 
-    def submit(self, direction: Direction, job: Job, nbytes: int) -> Transfer:
-        """Start a job; blocks while the in-flight budget is spent."""
+    def submit(self, direction: Direction, job: Job, nbytes: int,
+               on_landed: Callable[[Transfer], None] | None = None) -> Transfer:
+        """Start a job; blocks while the in-flight budget is spent. `on_landed`: see Transfer."""
         if self.closed:
             raise RuntimeError("copy engine is closed")
         with self._budget:
@@ -112,7 +126,7 @@ class CopyEngine(abc.ABC):
             self.num_waiting_submits -= 1
             self.inflight_bytes += nbytes
             self.num_inflight_transfers += 1
-        transfer = Transfer(direction, nbytes)
+        transfer = Transfer(direction, nbytes, on_landed)
         transfer.add_done_callback(self._release)
         try:
             self._start(transfer, job)
@@ -133,7 +147,7 @@ class CopyEngine(abc.ABC):
 
     @abc.abstractmethod
     def _start(self, transfer: Transfer, job: Job) -> None:
-        """Begin the job; resolve `transfer.future` (and record bandwidth) when it has landed."""
+        """Begin the job; `transfer.land(...)` when it has landed (or set its exception)."""
 
     def wait_idle(self, timeout_s: float | None = None) -> bool:
         """Wait until nothing is in flight; False on timeout."""
@@ -171,7 +185,6 @@ def run_on_pool(pool: concurrent.futures.Executor, transfer: Transfer, job: Job,
         except BaseException as e:
             transfer.future.set_exception(e)
             return
-        bandwidth.record(transfer.nbytes, time.perf_counter() - start)
-        transfer.future.set_result(None)
+        transfer.land(bandwidth, time.perf_counter() - start)
 
     pool.submit(run)

@@ -64,8 +64,7 @@ class CudaCopyEngine(CopyEngine):
             except BaseException as e:  # a failed copy is a failed transfer, never a hit
                 transfer.future.set_exception(e)
                 continue
-            self.bandwidth[transfer.direction].record(transfer.nbytes, seconds)
-            transfer.future.set_result(None)
+            transfer.land(self.bandwidth[transfer.direction], seconds)
 
     def close(self) -> None:
         super().close()

@@ -120,7 +120,8 @@ class KvTierServicer(kvtier_pb2_grpc.KvTierServicer):
                                ask_remote=False) for chain_keys, chain_tokens in chains]
         if manager.has_remote:  # the shared store, for what the local tiers lack: a round trip, on a thread
             if any(h.num_blocks < len(chain_keys) for (chain_keys, _), h in zip(chains, hits)):
-                hits = await asyncio.to_thread(manager.lookup_remote, chains, hits, request.prefetch)
+                hits = await asyncio.to_thread(manager.lookup_remote, chains, hits, request.prefetch,
+                                               request.num_query_blocks > 0)  # a query: T3's misses count
             elif request.prefetch and any(h.t2 for h in hits):
                 manager.lookup_remote(chains, hits, prefetch=True)  # no round trip: nothing left to ask
         total = TierHits(*(sum(counts) for counts in zip(*((h.t0, h.t1, h.t2, h.t3) for h in hits))))

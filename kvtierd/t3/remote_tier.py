@@ -9,6 +9,15 @@ Reads: `probe` counts the chain's leading keys present (EXISTS, one pipeline per
 `load` GETs the chain and verifies each value against the block asked for (block_frame.py). The
 first value missing, short, of another layout, another chain or with a bad checksum ends the run:
 the blocks before it are hits, it and the rest are misses, and a bad value is counted by reason.
+
+Hits and misses: a block asked of the store counts once, as a hit or a miss. `load` counts what
+it was asked to read (hits: verified and loaded; misses: gone since the probe, refused). A probe
+counts the blocks it did not find present as misses — absent, after the chain's first absent
+block, or on a node that failed or whose breaker is open — when its caller says the chain is a
+query (`count_misses`: a Lookup with num_query_blocks, an Acquire that is not a store's, a Get);
+the blocks it did find are counted by the load that follows, or not at all when nothing loads
+them (a Lookup that is not followed by an Acquire, a hit skipped as slower than recompute).
+
 Writes go through RemoteWrites (bounded; dropped beyond the backlog). Capacity and eviction are
 the store's (maxmemory + an allkeys-* policy); a key the store dropped is a miss.
 """
@@ -39,7 +48,7 @@ class RemoteTierStats:
 
     codec: str
     num_hit_blocks: int  # blocks read, verified and loaded
-    num_miss_blocks: int  # blocks asked for and not found (absent, dropped, node down)
+    num_miss_blocks: int  # blocks of a query not loaded: absent, on a failed node, gone, refused (module doc)
     num_corrupt_blocks: int  # values found but refused by the frame check
     corrupt_reasons: dict[str, int]
     num_written_blocks: int
@@ -83,11 +92,12 @@ class RemoteTier:
 
     # ----------------------------------------------------------------------------- reads
 
-    def probe(self, block_hashes: Sequence[bytes]) -> int:
-        """How many leading blocks of the chain the store holds (not verified until `load`)."""
-        return self.probe_chains([block_hashes])[0]
+    def probe(self, block_hashes: Sequence[bytes], count_misses: bool = False) -> int:
+        """How many leading blocks of the chain the store holds (not verified until `load`).
+        `count_misses`: the chain is a query; the blocks after those are misses (module doc)."""
+        return self.probe_chains([block_hashes], count_misses)[0]
 
-    def probe_chains(self, chains: Sequence[Sequence[bytes]]) -> list[int]:
+    def probe_chains(self, chains: Sequence[Sequence[bytes]], count_misses: bool = False) -> list[int]:
         """`probe` of each chain, every chain's keys asked in one round trip."""
         keys = [self.key(block_hash) for chain in chains for block_hash in chain]
         present = iter(self.store.exists(keys) if keys else ())
@@ -95,6 +105,9 @@ class RemoteTier:
         for chain in chains:
             flags = [next(present) for _ in chain]
             leading.append(flags.index(False) if False in flags else len(flags))
+        if count_misses:
+            with self._lock:
+                self._counts["miss"] += len(keys) - sum(leading)
         return leading
 
     def load(self, block_hashes: Sequence[bytes], parent: bytes | None, token_bytes: bytes | None,

@@ -110,7 +110,7 @@ class BlockGet:
     def start(cls, manager, request_id, keys: Sequence[bytes], token_ids: bytes | None,
               admit: Admit = lambda num_blocks: None) -> BlockGet:
         """Find the chain's prefix in the tiers and start promoting what lies below T0."""
-        hits = manager.lookup(keys, token_ids)
+        hits = manager.lookup(keys, token_ids, count_misses=True)  # T3's misses: here, its acquire asks no more
         num_hits = hits.t0 + hits.t1 + hits.t2 + hits.t3
         num_misses = len(keys) - num_hits  # the hits are counted by acquire
         manager.tiers.counters.add("num_query_blocks", num_misses)

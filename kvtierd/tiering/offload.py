@@ -62,8 +62,8 @@ class Offloader:
         tiers = self.tiers
         try:
             self.spill_t1_victims(plan)
-            tiers.engine.run(Direction.DEVICE_TO_HOST, self._encode_job(block_ids, plan.stores),
-                             len(plan.stores) * tiers.host.codec.slot_nbytes)
+            tiers.run(Direction.DEVICE_TO_HOST, self._encode_job(block_ids, plan.stores),
+                      len(plan.stores) * tiers.host.codec.slot_nbytes)
         except Exception:
             log.exception("offloading %d evicted blocks to the host tier failed", len(plan.stores))
             tiers.host.index.complete_store(plan.stores, success=False)
@@ -108,8 +108,8 @@ class Offloader:
         def copy_down() -> None:  # on a mover thread: submit may wait for the engine's budget
             try:
                 self.spill_t1_victims(plan)
-                transfer = tiers.engine.submit(Direction.DEVICE_TO_HOST, self._encode_job(stored_ids, plan.stores),
-                                               len(plan.stores) * tiers.host.codec.slot_nbytes)
+                transfer = tiers.submit(Direction.DEVICE_TO_HOST, self._encode_job(stored_ids, plan.stores),
+                                        len(plan.stores) * tiers.host.codec.slot_nbytes)
             except Exception:
                 log.exception("copying %d committed blocks to the host tier failed", len(plan.stores))
                 finalize(RuntimeError("not submitted"))
@@ -161,7 +161,7 @@ class Offloader:
             if to_t2:
                 self._write_t2(pinned)
 
-        transfer = tiers.engine.submit(Direction.HOST_TO_HOST, write, len(pinned) * tiers.host.codec.slot_nbytes)
+        transfer = tiers.submit(Direction.HOST_TO_HOST, write, len(pinned) * tiers.host.codec.slot_nbytes)
         tiers.after(transfer, lambda error: tiers.host.index.unpin(pinned))
 
     def _write_t2(self, entries: list[SlotEntry]) -> int:

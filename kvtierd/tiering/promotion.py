@@ -90,10 +90,12 @@ class Promoter:
 
     # ----------------------------------------------------------------------------- queries
 
-    def lookup(self, block_hashes: list[bytes], token_ids=None, ask_remote: bool = True) -> TierHits:
+    def lookup(self, block_hashes: list[bytes], token_ids=None, ask_remote: bool = True,
+               count_misses: bool = False) -> TierHits:
         """Where the chain's prefix lives, tier by tier (T3: the keys present; a network round
         trip, skipped when the local tiers hold the whole chain or `ask_remote` is False).
-        Changes nothing."""
+        Changes nothing, but for T3's misses when `count_misses` (the caller's chain is a query:
+        t3/remote_tier.py)."""
         tiers = self.tiers
         token_bytes = pack_token_ids(token_ids) if token_ids is not None else None
         n0 = tiers.index.lookup(block_hashes, token_bytes)
@@ -103,7 +105,7 @@ class Promoter:
         if tiers.ssd is not None:
             n2 = tiers.ssd.lookup(*self._rest(block_hashes, token_bytes, n0 + n1))
         if tiers.remote is not None and ask_remote:
-            n3 = tiers.remote.probe(block_hashes[n0 + n1 + n2:])
+            n3 = tiers.remote.probe(block_hashes[n0 + n1 + n2:], count_misses)
         return TierHits(n0, n1, n2, n3)
 
     def pending(self, request_id: object) -> Ticket | None:
@@ -126,7 +128,7 @@ class Promoter:
         t1_entries = self._t1_hits(block_hashes, token_bytes, n0, cost)
         t2_metas = self._t2_hits(block_hashes, token_bytes, n0 + len(t1_entries), cost)
         t3_metas = self._t3_hits(block_hashes, token_bytes, n0 + len(t1_entries) + len(t2_metas), cost,
-                                 num_t3_present)
+                                 num_t3_present, count_misses=counting.counts_hits)
         if counting.counts_hits:
             tiers.counters.add("num_hit_blocks", n0, "t0")
         if counting.counts_query:
@@ -196,7 +198,7 @@ class Promoter:
                                          ("t3", t3_metas, self.reads.read_t3, tiers.remote_codec)):
             if metas:
                 segment = Segment(tier, metas)
-                tiers.dispatch(lambda read=read, segment=segment, codec=codec: tiers.engine.submit(
+                tiers.dispatch(lambda read=read, segment=segment, codec=codec: tiers.submit(
                     Direction.HOST_TO_HOST, lambda: read(segment), len(segment.metas) * codec.slot_nbytes))
         return len(t2_metas) + len(t3_metas)
 
@@ -235,14 +237,18 @@ class Promoter:
             return []
         return tiers.ssd.metas(rest[0][:num_hits])
 
-    def _t3_hits(self, block_hashes, token_bytes, start: int, cost, num_present: int | None = None) -> list[BlockMeta]:
+    def _t3_hits(self, block_hashes, token_bytes, start: int, cost, num_present: int | None = None,
+                 count_misses: bool = False) -> list[BlockMeta]:
         """Candidates for a T3 load: the chain's next blocks the store holds (asked now unless
-        `num_present` says), chained to their parents; token ids b"" where the caller sent none."""
+        `num_present` says), chained to their parents; token ids b"" where the caller sent none.
+        `count_misses`: the chain is a query, so what the store lacks now are T3 misses (a
+        store's Acquire asks for what it is about to write: no miss)."""
         tiers = self.tiers
         if tiers.remote is None or start == len(block_hashes):
             return []
         hashes, parent, rest_tokens, block_size = self._rest(block_hashes, token_bytes, start)
-        num_hits = tiers.remote.probe(hashes) if num_present is None else min(num_present, len(hashes))
+        num_hits = (tiers.remote.probe(hashes, count_misses) if num_present is None
+                    else min(num_present, len(hashes)))
         path = [(tiers.remote.read, num_hits * tiers.remote_codec.slot_nbytes),
                 (tiers.engine.bandwidth[Direction.HOST_TO_DEVICE], num_hits * tiers.layout.bytes_per_block)]
         if num_hits and not worth_loading(num_hits * block_size, path, cost):
@@ -275,7 +281,7 @@ class Promoter:
         slot_ids = [e.slot for e in entries]
         job = lambda: tiers.host.codec.decode(tiers.host.slots, slot_ids, tiers.pool.tensor, targets)  # noqa: E731
         try:
-            transfer = tiers.engine.submit(Direction.HOST_TO_DEVICE, job, len(entries) * tiers.host.codec.slot_nbytes)
+            transfer = tiers.submit(Direction.HOST_TO_DEVICE, job, len(entries) * tiers.host.codec.slot_nbytes)
         except BaseException:
             tiers.host.index.unpin(entries)
             raise
@@ -290,8 +296,8 @@ class Promoter:
     def _load_lower(self, read, codec, targets: list[int], segment: Segment, done) -> None:
         """T2 or T3 → host (landing in T1 too) on a host thread, then host → T0 on the load stream."""
         tiers = self.tiers
-        read_transfer = tiers.engine.submit(Direction.HOST_TO_HOST, lambda: read(segment),
-                                            len(segment.metas) * codec.slot_nbytes)
+        read_transfer = tiers.submit(Direction.HOST_TO_HOST, lambda: read(segment),
+                                     len(segment.metas) * codec.slot_nbytes)
 
         def after_read(error: BaseException | None) -> None:
             if error is not None or not segment.source[1]:  # source is set when the read returned
@@ -300,7 +306,7 @@ class Promoter:
                 return
             rows, ids, source_codec = segment.source
             job = lambda: source_codec.decode(rows, ids, tiers.pool.tensor, targets[:len(ids)])  # noqa: E731
-            upload = tiers.engine.submit(Direction.HOST_TO_DEVICE, job, len(ids) * source_codec.slot_nbytes)
+            upload = tiers.submit(Direction.HOST_TO_DEVICE, job, len(ids) * source_codec.slot_nbytes)
 
             def after_upload(upload_error: BaseException | None) -> None:
                 segment.num_loaded = 0 if upload_error is not None else len(ids)

@@ -166,23 +166,25 @@ class TierManager:
             self._observer.on_query(num_tokens, 0)
 
     def lookup(self, block_hashes: list[bytes], token_ids=None, prefetch: bool = False,
-               ask_remote: bool = True) -> TierHits:
+               ask_remote: bool = True, count_misses: bool = False) -> TierHits:
         """Where the chain's prefix lives. With `ask_remote` False, the local tiers only (never
-        waits on the network); with `prefetch`, T2 and T3 hits start their way into T1."""
-        hits = self.promoter.lookup(block_hashes, token_ids, ask_remote)
+        waits on the network); with `prefetch`, T2 and T3 hits start their way into T1; with
+        `count_misses` (the chain is a query), what T3 lacks counts as its misses."""
+        hits = self.promoter.lookup(block_hashes, token_ids, ask_remote, count_misses)
         if prefetch and (hits.t2 or hits.t3):
             self.promoter.prefetch(block_hashes, token_ids, hits)
         return hits
 
     def lookup_remote(self, chains: Sequence[tuple[list[bytes], bytes | None]], hits: Sequence[TierHits],
-                      prefetch: bool = False) -> list[TierHits]:
+                      prefetch: bool = False, count_misses: bool = False) -> list[TierHits]:
         """Each chain's `hits` (a local lookup's, of its (block hashes, token bytes)) with T3's
         part: the store's keys present after them, for every chain in one network round trip
-        (call it off the event loop)."""
+        (call it off the event loop). `count_misses`: the chains are a query (a Lookup with
+        num_query_blocks): the blocks T3 lacks are its misses, once (t3/remote_tier.py)."""
         hits = list(hits)
         if self.tiers.remote is not None:
             rests = [block_hashes[h.num_blocks:] for (block_hashes, _), h in zip(chains, hits)]
-            found = self.tiers.remote.probe_chains(rests)
+            found = self.tiers.remote.probe_chains(rests, count_misses)
             hits = [dataclasses.replace(h, t3=n) if n else h for h, n in zip(hits, found)]
         if prefetch:
             for (block_hashes, token_bytes), h in zip(chains, hits):

@@ -3,6 +3,10 @@
 `tiering_stats(tiers)` is what `TierManager.stats()` returns. The Stats RPC
 (server/pool_stats.py) and the Prometheus collector (metrics/metrics_collector.py) read it;
 kvtierctl reads the Stats RPC. Nothing else derives tier figures, so the three agree.
+
+Every count is this layout's own, so a node's figure is the sum over its layouts: bytes moved
+are counted per layout (Tiers.submit), though the copy engine is the device's. The one shared
+figure is the bandwidth estimate, the device's link speed: the same in each layout on it.
 """
 
 from __future__ import annotations
@@ -45,8 +49,8 @@ class TieringStats:
     num_failed_load_blocks: int
     num_failed_offload_blocks: int
     num_offloaded_blocks: Mapping[str, int]  # by edge: "t0_t1", "t1_t2", ...
-    bytes_moved: Mapping[str, int]  # by copy direction (movers.copy_engine.Direction values)
-    bandwidth_bytes_per_s: Mapping[str, float]  # by copy direction, the copy engine's estimate
+    bytes_moved: Mapping[str, int]  # by copy direction (Direction values): this layout's copies only
+    bandwidth_bytes_per_s: Mapping[str, float]  # by copy direction: the device's engine's, shared by its layouts
 
     @property
     def tiers(self) -> tuple[TierUsage, ...]:
@@ -77,5 +81,5 @@ def tiering_stats(tiers: Tiers) -> TieringStats:
         num_failed_load_blocks=counters.num_failed_load_blocks,
         num_failed_offload_blocks=counters.num_failed_offload_blocks,
         num_offloaded_blocks=dict(counters.num_offloaded_blocks),
-        bytes_moved={d.value: b.total_bytes for d, b in bandwidth.items()},
+        bytes_moved=dict(counters.bytes_moved),
         bandwidth_bytes_per_s={d.value: b.bytes_per_s for d, b in bandwidth.items()})

@@ -1,6 +1,10 @@
 """The tiers of one namespace and what the movers share: the copy engine, the mover and
 finalizer threads, the write-backs in flight, measured bandwidths and counters.
 
+The copy engine is the device's, shared with the other layouts on it (movers/factory.py): its
+bandwidth estimates are the device's, but the bytes a layout's copies move are counted here, per
+layout (`submit`, `run`), so the layouts' figures add up to the node's.
+
 Threads, and what may wait where: the event loop and the block index lock never wait on a
 copy or a disk. Work that submits copies (the engine's submit waits while its byte budget is
 spent) or waits for them — eviction write-back, write-through, promotion — is handed to the
@@ -22,7 +26,7 @@ import torch
 from kvtierd.index.block_index import BlockIndex
 from kvtierd.layout import Layout
 from kvtierd.movers.block_codec import BlockCodec, make_codec
-from kvtierd.movers.copy_engine import Bandwidth, CopyEngine, Transfer
+from kvtierd.movers.copy_engine import Bandwidth, CopyEngine, Direction, Job, Transfer
 from kvtierd.t0.device_pool import DevicePool
 from kvtierd.t1.host_tier import HostTier
 from kvtierd.tiering.tier_config import TierConfig
@@ -44,6 +48,8 @@ class TierCounters:
     num_offloaded_blocks: dict[str, int] = dataclasses.field(  # by edge; into T3: queued for the store's writer
         default_factory=lambda: dict.fromkeys(("t0_t1", "t1_t2", "t1_t3", "t2_t3"), 0))
     num_failed_offload_blocks: int = 0
+    bytes_moved: dict[str, int] = dataclasses.field(  # by copy direction: this layout's copies that landed
+        default_factory=lambda: dict.fromkeys((d.value for d in Direction), 0))
     lock: threading.Lock = dataclasses.field(default_factory=threading.Lock, repr=False)
 
     def add(self, name: str, count: int, key: str | None = None) -> None:
@@ -87,6 +93,18 @@ class Tiers:
             self.remote_codec = make_codec(self.config.remote_codec, self.layout)
         self._num_unfinished = 0  # finalizers (`after`) and moves (`dispatch`) that have not returned
         self._unfinished = threading.Condition()
+
+    def submit(self, direction: Direction, job: Job, nbytes: int) -> Transfer:
+        """Submit a copy of this layout's blocks to the device's engine (blocks while its budget
+        is spent); its bytes count in this layout's `bytes_moved` once it landed."""
+        return self.engine.submit(direction, job, nbytes, on_landed=self._count_moved)
+
+    def run(self, direction: Direction, job: Job, nbytes: int) -> None:
+        """`submit` and wait: for copies that must land before the caller goes on."""
+        self.submit(direction, job, nbytes).wait()
+
+    def _count_moved(self, transfer: Transfer) -> None:
+        self.counters.add("bytes_moved", transfer.nbytes, transfer.direction.value)
 
     def after(self, transfer: Transfer, finalize: Callable[[BaseException | None], None]) -> None:
         """Run `finalize(error)` on the finalizer thread once `transfer` has landed or failed."""

@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import contextlib
+import urllib.request
 
 import pytest
+from prometheus_client.parser import text_string_to_metric_families
 
 from kvtierd.client import KvtierClient
 from kvtierd.server.daemon_process import DaemonProcess, small_daemon_args, wait_until
@@ -152,3 +154,52 @@ def test_a_daemon_whose_store_is_unreachable_starts_and_serves(tmp_path):
                                  "--token", "a-token", "health"], capture_output=True, text=True, timeout=60)
         assert health.returncode == 1, health.stdout + health.stderr
         assert "shared store (T3) unreachable" in health.stdout
+
+
+def t3_miss_metric(daemon: DaemonProcess) -> tuple[float, float]:
+    """(kvtierd_t3_hit_blocks_total, kvtierd_t3_miss_blocks_total) of LAYOUT in a scrape of `daemon`."""
+    text = urllib.request.urlopen(daemon.metrics_url, timeout=10).read().decode()
+    found = {s.name: s.value for family in text_string_to_metric_families(text) for s in family.samples
+             if s.labels.get("model") == LAYOUT.model_id}
+    return found["kvtierd_t3_hit_blocks_total"], found["kvtierd_t3_miss_blocks_total"]
+
+
+def test_t3_misses_count_every_block_of_a_query_the_store_did_not_supply_once(tmp_path, redis_cluster):
+    """Node B asks for blocks never stored and blocks behind a killed master: each block of a query
+    is one hit or one miss (Lookup with num_query_blocks, Acquire, Get), never two (a Get's probe and
+    its load; a Lookup and the Acquire of its hits); a Lookup that is no query and a store's Acquire
+    count none."""
+    with two_nodes(tmp_path, redis_cluster.seeds) as (a, b), \
+            KvtierClient(a.address, token="a-token") as on_a, KvtierClient(b.address, token="a-token") as on_b:
+        session = on_b.attach(LAYOUT)
+        stored_tokens, stored = put_chain(on_a, 11, 64)  # 16 blocks in the store
+        got = on_b.get(LAYOUT, session.namespace.hash_blocks(prompt(11, 80)), token_ids=prompt(11, 80))
+        assert [h for h, _ in got] == stored  # + 4 blocks never stored: 4 misses
+        looked_tokens, looked = put_chain(on_a, 12, 40)  # 10 blocks in the store
+        lookup = session.lookup(session.namespace.hash_blocks(prompt(12, 52)), token_ids=prompt(12, 52),
+                                num_query_blocks=13)
+        assert lookup.num_t3_blocks == 10  # + 3 never stored: 3 misses
+        acquired = session.acquire("load", looked, token_ids=looked_tokens, query_counted=True)
+        assert session.wait("load") == 10 and acquired.num_t3_blocks == 10
+        session.release("load")
+        assert session.lookup(session.namespace.hash_blocks(prompt(13, 24))).num_hit_blocks == 0  # no query
+        session.acquire("plain", session.namespace.hash_blocks(prompt(14, 20)), token_ids=prompt(14, 20))
+        session.release("plain")  # 5 misses
+        session.acquire("store", session.namespace.hash_blocks(prompt(15, 28)), token_ids=prompt(15, 28),
+                        for_store=True)
+        session.release("store")  # none
+        assert (t3_stats(on_b).num_hit_blocks, t3_stats(on_b).num_miss_blocks) == (16 + 10, 4 + 3 + 5)
+
+        dead_tokens, dead = put_chain(on_a, 16, 48)  # 12 blocks, from the j-th on a master about to die
+        port_of = {}
+        for port in redis_cluster.ports:
+            with contextlib.closing(redis_cluster.node_client(port)) as node:
+                port_of.update({key.decode().rsplit(":", 1)[1]: port for key in node.scan_iter(match="kvtierd:*")})
+        owners = [port_of[h.hex()] for h in dead]  # a key ends in its client hash
+        j = next(i for i, port in enumerate(owners) if port != owners[0])
+        kill_node(redis_cluster, owners[j])
+        assert [h for h, _ in on_b.get(LAYOUT, dead, token_ids=dead_tokens)] == dead[:j]
+        want = (16 + 10 + j, 4 + 3 + 5 + 12 - j)
+        t3 = t3_stats(on_b)
+        assert (t3.num_hit_blocks, t3.num_miss_blocks) == want
+        assert t3_miss_metric(b) == want
