@@ -288,8 +288,10 @@ def test_rendered_config_starts_a_daemon_whose_probes_pass(helm: str, chart: Pat
     path = tmp_path / "kvtierd.toml"
     path.write_text(toml_text(docs))
     container = daemon_container(pod_spec(docs))
+    # The pod's SSD budget is sized for a node's disk: this machine's may hold less, and a daemon
+    # refuses at start an SSD directory without room for its budget.
     args = ["--config", str(path), "--socket", str(tmp_path / "kvtierd.sock"), "--ssd-dir", str(tmp_path / "ssd"),
-            "--metrics-port", "0", "--health-tcp", "127.0.0.1:0"]
+            "--ssd-bytes", "1GiB", "--metrics-port", "0", "--health-tcp", "127.0.0.1:0"]
     with DaemonProcess(args) as daemon:
         assert daemon.health_address
         with grpc.insecure_channel(daemon.health_address) as channel:
