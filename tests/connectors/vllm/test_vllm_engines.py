@@ -286,11 +286,13 @@ def test_two_engines_at_once_share_the_system_prompt_a_third_stored(reference, e
 @pytest.mark.timeout(600)
 def test_an_engine_killed_mid_request_leaves_no_block_held(engines, short_dir):
     """SIGKILL of the whole engine while it stores: once its sessions are gone every T0 block is free."""
-    # 16 short prompts of staggered lengths decoding 448 tokens (~3.5 s here): a block fills, and
-    # is stored, every other step, so the kill comes while the engine's sessions are storing.
+    # 16 short prompts of staggered lengths decoding 900 tokens (~7 s here; the kill comes after
+    # the first few decode blocks, so the margin is for a busy machine: with 448 tokens a CI run saw
+    # the engine finish first): a block fills, and is stored, every other step, so the kill comes
+    # while the engine's sessions are storing.
     prompts = [random_tokens(40 + i, 64 + 2 * i) for i in range(16)]
     with start_daemon(short_dir, ["--lease-s", "2"]) as daemon, KvtierClient(daemon.address) as client:
-        engine = engines("killed", prompts, daemon.address, "--max-tokens", "448")
+        engine = engines("killed", prompts, daemon.address, "--max-tokens", "900", "--max-model-len", "1024")
         assert wait_until(lambda: engine.is_ready() or engine.process.poll() is not None, timeout_s=ENGINE_TIMEOUT_S)
         assert engine.process.poll() is None, engine.failure_report()
         # Past the prompts' 32 full blocks: decode-time stores are under way.

@@ -17,6 +17,7 @@ tests/connectors/vllm/test_vllm_engines.py.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import hashlib
 import math
 import time
@@ -100,8 +101,10 @@ class Request:
         self.prompt_token_ids = list(prompt_token_ids)
         self.all_token_ids = list(prompt_token_ids)
         self.num_computed_tokens = 0
-        self.block_size = block_size
-        self.block_hashes = chain_hashes(self.all_token_ids, block_size)
+        # vLLM's Request holds a block hasher (attributes named as the real class's: the installed
+        # vLLM's test checks that), not a block size
+        self._block_hasher = functools.partial(chain_hashes, block_size=block_size)
+        self.block_hashes = self._block_hasher(self.all_token_ids)
 
     @property
     def num_tokens(self) -> int:
@@ -110,7 +113,7 @@ class Request:
     def append_output(self, token_id: int) -> None:
         """A decoded token; a block it fills gets its hash, as vLLM's block hasher adds it."""
         self.all_token_ids.append(token_id)
-        self.block_hashes = chain_hashes(self.all_token_ids, self.block_size)
+        self.block_hashes = self._block_hasher(self.all_token_ids)
 
 
 @dataclasses.dataclass
