@@ -335,17 +335,18 @@ class BlockIndex:
         with self._lock:
             return list(self.hash_to_blocks)
 
-    def evict(self, block_hashes: Sequence[bytes]) -> int:
+    def evict(self, block_hashes: Sequence[bytes], copy_down: bool = True) -> int:
         """Drop every copy of the named hashes that nobody holds (ref_cnt 0) from this tier; the
-        blocks move to the head of the free queue, empty. Copies in use are skipped and keep
-        their hash. Returns how many of the hashes left the tier (no copy of them remains)."""
+        blocks move to the head of the free queue, empty (the eviction hook copies them down
+        first unless `copy_down` is false). Copies in use are skipped and keep their hash.
+        Returns how many of the hashes left the tier (no copy of them remains)."""
         with self._lock:
             now = self._clock()
             num_evicted = 0
             for block_hash in dict.fromkeys(block_hashes):
                 copies = [block for block in self.hash_to_blocks.copies(block_hash) if block.ref_cnt == 0]
                 if copies:
-                    num_evicted += self._evictor.evict_free(copies, now)
+                    num_evicted += self._evictor.evict_free(copies, now, copy_down)
             return num_evicted
 
     def reset(self) -> bool:

@@ -51,12 +51,13 @@ class Evictor:
             block.last_access_s = now
         return blocks
 
-    def evict(self, victims: list[KVBlock], now: float) -> int:
+    def evict(self, victims: list[KVBlock], now: float, copy_down: bool = True) -> int:
         """Drop cached blocks' content keys: unindex the copies, tell the tiers about the hashes
-        that leave with them (they may copy them down), then forget. Returns how many hashes left."""
+        that leave with them (they may copy them down; not when `copy_down` is false), then
+        forget. Returns how many hashes left."""
         self.num_evictions += len(victims)
         leaving = self.hash_to_blocks.remove_many(victims)  # each the last copy of its hash
-        if self.on_evict is not None and leaving:
+        if self.on_evict is not None and leaving and copy_down:
             try:
                 self.on_evict(leaving)
             except Exception:  # an offload failure must not corrupt the index; the blocks are lost below
@@ -71,11 +72,12 @@ class Evictor:
             block.block_hash = block.parent_hash = block.token_ids = None  # as KVBlock.forget_content
         return len(leaving)
 
-    def evict_free(self, blocks: list[KVBlock], now: float) -> int:
-        """The operator's evict of cached blocks nobody holds: drop their content now and move them
-        to the head of the free queue, reused first. Returns how many hashes left."""
+    def evict_free(self, blocks: list[KVBlock], now: float, copy_down: bool) -> int:
+        """The operator's evict of cached blocks nobody holds: drop their content now (copied down
+        first when `copy_down`) and move them to the head of the free queue, reused first.
+        Returns how many hashes left."""
         assert all(block.ref_cnt == 0 for block in blocks)
-        num_left = self.evict(blocks, now)
+        num_left = self.evict(blocks, now, copy_down)
         for block in blocks:
             self.free_queue.remove(block)
             self.free_queue.appendleft(block)

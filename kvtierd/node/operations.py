@@ -6,8 +6,9 @@ reports a tag it cannot name as `tag:<hex>` (T2 blocks of a tenant not seen sinc
 
 Authority: a tenant may look at and evict its own blocks; another tenant's, every tenant's, and
 Drain need an admin tenant (server.admin_tenants), else PERMISSION_DENIED. Evict drops only
-blocks nobody holds: from T0 it is an eviction (the on_evict policy copies them down first),
-from T1 and T2 the slots are freed; from all three tiers it is a flush.
+blocks nobody holds: from T0 alone it is an eviction (the on_evict policy copies them down
+first), from T1 and T2 the slots are freed; an evict that names T1 or T2 as well drops T0's
+blocks without copying them down, so that nothing lands behind it; all three tiers is a flush.
 """
 
 from __future__ import annotations
@@ -101,8 +102,10 @@ class Operations:
 
     def evict(self, caller: Tenant, tenant: str, all_tenants: bool, tiers: Iterable[str],
               pools: list[LayoutPool] | None = None) -> EvictCounts:
-        """Drop the target tenants' unheld blocks from `tiers` (all three when empty). Blocking:
-        T0 evictions may copy down, T2 removals write the index; run it off the event loop."""
+        """Drop the target tenants' unheld blocks from `tiers` (all three when empty). T0's blocks
+        are copied down first only when no lower tier is named (an evict of every tier leaves
+        nothing behind). Blocking: T0 evictions may copy down, T2 removals write the index; run it
+        off the event loop."""
         tiers = list(tiers) or list(TIERS)
         unknown = [t for t in tiers if t not in TIERS]
         if unknown:
@@ -117,7 +120,7 @@ class Operations:
             tier_state = pool.manager.tiers
             if "t0" in tiers:
                 keys = mine(tier_state.index.cached_hashes())
-                num_evicted = tier_state.index.evict(keys)
+                num_evicted = tier_state.index.evict(keys, copy_down=not {"t1", "t2"} & set(tiers))
                 counts.t0 += num_evicted
                 counts.t0_held += len(keys) - num_evicted
             if "t1" in tiers and tier_state.host is not None:
