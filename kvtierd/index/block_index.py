@@ -19,7 +19,7 @@ from kvtierd.index.hash_to_blocks import HashToBlocks
 from kvtierd.index.index_events import AllBlocksCleared, BlockStored, EventQueue, IndexEvent
 from kvtierd.index.index_metrics import IndexObserver
 from kvtierd.index.kv_block import KVBlock
-from kvtierd.index.prefix_match import check_hashes, match_prefix, pack_prompt_tokens
+from kvtierd.index.prefix_match import check_hashes, match_prefix, pack_prompt_tokens, split_blocks
 from kvtierd.index.query_counting import QueryCounting
 
 RequestId = Hashable
@@ -167,10 +167,9 @@ class BlockIndex:
             now = self._clock()
             observer = self._observer
             if observer is not None and reused:  # the gaps since release, which eviction competes with
-                observer.on_reuse([now - block.last_access_s for block in reused])
+                observer.on_reuse([now - block.released_at_s for block in reused])
             for block in hits:
                 block.ref_cnt += 1
-                block.last_access_s = now
             self.free_queue.remove_many(reused)
             table = hits + self._pop_free(num_new_blocks, now)
             self.tables[request_id] = table
@@ -227,7 +226,7 @@ class BlockIndex:
             now = self._clock()
             setdefault = self.hash_to_blocks.first.setdefault
             parents = [parent_hash, *block_hashes[:-1]]
-            block_tokens = [token_bytes[i:i + stride] for i in range(0, len(token_bytes), stride)]
+            block_tokens = split_blocks(token_bytes, self.block_size)
             stored: list[KVBlock] = []
             num_already_held = 0
             for block, block_hash, parent, tokens in zip(
@@ -268,8 +267,8 @@ class BlockIndex:
             for block in reversed(table):
                 assert block.ref_cnt > 0, f"block {block.block_id} freed more often than held"
                 block.ref_cnt -= 1
-                block.last_access_s = now
                 if block.ref_cnt == 0:
+                    block.released_at_s = now
                     if block.block_hash is None:
                         reuse_first(block)
                     else:

@@ -48,7 +48,6 @@ class Evictor:
         for block in blocks:
             assert block.ref_cnt == 0, f"block {block.block_id} on the free queue with ref_cnt {block.ref_cnt}"
             block.ref_cnt = 1
-            block.last_access_s = now
         return blocks
 
     def evict(self, victims: list[KVBlock], now: float, copy_down: bool = True) -> int:
@@ -64,7 +63,7 @@ class Evictor:
                 log.exception("eviction hook failed for %d blocks", len(leaving))
         if self._observer is not None:
             self._observer.on_evict([now - block.committed_at_s for block in victims],
-                                    [now - block.last_access_s for block in victims])
+                                    [now - block.released_at_s for block in victims])
         if self._events is not None:
             for block in leaving:
                 self._events.put(BlockRemoved(block.block_hash))

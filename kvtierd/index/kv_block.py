@@ -33,7 +33,7 @@ class KVBlock:
     token_ids: bytes | None = None  # packed u32 tokens, kept for verification
     ref_cnt: int = 0
     committed_at_s: float = 0.0  # when the block got its hash
-    last_access_s: float = 0.0  # last allocate, hit or free
+    released_at_s: float = 0.0  # when ref_cnt last fell to 0 (free): read for reuse gaps and idle times
     prev_free: KVBlock | None = dataclasses.field(default=None, repr=False)
     next_free: KVBlock | None = dataclasses.field(default=None, repr=False)
 

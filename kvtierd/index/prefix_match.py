@@ -8,7 +8,9 @@ another request's KV (design §4). The first miss ends the match: a prefix break
 
 from __future__ import annotations
 
+import functools
 import operator
+import struct
 from collections.abc import Mapping, Sequence
 
 from kvtierd.block_hash import BlockHash, pack_token_ids
@@ -17,9 +19,25 @@ from kvtierd.index.kv_block import KVBlock
 
 
 def check_hashes(block_hashes: Sequence[bytes], hash_size: int) -> None:
-    """InvalidArgument unless every hash is bytes of `hash_size` (checked at C speed)."""
-    if set(map(type, block_hashes)) - {bytes} or set(map(len, block_hashes)) - {hash_size}:
+    """InvalidArgument unless every hash is bytes of `hash_size` (checked at C speed: counting in
+    a list of types or lengths is cheaper than building a set of them)."""
+    num_hashes = len(block_hashes)
+    if (list(map(type, block_hashes)).count(bytes) != num_hashes
+            or list(map(len, block_hashes)).count(hash_size) != num_hashes):
         raise InvalidArgument(f"a block hash is {hash_size} bytes")
+
+
+def split_blocks(token_bytes: bytes, block_size: int) -> tuple[bytes, ...]:
+    """Packed tokens cut into one bytes object per block of `block_size` tokens (the length is a
+    whole number of blocks, checked by the caller). One C-level unpack: slicing block by block in
+    Python cost ~85 ns a block, the unpack ~15."""
+    return _block_struct(len(token_bytes) // (4 * block_size), block_size).unpack(token_bytes)
+
+
+@functools.lru_cache(maxsize=64)
+def _block_struct(num_blocks: int, block_size: int) -> struct.Struct:
+    """A struct of `num_blocks` fixed-size byte fields of `block_size` u32 tokens each."""
+    return struct.Struct(f"{4 * block_size}s" * num_blocks)
 
 
 def pack_prompt_tokens(token_ids: Sequence[int] | bytes | None, num_blocks: int, block_size: int) -> bytes | None:

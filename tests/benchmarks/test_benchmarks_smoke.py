@@ -47,3 +47,19 @@ def test_benchmark_prints_ratios(script, num_rows):
     if script == "bench_vllm.py":  # the per-kind rows: a sliding-window model restored beside its baselines
         kind_rows = [line for line in out.splitlines() if line.startswith("Gemma-3-style")]
         assert len(kind_rows) == 1 and len(re.findall(r"\d+\.\d+x", kind_rows[0])) == 2, out
+    if script == "bench_block_index.py":  # the dev venv has no vLLM: the script says what its vLLM rows need
+        assert "vLLM rows skipped: they need vLLM" in out, out
+
+
+@pytest.mark.slow
+def test_block_index_benchmark_compares_with_vllms_block_pool(vllm_python):
+    """In the vLLM venv the block-index benchmark adds a table against vLLM's BlockPool: the four main rows
+    (0 %, 50 %, 100 % hits, full pool), each with ours, vLLM's per block, the ratio and a verdict."""
+    out = subprocess.run([vllm_python, str(BENCHMARKS / "bench_block_index.py"), "--quick"], capture_output=True,
+                         text=True, check=True, timeout=600, cwd=ROOT).stdout
+    _, vllm_table = out.split("vLLM ns/block", 1)
+    verdict_rows = [line for line in vllm_table.splitlines() if re.search(r"\b(PASS|MISS)$", line)]
+    case_names = [row.split("  ")[0] for row in verdict_rows]
+    assert case_names == ["0% hits", "50% hits (first 128 blocks cached)", "100% hits",
+                          "0% hits, pool full: each fresh block evicts"], out
+    assert all(re.search(r"\d+\.\d+x", line) for line in verdict_rows), out
