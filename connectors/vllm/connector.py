@@ -162,6 +162,7 @@ class KvtierdConnector(KVConnectorBase_V1, SupportsHMA):
         if VLLM_AVAILABLE:
             super().__init__(vllm_config, role, kv_cache_config)
         self._connector_metadata = None
+        self._num_reported_attach_failures = 0  # DaemonLink.num_attach_failures already in a stats report
         transfer_config = vllm_config.kv_transfer_config
         extra = dict(getattr(transfer_config, "kv_connector_extra_config", None) or {})
         kv_role = getattr(transfer_config, "kv_role", None) or "kv_both"
@@ -219,6 +220,10 @@ class KvtierdConnector(KVConnectorBase_V1, SupportsHMA):
     def get_kv_connector_stats(self) -> KvtierdConnectorStats | None:
         """What this side did since the last call: the worker's loads and stores, the scheduler's lookups."""
         side = self.worker if self.worker is not None else self.scheduler
+        links = [self.worker.link] if self.worker is not None else self._scheduler_links
+        num_attach_failures = sum(link.num_attach_failures for link in links)
+        side.stats.add("attach_failures", num_attach_failures - self._num_reported_attach_failures)
+        self._num_reported_attach_failures = num_attach_failures
         return side.stats.take()
 
     @classmethod

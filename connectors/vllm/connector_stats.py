@@ -31,7 +31,8 @@ COUNTS = (*LOADED_TOKENS,
           "dropped_stores",  # stores given up (the daemon down or full, a lost parent)
           "loaded_bytes", "stored_bytes",  # KV bytes copied between vLLM's pages and the pool
           "store_rpcs",  # Acquire, Commit and Release calls of the stores
-          "store_request_bytes")  # the hashes and token ids (u32) those calls carried
+          "store_request_bytes",  # the hashes and token ids (u32) those calls carried
+          "attach_failures")  # tries to attach that failed: the daemon unreachable, vLLM serves without it
 LOOKUP_SECONDS = "lookup_seconds"  # one float per Lookup RPC round trip (the scheduler's)
 LOOKUP_BUCKETS_S = (0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.25, 0.5, 1.0)
 
@@ -123,7 +124,8 @@ class KvtierdPromMetrics(KVConnectorPromMetrics):
     vllm:kvtierd_loaded_tokens_total{tier}, vllm:kvtierd_failed_load_blocks_total,
     vllm:kvtierd_stored_blocks_total, vllm:kvtierd_dropped_stores_total,
     vllm:kvtierd_bytes_total{direction="load"|"store"}, vllm:kvtierd_store_rpcs_total,
-    vllm:kvtierd_store_request_bytes_total and the histogram vllm:kvtierd_lookup_seconds."""
+    vllm:kvtierd_store_request_bytes_total, vllm:kvtierd_attach_failures_total and the histogram
+    vllm:kvtierd_lookup_seconds."""
 
     def __init__(self, vllm_config: Any, metric_types: dict, labelnames: list[str],
                  per_engine_labelvalues: dict[int, list[object]]) -> None:
@@ -144,6 +146,9 @@ class KvtierdPromMetrics(KVConnectorPromMetrics):
                                   documentation="Acquire, Commit and Release calls of vLLM's stores."),
             "store_request_bytes": counter(name="vllm:kvtierd_store_request_bytes", labelnames=labelnames,
                                            documentation="Block hashes and token ids those calls carried (bytes)."),
+            "attach_failures": counter(name="vllm:kvtierd_attach_failures", labelnames=labelnames,
+                                       documentation="Tries to attach to kvtierd that failed (the daemon "
+                                                     "unreachable or refusing); vLLM serves without the cache."),
         }
         lookup = histogram(name="vllm:kvtierd_lookup_seconds", labelnames=labelnames, buckets=list(LOOKUP_BUCKETS_S),
                            documentation="Round trip of the scheduler's Lookup RPCs to kvtierd.")

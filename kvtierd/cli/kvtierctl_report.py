@@ -1,9 +1,10 @@
 """What `kvtierctl stats` and `kvtierctl health` print, from Stats / TenantStats responses.
 
 `StatsView` turns one Stats response (and, in watch mode, the previous one and the seconds
-between them) into plain rows: per pool the hit rate in tokens, per tier usage, capacity, hits
-and evictions, bytes moved per direction, and the T2 error counters; rates are deltas over the
-refresh interval. Pure functions of the responses: no RPCs here.
+between them) into plain rows: the node's T1 and T2 budgets, then per pool the hit rate in
+tokens, per tier usage, capacity, hits and evictions, the layout's share of the node's budgets,
+bytes moved per direction, and the T2 error counters; rates are deltas over the refresh
+interval. Pure functions of the responses: no RPCs here.
 """
 
 from __future__ import annotations
@@ -38,6 +39,9 @@ class StatsView:
                  f"{plural(s.num_reclaimed_refs, 'block ref')} reclaimed from dead sessions"]
         if s.remote.enabled:
             lines.append(store_line(s.remote))
+        budgets = node_budget_line(s.pools)
+        if budgets:
+            lines.append(budgets)
         if not s.pools:
             lines.append("no pools yet: a pool is created when the first client attaches a layout")
         for pool in s.pools:
@@ -68,6 +72,11 @@ class StatsView:
                 delta = tier.num_evictions - (previous.num_evictions if previous else 0)
                 line += f"  {delta / self.interval_s:>11,.1f}"
             lines.append(line)
+        shares = [f"T1 slab {format_bytes(tier.node_held_bytes)}" if tier.tier == "t1" else
+                  f"{tier.tier.upper()} files {format_bytes(tier.node_held_bytes)} (fair share "
+                  f"{format_bytes(tier.node_share_bytes)})" for tier in pool.tiers if tier.node_capacity_bytes]
+        if shares:
+            lines.append("  this layout's part of the node budgets: " + ", ".join(shares))
         before_moved = {t.direction: t.bytes_moved for t in before.transfers} if before else {}
         moved = []
         for transfer in pool.transfers:
@@ -92,12 +101,28 @@ class StatsView:
         return lines
 
 
+def node_budget_line(pools) -> str:
+    """The node's T1 and T2 budgets (shared by every layout) and what the layouts take of them."""
+    budgets = {}
+    for pool in pools:
+        for tier in pool.tiers:
+            if tier.node_capacity_bytes:
+                budgets[tier.tier] = tier
+    names = {"t1": "T1 host", "t2": "T2 SSD"}
+    parts = [f"{names.get(name, name)} {format_bytes(tier.node_used_bytes)} of {format_bytes(tier.node_capacity_bytes)}"
+             for name, tier in sorted(budgets.items())]
+    return "node budgets (all layouts): " + ", ".join(parts) if parts else ""
+
+
 def store_line(remote: pb.RemoteStoreStats) -> str:
     """The node's shared store (T3) in one line."""
     state = {"closed": "serving", "open": "BREAKER OPEN", "half_open": "probing (half-open)"}.get(
         remote.breaker_state, remote.breaker_state)
-    return (f"shared store (T3): {remote.mode}, {plural(remote.num_nodes, 'node')}, {state}"
-            f"{' (' + plural(remote.num_open_nodes, 'node') + ' open)' if remote.num_open_nodes else ''}; "
+    if remote.credentials_refused:
+        state = "CREDENTIALS REFUSED"
+    elif remote.num_open_nodes:
+        state = f"{remote.num_open_nodes} UNREACHABLE, breakers {remote.breaker_state.replace('_', '-')}"
+    return (f"shared store (T3): {remote.mode}, {plural(remote.num_nodes, 'node')}, {state}; "
             f"{plural(remote.num_errors, 'failed call')}, breakers opened "
             f"{plural(remote.num_breaker_opens, 'time')}")
 
@@ -118,9 +143,22 @@ def tenant_lines(usage: list[pb.TenantUsage]) -> list[str]:
     return lines
 
 
+def store_problem(remote: pb.RemoteStoreStats) -> str:
+    """One line on a shared store that does not answer: refused credentials, no endpoint, or nodes."""
+    why = f": {remote.last_error}" if remote.last_error else ""
+    if remote.credentials_refused:
+        return f"shared store (T3){why}: check remote.username and remote.password_file"
+    if remote.mode == "unknown":
+        return f"shared store (T3) unreachable: no endpoint answered{why}"
+    return f"shared store (T3): {remote.num_open_nodes} of {plural(remote.num_nodes, 'node')} unreachable{why}"
+
+
 def health_problems(stats: pb.StatsResponse) -> tuple[list[str], list[str]]:
     """(problems, notes): problems make `kvtierctl health` exit 1."""
     problems, notes = [], []
+    if stats.draining:
+        problems.append("draining: new sessions are refused and gRPC Health is NOT_SERVING "
+                        "(`kvtierctl drain --resume` admits them again)")
     for pool in stats.pools:
         name = pool.layout.model_id
         held = pool.num_blocks - pool.num_free_blocks
@@ -137,13 +175,8 @@ def health_problems(stats: pb.StatsResponse) -> tuple[list[str], list[str]]:
             notes.append(f"{name}: {plural(pool.num_failed_load_blocks, 'failed load')} (recomputed), "
                          f"{plural(pool.num_failed_offload_blocks, 'failed offload')}")
     remote = stats.remote
-    if remote.enabled and (remote.breaker_state == "open" or remote.mode == "unknown"):
-        problems.append(f"shared store (T3): {remote.num_open_nodes} of {plural(remote.num_nodes, 'node')} "
-                        "unreachable"
-                        if remote.num_nodes and remote.mode != "unknown" else
-                        "shared store (T3) unreachable: no endpoint answered yet")
-    elif remote.enabled and remote.breaker_state == "half_open":
-        notes.append("shared store (T3): probing a node that failed (half-open)")
+    if remote.enabled and (remote.num_open_nodes or remote.mode == "unknown" or remote.breaker_state != "closed"):
+        problems.append(store_problem(remote))
     if remote.enabled and remote.num_errors:
         notes.append(f"shared store (T3): {plural(remote.num_errors, 'failed call')} since start, breakers "
                      f"opened {plural(remote.num_breaker_opens, 'time')}")

@@ -66,16 +66,22 @@ class AsyncKvtierClient(ClientBase):
 
     async def attach(self, layout: Layout, *, map_pool: bool = True, hash_algo: str = "sha256",
                      keepalive: bool = True, deadline_s: float | None = None) -> AsyncSession:
-        response = await self._run(attach_call(layout, hash_algo, self.timeout_s, deadline_s))
-        session = AsyncSession(self, layout, response, hash_algo)
+        fd_channel = await asyncio.to_thread(self._fd_channel) if map_pool else None
         try:
-            if map_pool:
-                session.map_pool()
-            if keepalive:
-                session._keepalive = AsyncKeepAlive(self, session)
-        except BaseException:
-            await session.close()
-            raise
+            response = await self._run(attach_call(layout, hash_algo, self.timeout_s, deadline_s,
+                                                   fd_channel.peer_token if fd_channel else ""))
+            session = AsyncSession(self, layout, response, hash_algo)
+            try:
+                if map_pool:
+                    await asyncio.to_thread(session.map_pool, fd_channel)
+                if keepalive:
+                    session._keepalive = AsyncKeepAlive(self, session)
+            except BaseException:
+                await session.close()
+                raise
+        finally:
+            if fd_channel is not None:
+                fd_channel.close()
         self._sessions.add(session)
         return session
 

@@ -25,6 +25,7 @@ import grpc
 
 from kvtierd.block_hash import Namespace
 from kvtierd.client.block_data import TokenIds, hash_list, optional_tokens
+from kvtierd.client.fd_channel import FdChannel
 from kvtierd.endpoints import default_socket_path
 from kvtierd.errors import (
     DRAINING_DETAILS,
@@ -32,6 +33,7 @@ from kvtierd.errors import (
     FailedPrecondition,
     InvalidArgument,
     KvtierError,
+    PermissionDenied,
     Unavailable,
 )
 from kvtierd.layout import Layout
@@ -39,6 +41,7 @@ from kvtierd.v1 import kvtier_pb2 as pb
 from kvtierd.v1 import kvtier_pb2_grpc
 from kvtierd.wire.block_frames import decode_get_response
 from kvtierd.wire.conversions import READ_CHUNK_OPTIONS, handle_from_proto, layout_to_proto
+from kvtierd.wire.fd_passing import fd_socket_path
 
 if TYPE_CHECKING:
     from kvtierd.t0.device_pool import DevicePool
@@ -119,8 +122,15 @@ def channel_options(target: str, max_message_bytes: int) -> list[tuple[str, Any]
     return options
 
 
+def socket_denied_message(path: str) -> str:
+    return (f"permission denied reaching kvtierd's socket {path} as uid {os.getuid()}: the daemon's "
+            "server.socket_group and socket_mode decide who may attach (be in that group)")
+
+
 def unavailable_message(target: str, details: str) -> str:
     path = unix_socket_path(target)
+    if path is not None and ("Permission denied" in details or _search_denied(path)):
+        return f"kvtierd at {target}: {socket_denied_message(path)}"
     if path is not None and not os.path.exists(path):
         return (f"kvtierd is not running at {target}: the socket {path} does not exist ({details}). "
                 "Start the daemon with `kvtierd serve`, or set KVTIERD_ADDRESS to where it listens.")
@@ -128,6 +138,17 @@ def unavailable_message(target: str, details: str) -> str:
         return f"kvtierd at {target}: {details}"
     return (f"kvtierd at {target} is unavailable ({details}). "
             "Is the daemon running? Start it with `kvtierd serve`.")
+
+
+def _search_denied(path: str) -> bool:
+    """Whether `path` cannot be looked up for want of search permission on its directory."""
+    try:
+        os.stat(path)
+    except PermissionError:
+        return True
+    except OSError:
+        return False
+    return False
 
 
 def map_rpc_error(error: grpc.RpcError, target: str) -> KvtierError:
@@ -178,14 +199,15 @@ class Call:
     timeout_s: float | None = None  # None: the client's timeout_s
 
 
-def attach_call(layout: Layout, hash_algo: str, timeout_s: float, deadline_s: float | None = None) -> Call:
+def attach_call(layout: Layout, hash_algo: str, timeout_s: float, deadline_s: float | None = None,
+                fd_peer: str = "") -> Call:
     """Attach, with a deadline of `deadline_s`, else at least ATTACH_TIMEOUT_S: the first Attach of a
     layout builds its pool (device pool, host memory, SSD slot files), which takes seconds on a
-    loaded node."""
+    loaded node. `fd_peer`: the token of an open FdChannel, to get the pool by descriptor."""
     Namespace(layout, "", hash_algo)  # InvalidArgument for an unknown algorithm, before any call
     if deadline_s is not None and deadline_s <= 0:
         raise ValueError(f"an Attach deadline must be > 0 s, got {deadline_s}")
-    return Call("Attach", pb.AttachRequest(layout=layout_to_proto(layout), hash_algo=hash_algo),
+    return Call("Attach", pb.AttachRequest(layout=layout_to_proto(layout), hash_algo=hash_algo, fd_peer=fd_peer),
                 timeout_s=max(timeout_s, ATTACH_TIMEOUT_S) if deadline_s is None else deadline_s)
 
 
@@ -248,6 +270,21 @@ class ClientBase:
         if self.closed:
             raise FailedPrecondition(f"the client of {self.target} is closed")
 
+    def _fd_channel(self) -> FdChannel | None:
+        """A connection to the daemon's fd socket, to map the pool by descriptor; None where there is
+        none to make: a TCP target, or no `<socket>.fds` (a daemon that predates it, or one that is
+        down: the Attach then says so). PermissionDenied when the socket's group and mode refuse us."""
+        path = unix_socket_path(self.target)
+        if path is None:
+            return None
+        try:
+            os.stat(fd_socket_path(path))
+        except FileNotFoundError:
+            return None
+        except PermissionError:
+            raise PermissionDenied(socket_denied_message(path)) from None
+        return FdChannel.connect(path)
+
     def __repr__(self) -> str:
         return f"{type(self).__name__}({self.target!r}{', closed' if self.closed else ''})"
 
@@ -272,6 +309,7 @@ class SessionBase:
         self.tenant: str = response.tenant
         self.layout = layout
         self.handle = handle_from_proto(response.pool, layout)
+        self._fd_ticket: str = response.pool.fd_ticket  # one-time: the pool's descriptor on the fd socket
         self.pool: DevicePool | None = None  # mapped by the client when map_pool
         self.root_hash: bytes = self.namespace.root
         self.hash_size: int = self.namespace.digest_size
@@ -282,11 +320,23 @@ class SessionBase:
     def keepalive_interval_s(self) -> float:
         return self.lease_s / 3 if self.lease_s > 0 else 10.0
 
-    def map_pool(self) -> None:
-        """Map the daemon's device pool into this process (`pool`); imports torch, only here."""
+    def map_pool(self, fd_channel: FdChannel | None = None) -> None:
+        """Map the daemon's device pool into this process (`pool`); imports torch, only here.
+
+        With the fd channel whose token the Attach named, the pool comes as a descriptor and no
+        name is opened (any uid the socket lets in). Without (a TCP target, a daemon without an fd
+        socket): an shm pool is opened by name, which only the daemon's uid may do."""
         from kvtierd.t0.factory import attach_device_pool
 
-        self.pool = attach_device_pool(self.handle)
+        if fd_channel is None or not self._fd_ticket:
+            self.pool = attach_device_pool(self.handle)
+            return
+        fd = fd_channel.receive_fd(self._fd_ticket)
+        self._fd_ticket = ""
+        try:
+            self.pool = attach_device_pool(self.handle, fd)
+        finally:
+            os.close(fd)
 
     def _lookup(self, block_hashes, token_ids, prefetch, chain_lengths, num_query_blocks: int) -> Call:
         return Call("Lookup", pb.LookupRequest(session_id=self.session_id, block_hashes=hash_list(block_hashes),

@@ -80,16 +80,22 @@ class KvtierClient(ClientBase):
                keepalive: bool = True, deadline_s: float | None = None) -> Session:
         """Open a session for `layout`; FailedPrecondition if the daemon hashes differently.
         `deadline_s` bounds the call (default: the client's timeout, at least ATTACH_TIMEOUT_S)."""
-        response = self._run(attach_call(layout, hash_algo, self.timeout_s, deadline_s))
-        session = Session(self, layout, response, hash_algo)
+        fd_channel = self._fd_channel() if map_pool else None
         try:
-            if map_pool:
-                session.map_pool()
-            if keepalive:
-                session._keepalive = KeepAlive(self, session)
-        except BaseException:
-            session.close()
-            raise
+            response = self._run(attach_call(layout, hash_algo, self.timeout_s, deadline_s,
+                                             fd_channel.peer_token if fd_channel else ""))
+            session = Session(self, layout, response, hash_algo)
+            try:
+                if map_pool:
+                    session.map_pool(fd_channel)
+                if keepalive:
+                    session._keepalive = KeepAlive(self, session)
+            except BaseException:
+                session.close()
+                raise
+        finally:
+            if fd_channel is not None:
+                fd_channel.close()
         self._sessions.add(session)
         return session
 

@@ -113,8 +113,12 @@ _FAMILIES: dict[str, tuple[type, str, str, tuple[str, ...]]] = {
 _STORE_FAMILIES: dict[str, tuple[type, str]] = {
     "kvtierd_t3_breaker_open": (GaugeMetricFamily, "1 while any shared-store node's circuit breaker is open (its "
                                 "keys are misses), else 0."),
-    "kvtierd_t3_open_nodes": (GaugeMetricFamily, "Shared-store nodes whose circuit breaker is open."),
+    "kvtierd_t3_open_nodes": (GaugeMetricFamily, "Shared-store nodes not answering: circuit breaker open or "
+                              "half-open, or the node's last call (a request or the periodic probe) failed."),
     "kvtierd_t3_nodes": (GaugeMetricFamily, "Shared-store nodes known from the slot table."),
+    "kvtierd_t3_up": (GaugeMetricFamily, "1 while every shared-store node answers, else 0."),
+    "kvtierd_t3_credentials_refused": (GaugeMetricFamily, "1 while the shared store refuses the daemon's "
+                                       "credentials (remote.username / remote.password_file), else 0."),
     "kvtierd_t3_errors": (CounterMetricFamily, "Calls to a shared-store node that failed."),
 }
 
@@ -151,6 +155,8 @@ class TierCollector:
             families["kvtierd_t3_breaker_open"].add_metric([], 1 if health.state.value == "open" else 0)
             families["kvtierd_t3_open_nodes"].add_metric([], health.num_open_nodes)
             families["kvtierd_t3_nodes"].add_metric([], health.num_nodes)
+            families["kvtierd_t3_up"].add_metric([], 1 if health.serving else 0)
+            families["kvtierd_t3_credentials_refused"].add_metric([], 1 if health.credentials_refused else 0)
             families["kvtierd_t3_errors"].add_metric([], health.num_errors)
         return list(families.values())
 

@@ -26,8 +26,11 @@ def config_lines(config: DaemonConfig) -> list[str]:
     lines.append(f"auth: {auth}; session lease {server.lease_s:g} s, shutdown grace {server.grace_s:g} s")
     lines.append(f"T0 pool: {format_bytes(pool.t0_bytes)} per layout on {pool.device}, "
                  f"up to {pool.max_layouts} layouts, hash {pool.hash_algo}")
-    lines.append(f"T1 host: {format_bytes(config.host.capacity_bytes)}, codec {config.host.codec}")
-    lines.append(f"T2 ssd: {format_bytes(ssd.capacity_bytes)} in {ssd.directory}, codec {ssd.codec}, "
+    host = config.host
+    lines.append(f"T1 host: {format_bytes(host.capacity_bytes)} for the node, "
+                 f"{format_bytes(host.capacity_bytes // pool.max_layouts)} for each layout, codec {host.codec}")
+    lines.append(f"T2 ssd: {format_bytes(ssd.capacity_bytes)} for the node in {ssd.directory} (files grow as "
+                 f"written, shared by the layouts), codec {ssd.codec}, "
                  f"durability {ssd.durability}{', O_DIRECT' if ssd.o_direct else ''}" if ssd.directory
                  else "T2 ssd: off")
     recompute = (f"load a lower-tier hit only when faster than recomputing at {policy.recompute_s_per_token:g} s/token"

@@ -2,7 +2,8 @@
 variables, then command-line flags; a later source overrides an earlier one key by key.
 
 A laptop needs no file: a unix socket under $XDG_RUNTIME_DIR (or /tmp/kvtierd-<uid>), a 256 MiB
-device pool, 1 GiB of host memory and 4 GiB of SSD under the user's cache directory.
+device pool per layout, and per node 1 GiB of host memory and 4 GiB of SSD under the user's cache
+directory (bounded, when not set, by the slot files there plus half the free space).
 
 One key, three spellings: `[ssd] capacity_bytes = "8GiB"` in the file, KVTIERD_SSD_CAPACITY_BYTES
 in the environment, `--set ssd.capacity_bytes=8GiB` on the command line (the top-level `log_level`
@@ -28,6 +29,7 @@ from collections.abc import Iterable, Iterator, Mapping
 from kvtierd.endpoints import default_socket_path
 from kvtierd.errors import InvalidArgument
 from kvtierd.node.remote_section import RemoteSection
+from kvtierd.t2.ssd_space import default_capacity_bytes
 from kvtierd.units import GiB, MiB, parse_bytes
 
 CODECS = ("raw", "fp8")
@@ -44,6 +46,7 @@ CHOICES = {"pool.hash_algo": HASH_ALGOS, "host.codec": CODECS, "ssd.codec": CODE
            "policy.t2_to_t3": ("write_through", "off"), "remote.mode": REMOTE_MODES, "remote.codec": CODECS,
            "events.format": EVENT_FORMATS, "events.salt": EVENT_SALTS,
            "log_level": LOG_LEVELS}
+DEFAULT_SSD_CAPACITY_BYTES = 4 * GiB  # when not set: bounded by the slot files there plus half the free space
 CONFIG_ENV = "KVTIERD_CONFIG"  # names the config file when load_config gets no path
 FOREIGN_ENV_PREFIXES = ("KVTIERD_BENCH_", "KVTIERD_TOKEN",
                         "KVTIERD_ADDRESS")  # of the client and benchmarks; serve ignores them
@@ -73,6 +76,8 @@ class ServerConfig:
     max_message_bytes: int = 16 * MiB  # bytes: largest gRPC message either way
     health_tcp: str = ""  # "host:port": plaintext, grpc.health.v1 only (Kubernetes gRPC probes); "" = none
     admin_tenants: str = ""  # comma-separated tenants allowed fleet-wide Evict/Flush/Drain; "" = the daemon's own uid
+    socket_group: str = ""  # group name or gid given the unix socket and its fd socket; "" = the daemon's group
+    socket_mode: str = "0600"  # octal mode of the unix socket and its fd socket; "0660" lets socket_group connect
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -85,14 +90,14 @@ class PoolConfig:
 
 @dataclasses.dataclass(frozen=True, slots=True)
 class HostConfig:
-    capacity_bytes: int = 1 * GiB  # bytes: host-memory tier (T1)
+    capacity_bytes: int = 1 * GiB  # bytes: host-memory tier (T1) of the node, split evenly over pool.max_layouts
     codec: str = "raw"  # "raw" | "fp8"
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
 class SsdConfig:
     directory: str = dataclasses.field(default_factory=default_ssd_dir)  # SSD tier (T2) files; "" disables T2
-    capacity_bytes: int = 4 * GiB  # bytes: SSD tier (T2)
+    capacity_bytes: int = DEFAULT_SSD_CAPACITY_BYTES  # bytes: SSD tier (T2) of the node, all layouts' files
     codec: str = "raw"  # "raw" | "fp8"
     durability: str = "fdatasync"  # "fdatasync" | "none"
     o_direct: bool = True  # bypass the page cache where the filesystem allows
@@ -174,6 +179,9 @@ def load_config(path: str | None = None, environ: Mapping[str, str] = os.environ
     for key, value in overrides.items():
         if value is not None:
             _apply(settings, key, value, "the command line")
+    if "ssd.capacity_bytes" not in settings and settings.get("ssd.directory"):  # the default: bounded by the disk
+        settings["ssd.capacity_bytes"] = default_capacity_bytes(str(settings["ssd.directory"]),
+                                                                DEFAULT_SSD_CAPACITY_BYTES)
     config = _build(settings)
     _validate(config)
     return config
@@ -267,6 +275,9 @@ def _validate(config: DaemonConfig) -> None:
         (server.lease_s > 0, f"server.lease_s must be > 0, got {server.lease_s}"),
         (server.grace_s >= 0, f"server.grace_s must be >= 0, got {server.grace_s}"),
         (server.max_message_bytes > 0, "server.max_message_bytes must be > 0"),
+        (re.fullmatch(r"0?[0-7]{3}", server.socket_mode) and int(server.socket_mode, 8) & 0o600 == 0o600,
+         f"server.socket_mode must be an octal mode that keeps the owner's rw, like 0600 or 0660; "
+         f"got {server.socket_mode!r}"),
         (pool.t0_bytes > 0, "pool.t0_bytes must be > 0"),
         (pool.max_layouts >= 1, f"pool.max_layouts must be >= 1, got {pool.max_layouts}"),
         (re.fullmatch(r"auto|cpu|cuda(:\d+)?", pool.device),
@@ -333,9 +344,9 @@ _FLAGS = (
     ("--lease-s", "server.lease_s", "SECONDS", "a session is reclaimed this long after its last call"),
     ("--device", "pool.device", "DEVICE", "auto, cpu, cuda or cuda:N"),
     ("--t0-bytes", "pool.t0_bytes", "SIZE", "device pool (T0) per layout, e.g. 256MiB"),
-    ("--host-bytes", "host.capacity_bytes", "SIZE", "host-memory tier (T1), e.g. 1GiB"),
+    ("--host-bytes", "host.capacity_bytes", "SIZE", "host-memory tier (T1) of the node, e.g. 1GiB"),
     ("--ssd-dir", "ssd.directory", "DIR", "SSD tier (T2) directory ('' disables T2)"),
-    ("--ssd-bytes", "ssd.capacity_bytes", "SIZE", "SSD tier (T2), e.g. 4GiB"),
+    ("--ssd-bytes", "ssd.capacity_bytes", "SIZE", "SSD tier (T2) of the node, e.g. 4GiB"),
     ("--log-level", "log_level", "LEVEL", ", ".join(LOG_LEVELS)),
 )
 _ENV_OF = {key: name for name, key in ENV_KEYS.items()}

@@ -1,9 +1,21 @@
 """The pools the daemon serves: one set of tiers per layout, created on first Attach and shared
 by every tenant (keys keep tenants apart, see tenants.py).
 
-A pool's T0 holds `t0_bytes // bytes_per_block` blocks; its T1 slab and T2 directory are its
-own (T2 under `<ssd directory>/<layout id>`, so a restarted daemon finds each layout's blocks
-again). The daemon's keys are `tenant tag + client hash`, so the index runs with
+Per layout: the T0 device pool, `t0_bytes // bytes_per_block` blocks. Per node: the T1 host
+memory (`host_capacity_bytes`) and the T2 disk (`ssd_capacity_bytes`), each one NodeBudget
+(t2/node_budget.py) the layouts take from, so that their sum never exceeds the node's budget:
+- T1: a layout's slab is a share fixed when its pool is created, `host_capacity_bytes //
+  max_layouts` (whole slots; none when that is less than one slot), so that every layout the
+  daemon may serve gets the same and the sum stays within the budget. One model per node: set
+  max_layouts = 1 and it gets all of it.
+- T2: a layout's slot files (under `<ssd directory>/<layout id>`, so a restarted daemon finds
+  each layout's blocks again) grow as blocks are written, by what the budget grants; with the
+  budget spent a layout reuses its own least recently used slots, and one under its fair share
+  (budget / layouts with T2) makes one above it give back the end of its files (ssd_tier.py).
+  Slot files a restarted daemon finds count before their layout attaches again (dormant: they
+  give back first).
+
+The daemon's keys are `tenant tag + client hash`, so the index runs with
 `hash_size = 16 + digest size` and no fixed root: the servicer checks that a chain's first
 block names the client root.
 """
@@ -20,9 +32,13 @@ from kvtierd.block_hash import HASH_FUNCTIONS, Namespace
 from kvtierd.daemon_key import daemon_key_size, tenant_tag_of
 from kvtierd.errors import FailedPrecondition, ResourceExhausted
 from kvtierd.layout import Layout
+from kvtierd.movers.block_codec import make_codec
 from kvtierd.movers.factory import CopyEngines
 from kvtierd.node.quotas import QuotaBook
 from kvtierd.planning.capacity import PoolCapacity, layout_lines
+from kvtierd.t1.host_slab import slot_stride
+from kvtierd.t2.node_budget import BudgetShare, NodeBudget, truncating_shed
+from kvtierd.t2.ssd_space import SLOT_FILE_NAME, layout_slot_files
 from kvtierd.tiering.tier_config import TierConfig
 from kvtierd.tiering.tier_manager import TierManager
 
@@ -35,12 +51,12 @@ MAX_PENDING_EVENTS = 65536
 class PoolSettings:
     """What every pool is built with (from the daemon's configuration)."""
 
-    t0_bytes: int
-    tier_config: TierConfig
+    t0_bytes: int  # per layout
+    tier_config: TierConfig  # its host_capacity_bytes is the node's T1 budget, shared by the layouts
     device: str = "auto"
     hash_algo: str = "sha256"
     ssd_directory: str = ""  # "" = no T2
-    ssd_capacity_bytes: int = 0
+    ssd_capacity_bytes: int = 0  # the node's T2 budget, shared by the layouts
     ssd_durability: str = "fdatasync"
     ssd_o_direct: bool = True
     max_layouts: int = 4
@@ -51,7 +67,10 @@ class LayoutPool:
     """One layout's tiers, and what clients of that layout need to know."""
 
     def __init__(self, layout: Layout, settings: PoolSettings, observer=None, quotas: QuotaBook | None = None,
-                 engines: CopyEngines | None = None, remote_store=None) -> None:
+                 engines: CopyEngines | None = None, remote_store=None, host_budget: NodeBudget | None = None,
+                 ssd_budget: NodeBudget | None = None) -> None:
+        """`host_budget`, `ssd_budget`: the node's (PoolRegistry's); None: this pool's own, of the
+        settings' capacities."""
         num_blocks = settings.t0_bytes // layout.bytes_per_block
         if num_blocks < 1:
             raise FailedPrecondition(
@@ -60,17 +79,29 @@ class LayoutPool:
         self.layout = layout
         self.client_root = Namespace(layout, "", settings.hash_algo).root
         self.digest_size = HASH_FUNCTIONS[settings.hash_algo][0]
+        self._key = layout_id(layout)
+        max_layouts = settings.max_layouts if host_budget is not None else 1
+        self.host_budget = host_budget or NodeBudget(settings.tier_config.host_capacity_bytes, "host")
+        self.host_budget.register(self._key)
+        host_bytes = self.host_budget.reserve(self._key, host_share_bytes(layout, settings.tier_config, max_layouts))
         ssd_config = None
+        self.ssd_budget = None
         if settings.ssd_directory and settings.ssd_capacity_bytes:
             from kvtierd.t2.ssd_config import SsdTierConfig
 
-            ssd_config = SsdTierConfig([os.path.join(settings.ssd_directory, layout_id(layout))],
+            self.ssd_budget = ssd_budget or NodeBudget(settings.ssd_capacity_bytes, "ssd")
+            ssd_config = SsdTierConfig([os.path.join(settings.ssd_directory, self._key)],
                                        settings.ssd_capacity_bytes, durability=settings.ssd_durability,
-                                       o_direct=settings.ssd_o_direct)
-        self.manager = TierManager(layout, num_blocks, settings.tier_config, ssd_config=ssd_config,
-                                   device=settings.device, hash_size=daemon_key_size(self.digest_size),
-                                   observer=observer, max_pending_events=MAX_PENDING_EVENTS, engines=engines,
-                                   remote_store=remote_store)
+                                       o_direct=settings.ssd_o_direct, node_budget=self.ssd_budget)
+        tier_config = dataclasses.replace(settings.tier_config, host_capacity_bytes=host_bytes)
+        try:
+            self.manager = TierManager(layout, num_blocks, tier_config, ssd_config=ssd_config,
+                                       device=settings.device, hash_size=daemon_key_size(self.digest_size),
+                                       observer=observer, max_pending_events=MAX_PENDING_EVENTS, engines=engines,
+                                       remote_store=remote_store)
+        except BaseException:
+            self.host_budget.unregister(self._key)
+            raise
         tiers = self.manager.tiers
         if quotas is not None and quotas.limits_lower_tiers:
             for tier, store in (("t1", tiers.host), ("t2", tiers.ssd)):
@@ -91,8 +122,26 @@ class LayoutPool:
                 lines.append(PoolCapacity(self.layout, num_slots).lines(name, request_tokens)[0])
         return lines
 
+    def node_share(self, tier: str) -> BudgetShare | None:
+        """This layout's part of the node's T1 or T2 budget (None: the tier is absent)."""
+        tiers = self.manager.tiers
+        if tier == "t1" and tiers.host is not None:  # the slab is its share, fixed at attach
+            share = self.host_budget.share(self._key)
+            return dataclasses.replace(share, share_bytes=share.held_bytes)
+        if tier == "t2" and tiers.ssd is not None:
+            ssd = tiers.ssd.stats()
+            return BudgetShare(ssd.file_bytes, ssd.share_bytes, ssd.node_capacity_bytes, ssd.node_used_bytes)
+        return None
+
     def close(self) -> None:
         self.manager.close()
+        self.host_budget.unregister(self._key)
+
+
+def host_share_bytes(layout: Layout, tier_config: TierConfig, max_layouts: int) -> int:
+    """A layout's T1 slab: the node's host budget split evenly over `max_layouts`, in whole slots."""
+    stride = slot_stride(make_codec(tier_config.for_layout(layout).host_codec, layout).slot_nbytes)
+    return tier_config.host_capacity_bytes // max_layouts // stride * stride
 
 
 def layout_id(layout: Layout) -> str:
@@ -112,6 +161,14 @@ class PoolRegistry:
         self.on_created = []  # callbacks (pool) → None, e.g. metrics sources
         self.engines = CopyEngines()  # one copy engine per device, shared by the layouts on it
         self.remote_store = None  # the node's client of the shared store (T3), shared by the layouts
+        self.host_budget = NodeBudget(settings.tier_config.host_capacity_bytes, "host")  # T1, per node
+        self.ssd_budget = None  # T2, per node: the slot files of every layout, a restarted daemon's included
+        if settings.ssd_directory and settings.ssd_capacity_bytes:
+            self.ssd_budget = NodeBudget(settings.ssd_capacity_bytes, "ssd")
+            for directory, nbytes in layout_slot_files(settings.ssd_directory).items():
+                paths = [os.path.join(directory, SLOT_FILE_NAME)]
+                self.ssd_budget.add_dormant(directory, nbytes, truncating_shed(self.ssd_budget, directory, paths))
+            self.ssd_budget.shed_over_capacity()  # the budget was lowered since they were written
         if settings.remote is not None:
             from kvtierd.t3.redis_store import RedisStore
 
@@ -150,7 +207,8 @@ class PoolRegistry:
                     f"the daemon serves {len(self._pools)} layouts already (pool.max_layouts); "
                     f"cannot create a pool for {layout.model_id}")
             observer = self._observer_for(layout.model_id) if self._observer_for else None
-            pool = LayoutPool(layout, self.settings, observer, self.quotas, self.engines, self.remote_store)
+            pool = LayoutPool(layout, self.settings, observer, self.quotas, self.engines, self.remote_store,
+                              self.host_budget, self.ssd_budget)
             self._pools[layout] = pool
         for line in pool.capacity_lines():
             log.info("%s", line)

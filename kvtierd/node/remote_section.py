@@ -31,6 +31,7 @@ class RemoteSection:
     max_write_backlog_bytes: int = 256 * MiB  # bytes queued for the store; beyond it writes are dropped, counted
     breaker_failures: int = 3  # failed calls in a row that open a node's breaker
     breaker_open_s: float = 5.0  # seconds a breaker stays open before one probe
+    probe_interval_s: float = 2.0  # seconds between the daemon's PINGs of every store node (health)
     ttl_s: int = 0  # seconds a value lives in the store; 0 = until the store evicts it
 
 

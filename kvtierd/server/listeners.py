@@ -64,6 +64,31 @@ def bind_unix_socket(server: grpc.aio.Server, path: str, setting: str) -> Socket
     return SocketFile(path, (status.st_dev, status.st_ino), created_directories)
 
 
+def bind_fd_socket(path: str, setting: str) -> tuple[socket.socket, SocketFile]:
+    """A listening unix socket at `path` (mode 0600 until `apply_socket_access`), for the fd
+    socket (fd_listener.py); refused as `prepare_socket_path` does."""
+    created_directories = prepare_socket_path(path, setting)
+    listening = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    try:
+        with _umask(0o177):
+            listening.bind(path)
+        listening.listen(64)
+        status = os.lstat(path)
+    except OSError as e:
+        listening.close()
+        remove_empty_directories(created_directories)
+        raise FailedPrecondition(f"{setting}: cannot listen on {path}: {e.strerror}") from None
+    return listening, SocketFile(path, (status.st_dev, status.st_ino), created_directories)
+
+
+def apply_socket_access(path: str, group_id: int | None, mode: int) -> None:
+    """Give the socket file at `path` to group `group_id` (None: leave it) and set its mode; who may
+    connect is decided by these (connect(2) needs write permission on the socket file)."""
+    if group_id is not None:
+        os.chown(path, -1, group_id)
+    os.chmod(path, mode)
+
+
 def prepare_socket_path(path: str, setting: str) -> list[str]:
     """Make the socket's directory (0700 where we create it) and remove a stale socket file;
     refuse when another process is serving on it or the path is not a socket. Returns the

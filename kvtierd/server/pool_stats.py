@@ -4,6 +4,7 @@ the node's shared store (T3) part, as proto."""
 from __future__ import annotations
 
 from kvtierd.node.pools import LayoutPool
+from kvtierd.t2.node_budget import BudgetShare
 from kvtierd.t3.redis_store import RedisStore
 from kvtierd.t3.remote_tier import RemoteTierStats
 from kvtierd.tiering.tiering_stats import TierUsage
@@ -11,10 +12,15 @@ from kvtierd.v1 import kvtier_pb2 as pb
 from kvtierd.wire.conversions import layout_to_proto
 
 
-def tier_message(usage: TierUsage) -> pb.TierStats:
-    return pb.TierStats(tier=usage.tier, capacity_bytes=usage.capacity_bytes, used_bytes=usage.used_bytes,
-                        num_cached_blocks=usage.num_cached_blocks, num_hit_blocks=usage.num_hit_blocks,
-                        num_evictions=usage.num_evictions)
+def tier_message(usage: TierUsage, share: BudgetShare | None = None) -> pb.TierStats:
+    """One tier's figures; with `share` (T1, T2), this layout's part of the node's budget beside it."""
+    message = pb.TierStats(tier=usage.tier, capacity_bytes=usage.capacity_bytes, used_bytes=usage.used_bytes,
+                           num_cached_blocks=usage.num_cached_blocks, num_hit_blocks=usage.num_hit_blocks,
+                           num_evictions=usage.num_evictions)
+    if share is not None:
+        message.node_held_bytes, message.node_share_bytes = share.held_bytes, share.share_bytes
+        message.node_capacity_bytes, message.node_used_bytes = share.node_capacity_bytes, share.node_used_bytes
+    return message
 
 
 def pool_stats(pool: LayoutPool) -> pb.PoolStats:
@@ -25,7 +31,8 @@ def pool_stats(pool: LayoutPool) -> pb.PoolStats:
                                   bytes_per_s=stats.bandwidth_bytes_per_s[direction])
                  for direction in sorted(stats.bytes_moved)]
     return pb.PoolStats(layout=layout_to_proto(pool.layout), num_blocks=stats.num_blocks,
-                        num_free_blocks=stats.num_free_blocks, tiers=list(map(tier_message, stats.tiers)),
+                        num_free_blocks=stats.num_free_blocks,
+                        tiers=[tier_message(usage, pool.node_share(usage.tier)) for usage in stats.tiers],
                         num_query_blocks=stats.num_query_blocks, transfers=transfers,
                         num_corrupted_blocks=ssd.num_corrupted_blocks if ssd else 0,
                         num_t2_io_errors=ssd.num_io_errors if ssd else 0,
@@ -51,4 +58,5 @@ def remote_store_message(store: RedisStore | None) -> pb.RemoteStoreStats:
     health = store.health()
     return pb.RemoteStoreStats(enabled=True, mode=health.mode, breaker_state=health.state.value,
                                num_nodes=health.num_nodes, num_open_nodes=health.num_open_nodes,
-                               num_errors=health.num_errors, num_breaker_opens=health.num_opened)
+                               num_errors=health.num_errors, num_breaker_opens=health.num_opened,
+                               last_error=health.last_error, credentials_refused=health.credentials_refused)

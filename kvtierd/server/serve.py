@@ -2,8 +2,10 @@
 
 One asyncio event loop (uvloop where installed) runs grpc.aio with the KvTier service, the
 standard health service and server reflection; copy engines run on their own threads; the
-Prometheus endpoint on its own port. Listens on a unix socket (mode 0600) by default and on
-TCP with TLS (optionally requiring client certificates) when configured.
+Prometheus endpoint on its own port. Listens on a unix socket (mode 0600, or server.socket_mode
+and socket_group) by default, with its fd socket beside it (`<socket>.fds`, fd_listener.py: the
+device pool's descriptor for attached runners), and on TCP with TLS (optionally requiring client
+certificates) when configured.
 
 Start: the configuration is checked against the machine (startup_checks.py), then every
 listener is bound (ports first, the unix socket last), then the SSD directory is locked
@@ -39,22 +41,26 @@ from kvtierd.node.quotas import QuotaBook
 from kvtierd.node.remote_section import remote_config_of
 from kvtierd.node.sessions import SessionTable
 from kvtierd.node.tenants import Authenticator, TokenBook
-from kvtierd.planning.capacity import PoolCapacity
+from kvtierd.planning.capacity import PoolCapacity, format_bytes
 from kvtierd.server.directory_lock import DirectoryLock
 from kvtierd.server.event_feed import EventFeed
+from kvtierd.server.fd_listener import FdListener
 from kvtierd.server.interceptor import StatusInterceptor
-from kvtierd.server.listeners import SocketFile, add_port, bind_unix_socket
+from kvtierd.server.listeners import SocketFile, add_port, apply_socket_access, bind_fd_socket, bind_unix_socket
 from kvtierd.server.servicer import KvTierServicer
-from kvtierd.server.startup_checks import check_machine
+from kvtierd.server.startup_checks import check_machine, socket_group_id
 from kvtierd.server.vllm_events import BatchEncoder, WireFormat
 from kvtierd.server.zmq_publisher import ZmqEventPublisher
+from kvtierd.t0.shm_segment import remove_orphaned_segments
 from kvtierd.tiering.tier_config import TierConfig
 from kvtierd.v1 import kvtier_pb2
 from kvtierd.wire.conversions import READ_CHUNK_OPTIONS
+from kvtierd.wire.fd_passing import fd_socket_path
 
 log = logging.getLogger("kvtierd")
 
 SERVICE_NAME = kvtier_pb2.DESCRIPTOR.services_by_name["KvTier"].full_name
+STORE_HEALTH_NAME = "kvtierd.v1.SharedStore"  # a health service name: SERVING while every T3 node answers
 
 
 def pool_settings(config: DaemonConfig) -> PoolSettings:
@@ -77,10 +83,12 @@ def planning_lines(config: DaemonConfig, request_tokens: int = 8192) -> list[str
     lines = [f"capacity per layout, planned for {layout.model_id} "
              f"({layout.bytes_per_token // 1024} KiB per token, {layout.bytes_per_block // 2**20} MiB per block):"]
     lines += PoolCapacity.from_budget(layout, config.pool.t0_bytes).lines("  T0 device pool", request_tokens)
-    if config.host.capacity_bytes:
-        lines.append(PoolCapacity.from_budget(layout, config.host.capacity_bytes).lines("  T1 host", request_tokens)[0])
-    if config.ssd.directory and config.ssd.capacity_bytes:
-        lines.append(PoolCapacity.from_budget(layout, config.ssd.capacity_bytes).lines("  T2 SSD", request_tokens)[0])
+    if config.host.capacity_bytes:  # a layout's fixed share of the node's budget
+        host_share = config.host.capacity_bytes // config.pool.max_layouts
+        lines.append(PoolCapacity.from_budget(layout, host_share).lines("  T1 host", request_tokens)[0])
+    if config.ssd.directory and config.ssd.capacity_bytes:  # alone on the node: all of it
+        lines.append(PoolCapacity.from_budget(layout, config.ssd.capacity_bytes).lines(
+            "  T2 SSD (alone on the node)", request_tokens)[0])
     return lines
 
 
@@ -121,6 +129,8 @@ class Daemon:
         self.addresses: list[str] = []
         self.metrics_port: int | None = None
         self.socket_file: SocketFile | None = None  # the unix socket this daemon bound
+        self.fd_socket_file: SocketFile | None = None  # its fd socket, `<socket>.fds`
+        self.fd_listener: FdListener | None = None  # serves the fd socket once started
         self.ssd_lock: DirectoryLock | None = None  # held on ssd.directory while T2 is on
         self._tasks: list[asyncio.Task] = []
         self._stopped = asyncio.Event()
@@ -154,17 +164,41 @@ class Daemon:
         if server_config.socket:  # last: a refused port leaves no socket file behind
             self.socket_file = bind_unix_socket(self.server, server_config.socket, setting_name("server.socket"))
             self.addresses.append("unix://" + server_config.socket)
+            listening, self.fd_socket_file = bind_fd_socket(fd_socket_path(server_config.socket),
+                                                            setting_name("server.socket"))
+            self.fd_listener = FdListener(listening)
+            self.servicer.fd_listener = self.fd_listener
         ssd = self.config.ssd
         if ssd.directory and ssd.capacity_bytes:  # before any pool opens T2 in it
             self.ssd_lock = DirectoryLock.acquire(ssd.directory, setting_name("ssd.directory"))
+        num_orphans, orphan_bytes = remove_orphaned_segments()  # what killed daemons left in /dev/shm
+        if num_orphans:
+            log.warning("removed %d shared-memory segments (%s) that killed kvtierd processes left in /dev/shm",
+                        num_orphans, format_bytes(orphan_bytes))
         await self.server.start()
         if self.health_server is not None:
             await self.health_server.start()
         if server_config.socket:
-            os.chmod(server_config.socket, 0o600)
+            self._apply_socket_access(server_config)
+            self.fd_listener.start()
         await self._set_serving(False)
         self._tasks = [asyncio.create_task(self.sessions.run_reaper(min(1.0, server_config.lease_s / 4))),
                        asyncio.create_task(self.feed.run())]
+        store = self.registry.remote_store
+        if store is not None:  # probed before ready: a healthy store is serving from the first second
+            await asyncio.to_thread(store.start_probing, store.config.probe_interval_s)
+            self._tasks.append(asyncio.create_task(self._follow_store(store)))
+
+    def _apply_socket_access(self, server_config) -> None:
+        """server.socket_group and socket_mode on both sockets; directories made for them get the
+        group and the search bit of whom the mode lets connect."""
+        group_id = socket_group_id(server_config.socket_group) if server_config.socket_group else None
+        mode = int(server_config.socket_mode, 8)
+        for path in (server_config.socket, self.fd_socket_file.path):
+            apply_socket_access(path, group_id, mode)
+        directory_mode = 0o700 | (0o010 if mode & 0o060 else 0) | (0o001 if mode & 0o006 else 0)
+        for directory in self.socket_file.created_directories:
+            apply_socket_access(directory, group_id, directory_mode)
 
     def _add_health_listener(self, address: str) -> None:
         """grpc.health.v1 alone, in the clear: Kubernetes' gRPC probes cannot speak TLS, and the
@@ -181,11 +215,20 @@ class Daemon:
             raise FailedPrecondition(f"cannot serve metrics on {host}:{port}: {e.strerror}; choose another "
                                      f"{setting_name('server.metrics_port')} (0: any free port, -1: none)") from None
 
-    async def _set_serving(self, draining: bool) -> None:
-        """Health SERVING, or NOT_SERVING while draining (load balancers and probes stop sending)."""
-        status = health_pb2.HealthCheckResponse.NOT_SERVING if draining else health_pb2.HealthCheckResponse.SERVING
-        for name in ("", SERVICE_NAME):
-            await self.health.set(name, status)
+    async def _set_serving(self, draining: bool, stopping: bool = False) -> None:
+        """Health of kvtierd.v1.KvTier (readiness: engines and load balancers stop sending) is
+        NOT_SERVING while draining or stopping; of "" (liveness: the process serves) only while
+        stopping, so that a probe does not restart a daemon an operator is draining."""
+        serving, not_serving = health_pb2.HealthCheckResponse.SERVING, health_pb2.HealthCheckResponse.NOT_SERVING
+        await self.health.set(SERVICE_NAME, not_serving if draining or stopping else serving)
+        await self.health.set("", not_serving if stopping else serving)
+
+    async def _follow_store(self, store) -> None:
+        """Health of STORE_HEALTH_NAME from the store's probes (health() only reads their results)."""
+        serving, not_serving = health_pb2.HealthCheckResponse.SERVING, health_pb2.HealthCheckResponse.NOT_SERVING
+        while True:
+            await self.health.set(STORE_HEALTH_NAME, serving if store.health().serving else not_serving)
+            await asyncio.sleep(store.config.probe_interval_s / 2)
 
     def _add_tcp_port(self, server_config) -> int:
         if server_config.tls_cert:
@@ -204,6 +247,10 @@ class Daemon:
 
     def startup_lines(self) -> list[str]:
         lines = [f"kvtierd: listening on {address}" for address in self.addresses]
+        if self.fd_socket_file is not None:
+            server = self.config.server
+            lines.append(f"kvtierd: pool descriptors on unix://{self.fd_socket_file.path} (sockets mode "
+                         f"{server.socket_mode}, group {server.socket_group or os.getgid()})")
         if self.health_address is not None:
             lines.append(f"kvtierd: health checks on {self.health_address}")
         if self.metrics_port is not None:
@@ -222,11 +269,13 @@ class Daemon:
         await self._stopped.wait()
 
     async def stop(self) -> None:
-        await self._set_serving(True)
+        await self._set_serving(True, stopping=True)
         if self.servicer is not None:
             self.servicer.begin_shutdown()
         if self.server is not None:
             await self.server.stop(self.config.server.grace_s)
+        if self.fd_listener is not None:  # before the pools whose descriptors it hands out close
+            await self.fd_listener.stop()
         if self.health_server is not None:
             await self.health_server.stop(0)
         for task in self._tasks:
@@ -239,6 +288,9 @@ class Daemon:
             log.info("released %d block references of sessions open at shutdown", num_refs)
         await asyncio.to_thread(self.registry.close)
         self.metrics.close()
+        if self.fd_socket_file is not None:
+            self.fd_socket_file.remove()
+            self.fd_socket_file = None
         if self.socket_file is not None:
             self.socket_file.remove()
             self.socket_file = None

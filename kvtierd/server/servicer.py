@@ -27,6 +27,7 @@ from kvtierd.node.operations import Operations
 from kvtierd.node.pools import LayoutPool, PoolRegistry
 from kvtierd.node.sessions import SessionLease, SessionTable
 from kvtierd.server.event_feed import EventFeed
+from kvtierd.server.fd_listener import FdListener
 from kvtierd.server.interceptor import current_tenant
 from kvtierd.server.pool_stats import pool_stats, remote_store_message
 from kvtierd.server.request_terms import (
@@ -39,6 +40,8 @@ from kvtierd.server.request_terms import (
     position_of,
 )
 from kvtierd.server.stream_items import items_until
+from kvtierd.t0.factory import shareable_fd
+from kvtierd.t0.pool_handle import FD_KINDS
 from kvtierd.tiering.block_io import BlockGet, PutBlock
 from kvtierd.tiering.promotion import TierHits
 from kvtierd.v1 import kvtier_pb2 as pb
@@ -62,6 +65,7 @@ class KvTierServicer(kvtier_pb2_grpc.KvTierServicer):
         self.default_wait_s = default_wait_s
         self._put_ids = itertools.count()
         self._shutdown = asyncio.Event()  # set at SIGTERM: long-lived streams end at once
+        self.fd_listener: FdListener | None = None  # the fd socket's server (serve.py sets it)
 
     def begin_shutdown(self) -> None:
         """End every KeepAlive and Events stream now (sessions are then reclaimed), so that the
@@ -84,12 +88,28 @@ class KvTierServicer(kvtier_pb2_grpc.KvTierServicer):
         if algo != self.registry.settings.hash_algo:
             raise FailedPrecondition(f"this daemon keys blocks with {self.registry.settings.hash_algo}, "
                                      f"the client with {algo}")
+        peer_uid = self._fd_peer_uid(request.fd_peer)
         pool = await self._pool(layout)
         session = self.sessions.open(tenant, pool)
+        handle = handle_to_proto(pool.manager.device_pool.handle)
+        if peer_uid is not None and handle.kind in FD_KINDS:
+            handle.fd_ticket = self.fd_listener.issue(
+                peer_uid, session.session_id, functools.partial(shareable_fd, pool.manager.device_pool),
+                lambda: not session.closed)
         return pb.AttachResponse(
-            session_id=session.session_id, pool=handle_to_proto(pool.manager.device_pool.handle),
+            session_id=session.session_id, pool=handle,
             bytes_per_block=layout.bytes_per_block, root_hash=pool.client_root, hash_size=pool.digest_size,
             lease_s=self.sessions.lease_s, tenant=tenant.name)
+
+    def _fd_peer_uid(self, fd_peer: str) -> int | None:
+        """The uid of the fd socket connection an Attach names (None: it names none)."""
+        if not fd_peer:
+            return None
+        uid = self.fd_listener.peer_uid(fd_peer) if self.fd_listener is not None else None
+        if uid is None:
+            raise FailedPrecondition("fd_peer names no open connection to this daemon's fd socket "
+                                     "(connect to <socket>.fds first and keep it open during Attach)")
+        return uid
 
     async def KeepAlive(self, request_iterator, context):
         tenant = current_tenant()
@@ -306,7 +326,8 @@ class KvTierServicer(kvtier_pb2_grpc.KvTierServicer):
     async def Stats(self, request: pb.StatsRequest, context) -> pb.StatsResponse:
         return pb.StatsResponse(pools=[pool_stats(pool) for pool in self.registry.pools()],
                                 num_sessions=len(self.sessions), num_reclaimed_refs=self.sessions.num_reclaimed_refs,
-                                version=__version__, remote=remote_store_message(self.registry.remote_store))
+                                version=__version__, remote=remote_store_message(self.registry.remote_store),
+                                draining=self.operations.draining)
 
     # ----------------------------------------------------------------------------- operations
 

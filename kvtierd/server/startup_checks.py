@@ -3,14 +3,16 @@
 `check_machine(config)` raises the first mistake it finds as one line naming the setting (flag
 and config key). It only reads: nothing is created, bound or changed. It refuses
 
-- server.socket: a path longer than a unix socket holds (107 bytes on Linux); a directory that
-  cannot be created (a component is a file) or is not writable;
+- server.socket: a path longer than a unix socket holds (107 bytes on Linux; its fd socket,
+  `<socket>.fds`, too); a directory that cannot be created (a component is a file) or is not writable;
+- server.socket_group: a group name this machine does not know (a gid is taken as it is);
 - server.tls_cert, tls_key, tls_client_ca: a file that cannot be read;
 - ssd.directory (when T2 is on: a directory and capacity_bytes > 0): a directory that cannot be
-  created or is not writable, or a filesystem without ssd.capacity_bytes free. A layout's slot
-  file is preallocated to the whole capacity at its first Attach; slot files already in the
-  directory (`<directory>/*/kvtierd-slots.bin`, a restarted daemon's) count as free, since a
-  layout reuses its own. One layout's room is checked, not pool.max_layouts';
+  created or is not writable, or a filesystem without ssd.capacity_bytes free. The capacity is
+  the node's budget: every layout's slot files together grow up to it as blocks are written;
+  slot files already in the directory (`<directory>/*/kvtierd-slots.bin`, a restarted daemon's)
+  count as free, since they are part of that budget. A default capacity (none set) is already
+  bounded by the free space (daemon_config.py), so only an explicit one can be refused here;
 - host.capacity_bytes above the machine's memory (MemTotal), and pool.t0_bytes above the size of
   /dev/shm where the device pool lives there (the device resolves to the CPU);
 - pool.device naming a CUDA device this machine lacks.
@@ -23,6 +25,7 @@ another daemon at bind (listeners.py), another daemon's SSD directory at its loc
 
 from __future__ import annotations
 
+import grp
 import os
 
 from kvtierd.errors import FailedPrecondition, InvalidArgument
@@ -30,7 +33,8 @@ from kvtierd.node.daemon_config import DaemonConfig, setting_name
 from kvtierd.planning.capacity import format_bytes
 from kvtierd.server.listeners import MAX_UNIX_PATH_BYTES
 from kvtierd.t0.factory import resolve_device
-from kvtierd.t2.ssd_files import SLOT_FILE_NAME
+from kvtierd.t2.ssd_space import slot_files_bytes
+from kvtierd.wire.fd_passing import FD_SOCKET_SUFFIX, fd_socket_path
 
 SHM_DIRECTORY = "/dev/shm"  # where a CPU device pool (T0) lives
 
@@ -40,6 +44,8 @@ def check_machine(config: DaemonConfig) -> None:
     server = config.server
     if server.socket:
         check_socket_path(server.socket)
+        if server.socket_group:
+            socket_group_id(server.socket_group)
     for key in ("tls_cert", "tls_key", "tls_client_ca"):
         if getattr(server, key):
             check_readable(getattr(server, key), f"server.{key}")
@@ -63,7 +69,22 @@ def check_socket_path(path: str) -> None:
     if num_path_bytes > MAX_UNIX_PATH_BYTES:
         raise InvalidArgument(f"{setting}: {path} is {num_path_bytes} bytes long; a unix socket path holds at most "
                               f"{MAX_UNIX_PATH_BYTES}: choose a shorter one")
+    if num_path_bytes + len(FD_SOCKET_SUFFIX) > MAX_UNIX_PATH_BYTES:
+        raise InvalidArgument(f"{setting}: {path} is {num_path_bytes} bytes long; its fd socket "
+                              f"{fd_socket_path(path)} must fit in {MAX_UNIX_PATH_BYTES}: choose a shorter one")
     check_creatable_directory(os.path.dirname(os.path.abspath(path)), setting)
+
+
+def socket_group_id(group: str) -> int:
+    """The gid of server.socket_group: a number as it is (a pod's supplementalGroups need no entry in
+    /etc/group), a name looked up; FailedPrecondition for an unknown name."""
+    if group.isdigit():
+        return int(group)
+    try:
+        return grp.getgrnam(group).gr_gid
+    except KeyError:
+        raise FailedPrecondition(f"{setting_name('server.socket_group')}: no group {group!r} on this machine "
+                                 "(getent group): create it, or give a group name that exists or a gid") from None
 
 
 def check_readable(path: str, key: str) -> None:
@@ -84,7 +105,8 @@ def check_ssd_directory(directory: str, capacity_bytes: int) -> None:
         held = f" (and {format_bytes(slot_file_bytes)} in earlier slot files)" if slot_file_bytes else ""
         raise FailedPrecondition(
             f"{setting_name('ssd.capacity_bytes')}: {format_bytes(capacity_bytes)} does not fit in {directory}: "
-            f"its filesystem has {format_bytes(free_bytes)} free{held}; a layout's slot file takes all of it")
+            f"its filesystem has {format_bytes(free_bytes)} free{held}; the layouts' slot files may take all of it "
+            "together")
 
 
 def check_creatable_directory(directory: str, setting: str) -> str:
@@ -100,22 +122,6 @@ def check_creatable_directory(directory: str, setting: str) -> str:
         what = "it" if existing == directory else f"its ancestor {existing}"
         raise FailedPrecondition(f"{setting}: cannot write in the directory {directory}: {what} is not writable")
     return existing
-
-
-def slot_files_bytes(directory: str) -> int:
-    """Bytes the SSD tier's slot files in `<directory>/*/` hold on disk."""
-    total = 0
-    try:
-        with os.scandir(directory) as entries:
-            subdirectories = [entry.path for entry in entries if entry.is_dir(follow_symlinks=False)]
-    except OSError:
-        return 0
-    for subdirectory in subdirectories:
-        try:
-            total += os.stat(os.path.join(subdirectory, SLOT_FILE_NAME)).st_blocks * 512
-        except OSError:
-            pass
-    return total
 
 
 def machine_memory_bytes() -> int:

@@ -4,12 +4,16 @@ The memory is one dedicated cudaMalloc made with CuPy, not a block of torch's ca
 allocator: a cudaIpcMemHandle names a whole allocation, and the runner maps it at offset 0,
 so the pool must be exactly that allocation. Torch sees it through DLPack. CuPy is an
 optional extra (`pip install 'kvtierd[cuda]'`), imported only here and only when used.
+
+`share="fd"` (the daemon's default, handle kind "cuda_fd") makes the pool a cuMem allocation
+exported as a POSIX file descriptor instead (cuda_vmm.py): the daemon passes the fd over its fd
+socket to the runner it authorized, which needs neither the daemon's uid nor hostIPC.
 """
 
 from __future__ import annotations
 
 import weakref
-from typing import Any, Callable
+from typing import Any, Callable, Literal
 
 import torch
 
@@ -83,10 +87,14 @@ class CudaDevicePool(DevicePool):
         super().__init__(layout, num_blocks, tensor, handle)
         self.is_creator = is_creator
         self._memory: _DeviceMemory | None = memory
+        self._export_fd: int | None = None  # the creator's exported fd of a "cuda_fd" pool
 
     @classmethod
-    def create(cls, layout: Layout, num_blocks: int, device_index: int = 0) -> CudaDevicePool:
+    def create(cls, layout: Layout, num_blocks: int, device_index: int = 0,
+               share: Literal["fd", "ipc"] = "ipc") -> CudaDevicePool:
         num_blocks = check_num_blocks(num_blocks)
+        if share == "fd":
+            return cls._create_exported(layout, num_blocks, device_index)
         cupy = _import_cupy()
         runtime = cupy.cuda.runtime
         nbytes = num_blocks * layout.bytes_per_block
@@ -113,12 +121,7 @@ class CudaDevicePool(DevicePool):
     def attach(cls, handle: PoolHandle) -> CudaDevicePool:
         if handle.kind != "cuda_ipc":
             raise InvalidArgument(f"CudaDevicePool cannot attach a {handle.kind!r} handle")
-        if not torch.cuda.is_available():
-            raise FailedPrecondition("a cuda_ipc pool handle needs CUDA in this process")
-        if handle.device_index >= torch.cuda.device_count():
-            raise FailedPrecondition(
-                f"the pool is on cuda:{handle.device_index}; this process sees "
-                f"{torch.cuda.device_count()} device(s) (CUDA_VISIBLE_DEVICES differs?)")
+        _check_attachable(handle)
         cupy = _import_cupy()
         runtime = cupy.cuda.runtime
         with cupy.cuda.Device(handle.device_index):
@@ -129,8 +132,59 @@ class CudaDevicePool(DevicePool):
             tensor = _as_pool_tensor(cupy, memory, handle.layout, handle.num_blocks)
         return cls(handle.layout, handle.num_blocks, tensor, handle, memory, is_creator=False)
 
+    @classmethod
+    def _create_exported(cls, layout: Layout, num_blocks: int, device_index: int) -> CudaDevicePool:
+        from kvtierd.t0 import cuda_vmm
+
+        cupy = _import_cupy()
+        nbytes = num_blocks * layout.bytes_per_block
+        with cupy.cuda.Device(device_index), torch.cuda.device(device_index):
+            torch.cuda.synchronize(device_index)  # the primary context is current on this thread
+            mapping = cuda_vmm.create_exported(nbytes, device_index)
+            memory = _DeviceMemory(mapping.ptr, nbytes, device_index, lambda _ptr: mapping.release())
+            tensor = _as_pool_tensor(cupy, memory, layout, num_blocks)
+            tensor.zero_()
+            torch.cuda.synchronize(tensor.device)  # zeros are visible before the fd leaves
+        handle = PoolHandle("cuda_fd", layout, num_blocks, nbytes, device_index=device_index)
+        pool = cls(layout, num_blocks, tensor, handle, memory, is_creator=True)
+        pool._export_fd = mapping.export_fd
+        return pool
+
+    @classmethod
+    def attach_fd(cls, handle: PoolHandle, fd: int) -> CudaDevicePool:
+        """Map a "cuda_fd" pool from the descriptor its creator passed; `fd` stays the caller's."""
+        from kvtierd.t0 import cuda_vmm
+
+        if handle.kind != "cuda_fd":
+            raise InvalidArgument(f"CudaDevicePool.attach_fd cannot map a {handle.kind!r} handle")
+        _check_attachable(handle)
+        cupy = _import_cupy()
+        with cupy.cuda.Device(handle.device_index), torch.cuda.device(handle.device_index):
+            torch.cuda.synchronize(handle.device_index)
+            mapping = cuda_vmm.import_fd(fd, handle.nbytes, handle.device_index)
+            memory = _DeviceMemory(mapping.ptr, handle.nbytes, handle.device_index, lambda _ptr: mapping.release())
+            tensor = _as_pool_tensor(cupy, memory, handle.layout, handle.num_blocks)
+        return cls(handle.layout, handle.num_blocks, tensor, handle, memory, is_creator=False)
+
+    @property
+    def shareable_fd(self) -> int:
+        """The exported descriptor of a "cuda_fd" pool, for the fd socket to pass (not to be closed)."""
+        if self._export_fd is None or self._memory is None:
+            raise InvalidArgument("only the creator of an open cuda_fd pool holds its descriptor")
+        return self._export_fd
+
     def close(self) -> None:
+        self._export_fd = None  # closed with the allocation (VmmMapping.release)
         if self._tensor is not None:
             torch.cuda.synchronize(self.device)  # no queued kernel still writes the pool
         self._tensor = None
         self._memory = None  # released once the last view of it is gone
+
+
+def _check_attachable(handle: PoolHandle) -> None:
+    if not torch.cuda.is_available():
+        raise FailedPrecondition(f"a {handle.kind} pool handle needs CUDA in this process")
+    if handle.device_index >= torch.cuda.device_count():
+        raise FailedPrecondition(
+            f"the pool is on cuda:{handle.device_index}; this process sees "
+            f"{torch.cuda.device_count()} device(s) (CUDA_VISIBLE_DEVICES differs?)")

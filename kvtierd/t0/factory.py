@@ -6,13 +6,15 @@ share (device_pool.py), so neither imports the other.
 
 from __future__ import annotations
 
+from typing import Literal
+
 import torch
 
 from kvtierd.errors import InvalidArgument
 from kvtierd.layout import Layout
 from kvtierd.t0.cuda_pool import CudaDevicePool
 from kvtierd.t0.device_pool import DevicePool
-from kvtierd.t0.pool_handle import PoolHandle, PoolKind, check_num_blocks
+from kvtierd.t0.pool_handle import FD_KINDS, PoolHandle, PoolKind, check_num_blocks
 from kvtierd.t0.shm_pool import ShmDevicePool
 
 
@@ -40,10 +42,13 @@ def resolve_device(device: str | torch.device) -> tuple[PoolKind, int | None]:
 
 
 def create_device_pool(layout: Layout, num_blocks: int, device: str | torch.device = "auto",
-                       name: str | None = None) -> DevicePool:
+                       name: str | None = None, cuda_share: Literal["fd", "ipc"] = "ipc") -> DevicePool:
     """Create a zeroed pool of `num_blocks` blocks that other processes can attach to.
 
     `name` picks the shm segment name (shm pools only; default: unique per process).
+    `cuda_share` how a CUDA pool is shared: "ipc" (a cudaIpc handle; kind "cuda_ipc"), or "fd" (a
+    cuMem allocation whose POSIX fd the daemon passes over its fd socket; kind "cuda_fd"). "ipc"
+    is the default until "fd" has run on a GPU (its tests are gpu-marked).
     """
     num_blocks = check_num_blocks(num_blocks)
     kind, device_index = resolve_device(device)
@@ -52,13 +57,33 @@ def create_device_pool(layout: Layout, num_blocks: int, device: str | torch.devi
     if name is not None:
         raise InvalidArgument("name applies to shm pools only; a CUDA pool is shared by IPC handle")
     assert device_index is not None
-    return CudaDevicePool.create(layout, num_blocks, device_index=device_index)
+    return CudaDevicePool.create(layout, num_blocks, device_index=device_index, share=cuda_share)
 
 
-def attach_device_pool(handle: PoolHandle) -> DevicePool:
-    """Map a pool that another process created. Closing it never releases the creator's memory."""
+def attach_device_pool(handle: PoolHandle, fd: int | None = None) -> DevicePool:
+    """Map a pool that another process created. Closing it never releases the creator's memory.
+
+    With `fd` (a descriptor the creator passed, the caller's to close), an "shm" or "cuda_fd" pool
+    is mapped from it and no name is opened; without, an "shm" pool is opened by name (same uid
+    only: the segment is mode 0600) and a "cuda_ipc" pool by its IPC handle.
+    """
     if not isinstance(handle, PoolHandle):
         raise InvalidArgument(f"expected a PoolHandle, got {type(handle).__name__}")
+    if fd is not None:
+        if handle.kind == "shm":
+            return ShmDevicePool.attach_fd(handle, fd)
+        if handle.kind == "cuda_fd":
+            return CudaDevicePool.attach_fd(handle, fd)
+        raise InvalidArgument(f"a {handle.kind!r} pool is not mapped from a descriptor")
     if handle.kind == "shm":
         return ShmDevicePool.attach(handle)
+    if handle.kind == "cuda_fd":
+        raise InvalidArgument("a cuda_fd pool is mapped from the descriptor its creator passes (the fd socket)")
     return CudaDevicePool.attach(handle)
+
+
+def shareable_fd(pool: DevicePool) -> int:
+    """The descriptor the creator of `pool` passes to attachers (still the pool's: do not close)."""
+    if isinstance(pool, (ShmDevicePool, CudaDevicePool)) and pool.handle.kind in FD_KINDS:
+        return pool.shareable_fd
+    raise InvalidArgument(f"a {pool.handle.kind!r} pool is not shared by descriptor")

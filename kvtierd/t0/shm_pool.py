@@ -38,6 +38,21 @@ class ShmDevicePool(DevicePool):
             raise InvalidArgument(f"ShmDevicePool cannot attach a {handle.kind!r} handle")
         return cls(handle.layout, handle.num_blocks, ShmSegment.attach(handle.name, handle.nbytes), handle)
 
+    @classmethod
+    def attach_fd(cls, handle: PoolHandle, fd: int) -> ShmDevicePool:
+        """Map the pool from a descriptor of its segment (the daemon's fd socket); the name is never
+        opened, so this works for another uid than the creator's. `fd` stays the caller's to close."""
+        if handle.kind != "shm":
+            raise InvalidArgument(f"ShmDevicePool cannot attach a {handle.kind!r} handle")
+        return cls(handle.layout, handle.num_blocks, ShmSegment.from_fd(fd, handle.nbytes, handle.name), handle)
+
+    @property
+    def shareable_fd(self) -> int:
+        """The creator's descriptor of the segment, for the fd socket to pass (not to be closed)."""
+        if self.segment.fd is None:
+            raise InvalidArgument("only the creator of an open shm pool holds its descriptor")
+        return self.segment.fd
+
     def close(self) -> None:
         self._tensor = None
         self.segment.close()

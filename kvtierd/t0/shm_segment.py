@@ -4,20 +4,32 @@ Not multiprocessing.shared_memory: its resource tracker unlinks segments when an
 process exits. Here the file is opened by descriptor and mapped through /proc/self/fd, so a
 segment replaced or removed between a check and the mapping can never be mapped by mistake
 (torch.from_file would otherwise create a missing file).
+
+Another process (another uid, too) maps a segment from a descriptor the creator passed it
+(`from_fd`, SCM_RIGHTS over the daemon's fd socket) and never opens the name: the creator keeps
+its descriptor open (`fd`) for that. Such a mapping is mmap(2) of the descriptor itself, not of
+/proc/self/fd/N: reopening that link checks the file's mode (0600, the creator's uid) again.
 """
 
 from __future__ import annotations
 
 import errno
+import fcntl
+import logging
+import mmap
 import os
 import re
 import secrets
 import stat
+import time
 import weakref
 
+import numpy as np
 import torch
 
 from kvtierd.errors import FailedPrecondition, InvalidArgument, NotFound, ResourceExhausted
+
+log = logging.getLogger(__name__)
 
 SHM_DIR = "/dev/shm"
 SEGMENT_MODE = 0o600
@@ -47,15 +59,17 @@ class ShmSegment:
     Ownership: the creating process unlinks the segment at `close()`, when the object is
     garbage-collected, or at interpreter exit, whichever comes first (never in a forked child).
     Attachers only drop their mapping. Mappings still open stay valid after the unlink.
+    The creator holds `fd` (O_RDWR) open until `close()`, to pass it to attachers; attachers hold none.
     """
 
-    def __init__(self, name: str, flat: torch.Tensor, is_creator: bool) -> None:
+    def __init__(self, name: str, flat: torch.Tensor, is_creator: bool, fd: int | None = None) -> None:
         self.name = name
         self.path = segment_path(name)
         self.nbytes = flat.numel()
         self.flat: torch.Tensor | None = flat  # None once closed
         self.is_creator = is_creator
-        self._unlinker = weakref.finalize(self, _unlink, self.path, os.getpid()) if is_creator else None
+        self.fd = fd  # the creator's descriptor, passed to attachers; None for attachers and once closed
+        self._unlinker = weakref.finalize(self, _unlink, self.path, fd, os.getpid()) if is_creator else None
 
     @classmethod
     def create(cls, nbytes: int, name: str | None = None, what: str = "segment") -> ShmSegment:
@@ -66,16 +80,16 @@ class ShmSegment:
         except FileExistsError:
             raise FailedPrecondition(f"shm segment {path} already exists") from None
         try:
+            fcntl.flock(fd, fcntl.LOCK_SH)  # held while the creator (or an fd it passed) lives: not an orphan
             os.fchmod(fd, SEGMENT_MODE)
             os.ftruncate(fd, nbytes)
             _reserve(fd, nbytes, what)
             flat = _map_fd(fd, path, nbytes)
         except BaseException:
             os.unlink(path)
-            raise
-        finally:
             os.close(fd)
-        return cls(name, flat, is_creator=True)
+            raise
+        return cls(name, flat, is_creator=True, fd=fd)
 
     @classmethod
     def attach(cls, name: str, nbytes: int) -> ShmSegment:
@@ -88,21 +102,35 @@ class ShmSegment:
             raise FailedPrecondition(f"shm segment {path} is not readable and writable by "
                                      "this user (mode 0600: attach as the creating user)") from None
         try:
-            info = os.fstat(fd)
-            if not stat.S_ISREG(info.st_mode):
-                raise FailedPrecondition(f"{path} is not a shared-memory segment file")
-            if info.st_size != nbytes:
-                raise FailedPrecondition(f"shm segment {path} holds {info.st_size} bytes, expected "
-                                         f"{nbytes}: stale or foreign segment")
+            _check_segment_file(fd, nbytes, f"shm segment {path}")
             flat = _map_fd(fd, path, nbytes)
         finally:
             os.close(fd)
         return cls(name, flat, is_creator=False)
 
+    @classmethod
+    def from_fd(cls, fd: int, nbytes: int, name: str) -> ShmSegment:
+        """Map the segment open as `fd` (passed by its creator); `fd` stays the caller's to close.
+        The name is the creator's, for messages only: it is never opened."""
+        _check_segment_file(fd, nbytes, f"the descriptor passed for shm segment {name}")
+        mapping = mmap.mmap(fd, nbytes, flags=mmap.MAP_SHARED, prot=mmap.PROT_READ | mmap.PROT_WRITE)
+        flat = torch.from_numpy(np.frombuffer(mapping, dtype=np.uint8))  # keeps the mapping alive
+        return cls(name, flat, is_creator=False)
+
     def close(self) -> None:
         self.flat = None  # the mapping goes when the last view of it goes
+        self.fd = None
         if self._unlinker is not None:
             self._unlinker()  # runs at most once
+
+
+def _check_segment_file(fd: int, nbytes: int, what: str) -> None:
+    """FailedPrecondition unless `fd` is a regular file of exactly `nbytes` bytes."""
+    info = os.fstat(fd)
+    if not stat.S_ISREG(info.st_mode):
+        raise FailedPrecondition(f"{what} is not a shared-memory segment file")
+    if info.st_size != nbytes:
+        raise FailedPrecondition(f"{what} holds {info.st_size} bytes, expected {nbytes}: stale or foreign segment")
 
 
 def _map_fd(fd: int, path: str, nbytes: int) -> torch.Tensor:
@@ -112,9 +140,48 @@ def _map_fd(fd: int, path: str, nbytes: int) -> torch.Tensor:
                            dtype=torch.uint8)
 
 
-def _unlink(path: str, creator_pid: int) -> None:
+def remove_orphaned_segments(directory: str = SHM_DIR, min_age_s: float = 60.0) -> tuple[int, int]:
+    """Unlink the segments that kvtierd processes left when they were killed (SIGKILL, OOM: they
+    could not unlink them), and return (how many, their bytes). A segment is an orphan when it is
+    this uid's, named kvtierd-*, and nobody holds the shared flock its creator takes for its whole
+    life (a descriptor the creator passed to a runner holds it too), so a live daemon's segments
+    are never touched, whatever pid namespace it runs in. A segment changed in the last
+    `min_age_s` is left alone: its creator may not have taken its lock yet."""
+    num_removed = nbytes = 0
+    try:
+        names = [name for name in os.listdir(directory) if name.startswith("kvtierd-")]
+    except OSError:
+        return 0, 0
+    for name in names:
+        path = os.path.join(directory, name)
+        try:
+            fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
+        except OSError:
+            continue
+        try:
+            info = os.fstat(fd)
+            if info.st_uid != os.getuid() or not stat.S_ISREG(info.st_mode) or \
+                    time.time() - info.st_ctime < min_age_s:
+                continue
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                continue  # its creator, or a runner it passed the descriptor to, still holds it
+            same = os.lstat(path)
+            if (same.st_dev, same.st_ino) == (info.st_dev, info.st_ino):
+                os.unlink(path)
+                num_removed, nbytes = num_removed + 1, nbytes + info.st_blocks * 512
+        except OSError as error:
+            log.warning("could not check or remove %s: %s", path, error)
+        finally:
+            os.close(fd)
+    return num_removed, nbytes
+
+
+def _unlink(path: str, fd: int, creator_pid: int) -> None:
     if os.getpid() != creator_pid:  # a forked child inherits the finalizer; never unlink there
         return
+    os.close(fd)
     try:
         os.unlink(path)
     except FileNotFoundError:

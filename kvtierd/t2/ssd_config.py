@@ -22,13 +22,16 @@ DURABILITY_POLICIES = ("fdatasync", "none")
 @dataclasses.dataclass(frozen=True, slots=True)
 class SsdTierConfig:
     directories: list[str]  # one slot file each; the LMDB index lives in the first
-    capacity_bytes: int  # over all directories, split evenly
+    capacity_bytes: int  # the most the slot files may grow to, over all directories, split evenly
     durability: str = "fdatasync"  # "fdatasync": data synced before its index commit; "none": neither synced
     o_direct: bool = True  # where the filesystem takes it
     num_io_threads: int = 4
     high_watermark: float = 0.95  # after a store, used bytes above high * capacity are evicted ...
     low_watermark: float = 0.85  # ... down to low * capacity, least recently used first
     lmdb_map_bytes: int = 1 << 30
+    # The node's disk budget (kvtierd.t2.node_budget.NodeBudget) shared with other layouts' tiers:
+    # the files grow only by what it grants. None: the tier's own budget of capacity_bytes.
+    node_budget: object | None = None
 
     def __post_init__(self) -> None:
         if not self.directories:

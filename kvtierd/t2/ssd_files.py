@@ -1,21 +1,22 @@
 """The slot files of the SSD tier: where a T2 slot's bytes live and how they move.
 
-One preallocated file per configured directory (one per NVMe device, say). Slots are striped
-across the files round robin: global slot g lives in file `g % n` while every file still has
-slots, so consecutive slots spread over the devices. A slot is `stride` bytes (the block's bytes
-rounded up to 4096) at offset `local_slot * stride` in its file.
+One file per configured directory (one per NVMe device, say). Slots are striped across the files
+round robin: global slot g lives in file `g % n` while every file still has slots, so consecutive
+slots spread over the devices. A slot is `stride` bytes (the block's bytes rounded up to 4096) at
+offset `local_slot * stride` in its file.
+
+Files grow as blocks are written, not preallocated: the tier's extent (global slots `[0, E)`) is
+what the files hold, and `resize(E)` extends them (posix_fallocate, so a full disk shows at
+growth, not at a later write) or truncates them. `capacity_bytes` only bounds the extent; at open
+it is itself bounded by what the filesystem can give (free space, beside what the files already
+hold, less `index_reserve_bytes` for the index; RLIMIT_FSIZE per file), and a shortfall is
+reported in `shortfalls`.
 
 I/O: files are opened with O_DIRECT where the filesystem takes it (checked at open by a probe
-read; buffered I/O otherwise, logged once). O_DIRECT wants 4 KiB-aligned addresses and lengths:
-a caller's buffer that is aligned and exactly one stride long is handed to the kernel as is,
-anything else is staged through a per-thread aligned buffer from an anonymous mmap. Contiguous
-slots of one file move with one preadv/pwritev of at most `chunk_blocks` blocks.
-
-Preallocation (posix_fallocate) takes what the filesystem gives: when the whole capacity does not
-fit (ENOSPC, EDQUOT, EFBIG), the file keeps the slots that did fit and the shortfall is reported.
-On a filesystem that ran out of space, the first file (beside the index) gives back
-`index_reserve_bytes` (at least, or 1 % of what it got) of the space it gained at this open, so
-that the index can still grow; slots it had before are kept.
+read; buffered I/O otherwise, logged once). O_DIRECT wants 4 KiB-aligned addresses
+and lengths: a caller's buffer that is aligned and exactly one stride long is handed to the kernel
+as is, anything else is staged through a per-thread aligned buffer from an anonymous mmap.
+Contiguous slots of one file move with one preadv/pwritev of at most `chunk_blocks` blocks.
 """
 
 from __future__ import annotations
@@ -25,17 +26,18 @@ import errno
 import logging
 import mmap
 import os
+import resource
 import threading
 from collections.abc import Sequence
 
 import numpy as np
 
+from kvtierd.t2.ssd_space import SLOT_FILE_NAME
 from kvtierd.units import ALIGNMENT_BYTES, round_up
 
 log = logging.getLogger(__name__)
 
 ALIGNMENT = ALIGNMENT_BYTES  # O_DIRECT's; T1's slot stride too, so a read lands in a host slot as is
-SLOT_FILE_NAME = "kvtierd-slots.bin"
 DISK_FULL_ERRNOS = frozenset({errno.ENOSPC, errno.EDQUOT, errno.EFBIG})
 MAX_CHUNK_BYTES = 8 << 20  # one syscall moves at most this much (or one block, if larger)
 PREALLOCATE_CHUNK_BYTES = 256 << 20
@@ -47,7 +49,7 @@ def buffer_address(view: memoryview) -> int:
 
 @dataclasses.dataclass(slots=True)
 class SlotFile:
-    """One preallocated file. `fd` and `o_direct` are fixed after open."""
+    """One slot file. `num_slots`: the local slots it holds now (its size / stride)."""
 
     path: str
     fd: int
@@ -68,8 +70,10 @@ class Run:
 class SlotFiles:
     """The slot files of one tier, the slot → (file, offset) map, and batched aligned I/O.
 
-    Thread-safe: I/O uses positional syscalls on fds fixed at open; each thread stages through
-    its own aligned buffer.
+    `max_slots` (the slot map) is fixed at open; `num_slots`, the extent the files hold, changes
+    with `resize` (the caller orders it against the slots' use). Thread-safe otherwise: I/O uses
+    positional syscalls on fds fixed once a file holds a slot; each thread stages through its own
+    aligned buffer.
     """
 
     def __init__(self, directories: Sequence[str], capacity_bytes: int, slot_nbytes: int, o_direct: bool,
@@ -77,23 +81,46 @@ class SlotFiles:
         self.slot_nbytes = slot_nbytes
         self.stride = round_up(slot_nbytes)
         self.chunk_blocks = max(1, MAX_CHUNK_BYTES // self.stride)
-        self.shortfalls: list[str] = []  # one line per file that got less than asked
+        self.shortfalls: list[str] = []  # one line per bound the disk put on the capacity
         self.files: list[SlotFile] = []
         self._staging = threading.local()
-        total_slots = capacity_bytes // self.stride
-        for i, directory in enumerate(directories):
-            wanted = total_slots // len(directories) + (1 if i < total_slots % len(directories) else 0)
-            reserve = index_reserve_bytes if i == 0 else 0
-            self.files.append(self._open(os.path.join(directory, SLOT_FILE_NAME), wanted, o_direct, reserve))
+        paths = [os.path.join(directory, SLOT_FILE_NAME) for directory in directories]
+        for path in paths:
+            self.files.append(self._open(path, o_direct))
+        total_slots = self._bounded_slots(capacity_bytes, index_reserve_bytes)
+        usable = [i for i, f in enumerate(self.files) if f.fd >= 0]
+        self._max_of = [0] * len(self.files)
+        for j, i in enumerate(usable):
+            self._max_of[i] = total_slots // len(usable) + (1 if j < total_slots % len(usable) else 0)
+        for i, f in enumerate(self.files):
+            f.num_slots = min(f.num_slots, self._max_of[i])
         self._build_slot_map()
 
     @property
-    def num_slots(self) -> int:
+    def max_slots(self) -> int:
+        """Slots the files may grow to."""
         return len(self.slot_file)
+
+    @property
+    def num_slots(self) -> int:
+        """The extent: global slots `[0, num_slots)` are in the files now."""
+        return int(sum(f.num_slots for f in self.files))
+
+    def existing_slots(self) -> int:
+        """The extent the files held at open: the global slots before the first one a file lacks."""
+        extent = self.max_slots
+        for index, f in enumerate(self.files):
+            if f.num_slots < self._max_of[index]:
+                extent = min(extent, int(self._global_of_local[index][f.num_slots]))
+        return extent
 
     @property
     def o_direct(self) -> bool:
         return bool(self.files) and all(f.o_direct for f in self.files)
+
+    def file_bytes(self) -> int:
+        """Bytes the files hold (their sizes): the tier's part of the node's disk budget."""
+        return self.num_slots * self.stride
 
     def close(self) -> None:
         for f in self.files:
@@ -103,7 +130,40 @@ class SlotFiles:
 
     # --------------------------------------------------------------------------- layout
 
-    def _open(self, path: str, wanted_slots: int, o_direct: bool, reserve_bytes: int) -> SlotFile:
+    def resize(self, num_slots: int) -> None:
+        """Make the files hold exactly global slots `[0, num_slots)`: extend them (allocating the
+        disk) or truncate them. On a failure (OSError: a full disk) the files are as before."""
+        assert 0 <= num_slots <= self.max_slots, (num_slots, self.max_slots)
+        counts = np.bincount(self.slot_file[:num_slots], minlength=len(self.files))
+        previous = [f.num_slots for f in self.files]
+        try:
+            for index, f in enumerate(self.files):
+                target = int(counts[index])
+                if f.fd >= 0 and (target != f.num_slots or os.fstat(f.fd).st_size != target * self.stride):
+                    self._set_file_slots(f, target)
+        except OSError:
+            for f, num in zip(self.files, previous):
+                if f.num_slots != num:
+                    os.ftruncate(f.fd, num * self.stride)
+                    f.num_slots = num
+            raise
+
+    def _set_file_slots(self, f: SlotFile, num_slots: int) -> None:
+        old, new = f.num_slots * self.stride, num_slots * self.stride
+        if new < old or os.fstat(f.fd).st_size > new:
+            os.ftruncate(f.fd, new)
+        done = old
+        while done < new:
+            nbytes = min(PREALLOCATE_CHUNK_BYTES, new - done)
+            try:
+                os.posix_fallocate(f.fd, done, nbytes)
+            except OSError:
+                os.ftruncate(f.fd, old)
+                raise
+            done += nbytes
+        f.num_slots = num_slots
+
+    def _open(self, path: str, o_direct: bool) -> SlotFile:
         flags = os.O_RDWR | os.O_CREAT | getattr(os, "O_CLOEXEC", 0)
         fd, direct = -1, False
         if o_direct and hasattr(os, "O_DIRECT"):
@@ -119,46 +179,38 @@ class SlotFiles:
         except OSError as error:
             if error.errno not in DISK_FULL_ERRNOS:
                 raise
-            self.shortfalls.append(f"disk: cannot create {path} ({error.strerror}); 0 of {wanted_slots} slots")
+            self.shortfalls.append(f"disk: cannot create {path} ({error.strerror}); no slots there")
             log.warning("SSD tier: %s", self.shortfalls[-1])
             return SlotFile(path, -1, False, 0)
-        slot_file = SlotFile(path, fd, direct, 0)
-        slot_file.num_slots = self._preallocate(slot_file, wanted_slots, reserve_bytes)
-        if direct and slot_file.num_slots and not self._probe_direct(slot_file):
+        slot_file = SlotFile(path, fd, direct, os.fstat(fd).st_size // self.stride)
+        if direct and not self._probe_direct(slot_file):
             os.close(fd)
             slot_file.fd, slot_file.o_direct = os.open(path, flags, 0o600), False
         return slot_file
 
-    def _preallocate(self, slot_file: SlotFile, wanted_slots: int, reserve_bytes: int) -> int:
-        """Allocate up to `wanted_slots` slots; returns how many the filesystem gave (less the
-        reserve, when the filesystem is what ran out)."""
-        wanted = wanted_slots * self.stride
-        if os.fstat(slot_file.fd).st_size > wanted:
-            os.ftruncate(slot_file.fd, wanted)  # capacity was lowered: entries past it are dropped
-        had = os.fstat(slot_file.fd).st_size // self.stride * self.stride  # never given back
-        done, chunk = 0, max(self.stride, PREALLOCATE_CHUNK_BYTES // self.stride * self.stride)
-        failure: OSError | None = None
-        while done < wanted:
-            nbytes = min(chunk, wanted - done)
-            try:
-                os.posix_fallocate(slot_file.fd, done, nbytes)
-            except OSError as error:
-                if error.errno in DISK_FULL_ERRNOS and chunk > self.stride:
-                    chunk = max(self.stride, chunk // 2 // self.stride * self.stride)
-                    continue
-                failure = error
-                break
-            done += nbytes
-        if failure is not None:
-            if failure.errno in (errno.ENOSPC, errno.EDQUOT) and reserve_bytes:
-                done = max(min(had, done), done - round_up(max(reserve_bytes, done // 100), self.stride))
-            if os.fstat(slot_file.fd).st_size > done:
-                os.ftruncate(slot_file.fd, done)
-            line = (f"disk: preallocated {done:,} of {wanted:,} bytes in {slot_file.path} "
-                    f"({failure.strerror or failure}); {done // self.stride} of {wanted_slots} slots")
+    def _bounded_slots(self, capacity_bytes: int, index_reserve_bytes: int) -> int:
+        """`capacity_bytes` in slots, bounded by what the disk can give the files."""
+        wanted = capacity_bytes // self.stride
+        usable = [f for f in self.files if f.fd >= 0]
+        if not usable:
+            return 0
+        bounds = []
+        status = os.fstatvfs(usable[0].fd)
+        held = sum(f.num_slots for f in usable) * self.stride
+        free = status.f_bavail * status.f_frsize + held - index_reserve_bytes
+        if len({os.fstat(f.fd).st_dev for f in usable}) == 1 and free // self.stride < wanted:
+            bounds.append((max(0, free) // self.stride, f"{max(0, free):,} bytes free in {usable[0].path}'s "
+                                                         "filesystem (less a reserve for the index)"))
+        limit = resource.getrlimit(resource.RLIMIT_FSIZE)[0]
+        if limit != resource.RLIM_INFINITY and limit // self.stride * len(usable) < wanted:
+            bounds.append((limit // self.stride * len(usable), f"a file size limit RLIMIT_FSIZE={limit:,} bytes"))
+        for num_slots, why in sorted(bounds)[:1]:
+            line = (f"disk: capacity {wanted * self.stride:,} bytes bounded to {num_slots * self.stride:,} by {why}; "
+                    f"{num_slots} of {wanted} slots")
             self.shortfalls.append(line)
             log.warning("SSD tier: %s", line)
-        return done // self.stride
+            wanted = num_slots
+        return wanted
 
     def _probe_direct(self, slot_file: SlotFile) -> bool:
         """Some filesystems take O_DIRECT at open and refuse it at I/O (EINVAL)."""
@@ -176,7 +228,7 @@ class SlotFiles:
 
     def _build_slot_map(self) -> None:
         """Round robin over the files that still have slots: sort (local slot, file) pairs."""
-        counts = [f.num_slots for f in self.files]
+        counts = self._max_of
         file_of = np.repeat(np.arange(len(counts), dtype=np.int32), counts)
         local_of = np.concatenate([np.arange(n, dtype=np.int64) for n in counts] or [np.zeros(0, np.int64)])
         order = np.lexsort((file_of, local_of))

@@ -9,7 +9,7 @@ import dataclasses
 class SsdStats:
     """A consistent snapshot of one SsdTier, taken under its stats lock (SsdTier.stats())."""
 
-    capacity_bytes: int  # of the slots the tier could allocate (0 when its index failed to open)
+    capacity_bytes: int  # the most its slot files may grow to (0 when its index failed to open)
     requested_capacity_bytes: int  # what the config asked for
     used_bytes: int
     num_cached_blocks: int  # ready entries of the index
@@ -27,3 +27,8 @@ class SsdStats:
     bytes_read: int
     o_direct: bool
     durability: str  # "fdatasync" or "none"
+    file_bytes: int = 0  # its slot files' size now: its take of the node's disk budget (they grow as written)
+    share_bytes: int = 0  # its fair share of the node's budget (budget / layouts with T2)
+    node_capacity_bytes: int = 0  # the node's disk budget (ssd.capacity_bytes), shared by every layout
+    node_used_bytes: int = 0  # what every layout's slot files take of it together
+    num_full_skips: int = 0  # blocks not stored: the budget was spent and none of this tier's slots evictable

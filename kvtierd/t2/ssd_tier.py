@@ -1,5 +1,12 @@
-"""The T2 SSD tier: blocks in preallocated slot files (ssd_files.py), found through a persistent
-LMDB index (ssd_index.py) and an in-memory SlotIndex (LRU, two-phase), recovered on open.
+"""The T2 SSD tier: blocks in slot files (ssd_files.py), found through a persistent LMDB index
+(ssd_index.py) and an in-memory SlotIndex (LRU, two-phase), recovered on open.
+
+Disk: the files grow as blocks are written, in chunks the node's disk budget grants
+(node_budget.py, shared by every layout's tier), never past `capacity_bytes`. With the budget
+spent, a store reuses this tier's least recently used slots (prepare_store); with none evictable
+the blocks are skipped and counted, never an error. A tier below its fair share of the budget
+first asks the tier furthest above its share to give back the end of its files (`_shed`: the
+blocks there are dropped, the files truncated).
 
 Write order of a store batch, so that a crash at any instant leaves the old state or the new:
   (a) the entries that give up their slots (LRU victims of prepare_store, watermark evictions)
@@ -35,9 +42,11 @@ import xxhash
 
 from kvtierd.errors import FailedPrecondition, InvalidArgument
 from kvtierd.index.index_events import IndexEvent
-from kvtierd.index.slot_index import BlockMeta, SlotEntry, SlotIndex, slots_within
+from kvtierd.index.slot_index import BlockMeta, SlotEntry, slots_within
 from kvtierd.layout import Layout
+from kvtierd.t2.node_budget import NodeBudget, truncating_shed
 from kvtierd.t2.ssd_config import SsdTierConfig, describe_error, lock_directory
+from kvtierd.t2.ssd_extent import ExtentSlotIndex
 from kvtierd.t2.ssd_files import SlotFiles
 from kvtierd.t2.ssd_index import Record, SsdIndex
 from kvtierd.t2.ssd_stats import SsdStats
@@ -45,6 +54,7 @@ from kvtierd.t2.ssd_stats import SsdStats
 log = logging.getLogger(__name__)
 
 INDEX_RESERVE_BYTES = 1 << 20  # left free beside the index when the disk cannot hold the capacity
+GROW_CHUNK_BYTES = 64 << 20  # the files grow by at least this much at a time (or what the budget has)
 
 
 class SsdTier:
@@ -71,6 +81,7 @@ class SsdTier:
         except (OSError, lmdb.Error) as error:  # an inert tier, says why
             self._reason = describe_error(error, "index open", directories[0])
             log.error("SSD tier: %s", self._reason)
+        budget = config.node_budget
         try:
             self._files = SlotFiles(directories if self._db is not None else [], config.capacity_bytes, slot_nbytes,
                                     config.o_direct, index_reserve_bytes=INDEX_RESERVE_BYTES)
@@ -78,9 +89,17 @@ class SsdTier:
             os.close(self._lock_fd)
             raise
         self._reason = "; ".join(filter(None, [self._reason, *self._files.shortfalls]))
-        self.num_slots = self._files.num_slots
+        self.num_slots = self._files.max_slots  # the most the files may hold
         self.stride = self._files.stride
-        self._index = SlotIndex(self.num_slots, clock=time.time)  # wall clock: last use persists
+        self._grow_slots = max(1, GROW_CHUNK_BYTES // self.stride)
+        self._budget: NodeBudget = budget if budget is not None else NodeBudget(self.num_slots * self.stride, "ssd")
+        self._budget_key = directories[0]
+        extent = self._take_budget(self._budget.register(self._budget_key), self._files.existing_slots())
+        try:
+            self._files.resize(extent)  # drops what the budget no longer covers (records past it are dropped)
+        except OSError as error:
+            log.error("SSD tier: truncating the slot files to %d slots failed: %s", extent, error)
+        self._index = ExtentSlotIndex(self.num_slots, extent, clock=time.time)  # wall clock: last use persists
         self._checksums = np.zeros(self.num_slots, dtype=np.uint64)  # per slot, of its holder
         self._write_lock = threading.Lock()  # orders slot reuse against LMDB deletes (see module doc)
         self._pending_deletes: set[bytes] = set()  # under _write_lock
@@ -90,12 +109,27 @@ class SsdTier:
         self._num_in_flight, self._closed = 0, False
         self.num_corrupted = self.num_io_errors = self.bytes_written = self.bytes_read = 0
         self.num_recovered = self.num_dropped_on_open = 0
+        self.num_full_skips = 0  # blocks not stored: the budget was spent and nothing of this tier evictable
         self._admitting = self.num_slots > 0
         if not self._admitting and not self._reason:
             self._reason = "disk: no slots (capacity below one slot)"
         self._pool = concurrent.futures.ThreadPoolExecutor(config.num_io_threads, thread_name_prefix="kvtierd-ssd-io")
         if self._db is not None:
             self._recover()
+        self._budget.register(self._budget_key, self._shed)  # from now on others may ask it to give back
+
+    def _take_budget(self, held_bytes: int, num_existing_slots: int) -> int:
+        """Make this tier's part of the budget cover exactly what its files keep of the
+        `num_existing_slots` they hold (all, when the budget has room); returns those slots."""
+        want = num_existing_slots * self.stride
+        if held_bytes > want:
+            self._budget.release(self._budget_key, held_bytes - want)
+        elif held_bytes < want:
+            held_bytes += self._budget.reserve(self._budget_key, want - held_bytes, unit=self.stride)
+        extent = min(num_existing_slots, held_bytes // self.stride)
+        if extent * self.stride < held_bytes:
+            self._budget.release(self._budget_key, held_bytes - extent * self.stride)
+        return extent
 
     # ------------------------------------------------------------------------------ open
 
@@ -161,6 +195,7 @@ class SsdTier:
         self._index.set_owner_quota(owner_of, lambda owner: slots_within(limit_bytes(owner), self.stride))
 
     def stats(self) -> SsdStats:
+        share = self._budget.share(self._budget_key)
         with self._stats_lock:
             return SsdStats(
                 capacity_bytes=self.num_slots * self.stride, requested_capacity_bytes=self.config.capacity_bytes,
@@ -170,7 +205,9 @@ class SsdTier:
                 num_io_errors=self.num_io_errors, num_recovered_blocks=self.num_recovered,
                 num_dropped_on_open=self.num_dropped_on_open, admitting=self._admitting, reason=self._reason or "",
                 bytes_written=self.bytes_written, bytes_read=self.bytes_read, o_direct=self._files.o_direct,
-                durability=self.config.durability)
+                durability=self.config.durability, file_bytes=self._index.num_slots * self.stride,
+                share_bytes=share.share_bytes, node_capacity_bytes=share.node_capacity_bytes,
+                node_used_bytes=share.node_used_bytes, num_full_skips=self.num_full_skips)
 
     @property
     def admitting(self) -> bool:
@@ -187,8 +224,15 @@ class SsdTier:
         with self._operation():
             if not self._admitting or not metas:
                 return 0
+            self._make_room(sum(1 for block_hash in sources if not self._index.holds(block_hash)))
             with self._write_lock:
+                num_new = sum(1 for block_hash in sources if not self._index.holds(block_hash))
+                num_quota_skips = self._index.num_quota_skips
                 plan = self._index.prepare_store(metas)
+                num_full = num_new - len(plan.stores) - (self._index.num_quota_skips - num_quota_skips)
+                if num_full > 0:
+                    with self._stats_lock:
+                        self.num_full_skips += num_full
                 victims = plan.evicted + self._watermark_victims()
                 if not self._commit_index("evict", deletes=[v.block_hash for v in victims]):  # (a)
                     self._index.complete_store(plan.stores, False)
@@ -220,6 +264,70 @@ class SsdTier:
             with self._stats_lock:
                 self.bytes_written += len(entries) * self.slot_nbytes
             return len(entries)
+
+    def _make_room(self, num_blocks: int) -> None:
+        """Grow the files for `num_blocks` new blocks when the free slots lack them and the budget
+        grants it (a chunk at a time while under its fair share); a tier under its fair share
+        first asks the others to give back. Called outside `_write_lock` (a shed takes the other
+        tier's). When nothing is granted the store reuses this tier's least recently used slots."""
+        num_missing = min(num_blocks - self._index.num_free_slots, self.num_slots - self._index.num_slots)
+        if num_missing <= 0:
+            return
+        if self._budget.free_bytes < num_missing * self.stride:  # ask for a chunk: fewer, larger extents
+            self._budget.make_room(self._budget_key, self._num_wanted(num_missing) * self.stride,
+                                   needed_bytes=num_missing * self.stride)
+        with self._write_lock:
+            extent = self._index.num_slots
+            num_missing = min(num_blocks - self._index.num_free_slots, self.num_slots - extent)
+            if num_missing <= 0:
+                return
+            num_wanted = self._num_wanted(num_missing)
+            granted = self._budget.reserve(self._budget_key, num_wanted * self.stride, unit=self.stride)
+            num_granted = granted // self.stride
+            if not num_granted:
+                return
+            try:
+                self._files.resize(extent + num_granted)
+            except OSError as error:  # the disk cannot hold what the budget granted
+                self._budget.release(self._budget_key, num_granted * self.stride)
+                self._stop_admitting(error, "slot file growth")
+                return
+            self._index.grow(num_granted)
+
+    def _num_wanted(self, num_missing: int) -> int:
+        """Slots to grow by for `num_missing`: a chunk while under the fair share, else what is missing."""
+        share = self._budget.share(self._budget_key)
+        num_below_share = max(0, share.share_bytes - share.held_bytes) // self.stride
+        return min(max(num_missing, min(self._grow_slots, num_below_share)), self.num_slots - self._index.num_slots)
+
+    def _shed(self, nbytes: int) -> int:
+        """Give back at least `nbytes` of disk to the node's budget (another layout needs it):
+        drop the blocks at the end of the files and truncate them. Returns the bytes given back
+        (fewer when stores or loads hold slots there)."""
+        try:
+            operation = self._operation()
+            operation.__enter__()
+        except FailedPrecondition:  # closed
+            return 0
+        try:
+            with self._write_lock:
+                extent = self._index.num_slots
+                dropped = self._index.shrink(extent - -(-nbytes // self.stride))
+                new_extent = self._index.num_slots
+                if new_extent == extent:
+                    return 0
+                self._commit_index("give back disk", deletes=[e.block_hash for e in dropped])  # before truncating
+                try:
+                    self._files.resize(new_extent)
+                except OSError as error:
+                    log.error("SSD tier: truncating the slot files failed: %s", error)
+                released = (extent - new_extent) * self.stride
+                self._budget.release(self._budget_key, released)
+        finally:
+            operation.__exit__(None, None, None)
+        log.info("SSD tier %s: gave back %d bytes of disk to another layout (%d blocks dropped)",
+                 self._budget_key, released, len(dropped))
+        return released
 
     def _write_run(self, run, entries, sources) -> list[tuple[int, int]]:
         self._files.write_run(run, sources)
@@ -324,7 +432,10 @@ class SsdTier:
             with contextlib.suppress(lmdb.Error, OSError):
                 self._db.sync()
             self._db.close()
+        paths = [f.path for f in self._files.files if f.fd >= 0]
         self._files.close()
+        # the files stay on disk: their bytes stay taken, given back first when another layout needs them
+        self._budget.make_dormant(self._budget_key, truncating_shed(self._budget, self._budget_key, paths))
         os.close(self._lock_fd)
 
     # ------------------------------------------------------------------------------ helpers

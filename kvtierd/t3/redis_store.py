@@ -8,6 +8,12 @@ node that fails, times out or has its breaker open gives misses (`get`), False (
 not-written (`set`) for its keys, and the others answer normally. A MOVED reply (slots moved)
 is a miss too, and the slot table is read again on the next call.
 
+Health is what the nodes did last: a node answers until a call to it fails, and again once one
+succeeds. `probe()` asks every node (PING; the topology first while unknown), so that the daemon
+knows the store before its first request and keeps knowing it with no traffic: the daemon
+probes at start and every `remote.probe_interval_s` (`start_probing`). A half-open breaker's
+probe is such a call: a node still dead fails it and stays unreachable.
+
 Called from the movers' threads and executors, never from the event loop: each call may wait up
 to the socket timeout per node.
 """
@@ -45,6 +51,12 @@ class StoreNode:
     address: Address
     client: redis.Redis
     breaker: CircuitBreaker
+    answering: bool = True  # its last call succeeded (or none was made yet)
+    failure: tuple[str, bool] = ("", False)  # why its last failed call failed; credentials refused
+
+    @property
+    def reachable(self) -> bool:
+        return self.answering and self.breaker.state is BreakerState.CLOSED
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -52,9 +64,15 @@ class StoreHealth:
     mode: str  # "cluster", "single", or "unknown" while no seed answered
     state: BreakerState  # the worst node's: open if any node (or the seeds) is open
     num_nodes: int
-    num_open_nodes: int
+    num_open_nodes: int  # not answering: breaker open or half-open, or its last call failed
     num_errors: int  # failed calls to a node, since start
     num_opened: int  # times a breaker opened, since start
+    last_error: str = ""  # "host:port: why", of the last failed call; "" while every node answers
+    credentials_refused: bool = False  # that failure was the store refusing remote.username / password
+
+    @property
+    def serving(self) -> bool:
+        return self.mode != "unknown" and self.num_open_nodes == 0 and self.state is BreakerState.CLOSED
 
 
 class RedisStore:
@@ -69,6 +87,9 @@ class RedisStore:
         self._seeds = CircuitBreaker(config.breaker_failures, config.breaker_open_s)  # topology reads
         self._parallel = concurrent.futures.ThreadPoolExecutor(max_parallel_nodes, thread_name_prefix="kvtierd-t3")
         self.num_errors = 0
+        self._last_failure: tuple[str, bool] = ("", False)  # (what failed, credentials refused)
+        self._stop_probing = threading.Event()
+        self._prober: threading.Thread | None = None
 
     # ----------------------------------------------------------------------------- the three calls
 
@@ -143,16 +164,49 @@ class RedisStore:
             node.client.connection_pool.release(connection)
 
     def health(self) -> StoreHealth:
-        with self._lock:
-            nodes = list(self._nodes.values())
+        nodes = self._serving_nodes()
         states = [node.breaker.state for node in nodes] + [self._seeds.state]
-        num_open = sum(state is BreakerState.OPEN for state in states[:-1])
+        num_open = sum(not node.reachable for node in nodes)
+        if self.mode == "unknown":  # no endpoint answered yet: every seed is unreachable
+            num_open = len(self.config.endpoints)
+            nodes = [None] * num_open
         worst = (BreakerState.OPEN if BreakerState.OPEN in states else
                  BreakerState.HALF_OPEN if BreakerState.HALF_OPEN in states else BreakerState.CLOSED)
-        return StoreHealth(self.mode, worst, len(nodes), num_open, self.num_errors,
-                           sum(node.breaker.num_opened for node in nodes) + self._seeds.num_opened)
+        down = [node.failure for node in nodes if node is not None and not node.reachable]
+        with self._lock:
+            last_error, refused = down[0] if down else self._last_failure if self.mode == "unknown" else ("", False)
+            num_opened = sum(node.breaker.num_opened for node in self._nodes.values()) + self._seeds.num_opened
+        return StoreHealth(self.mode, worst, len(nodes), num_open, self.num_errors, num_opened, last_error, refused)
+
+    def probe(self) -> StoreHealth:
+        """Ask every node whether it answers now (the topology first while unknown): one PING each,
+        in parallel, within the socket timeout; a node whose breaker is open is not asked until
+        it half-opens. Blocking: never on the event loop."""
+        if self._slot_table() is not None:
+            nodes = [node for node in self._serving_nodes() if node.breaker.allow()]
+            for future in [self._parallel.submit(self._ping, node) for node in nodes]:
+                future.result()
+        return self.health()
+
+    def start_probing(self, interval_s: float) -> None:
+        """Probe now, then every `interval_s` on a thread of its own until close()."""
+        assert self._prober is None and interval_s > 0
+        self.probe()
+
+        def run() -> None:
+            while not self._stop_probing.wait(interval_s):
+                try:
+                    self.probe()
+                except Exception:  # a probe must never end the probing
+                    log.exception("T3 probe failed")
+
+        self._prober = threading.Thread(target=run, name="kvtierd-t3-probe", daemon=True)
+        self._prober.start()
 
     def close(self) -> None:
+        self._stop_probing.set()
+        if self._prober is not None:
+            self._prober.join()
         self._parallel.shutdown(wait=True)
         with self._lock:
             nodes, self._nodes = list(self._nodes.values()), {}
@@ -210,6 +264,22 @@ class RedisStore:
                 groups.setdefault(node, []).append(position)
         return groups
 
+    def _serving_nodes(self) -> list[StoreNode]:
+        """The nodes that own slots (every node known while the slot table is unknown)."""
+        with self._lock:
+            table, nodes = self._slot_nodes, list(self._nodes.values())
+        if table is None:
+            return nodes
+        return list({id(node): node for node in table if node is not None}.values())
+
+    def _ping(self, node: StoreNode) -> None:
+        try:
+            node.client.ping()
+        except (redis.RedisError, OSError) as e:
+            self._node_failed(node, e)
+        else:
+            self._replied(node, [])
+
     def _slot_table(self) -> list[StoreNode | None] | None:
         with self._lock:
             table = self._slot_nodes
@@ -219,7 +289,7 @@ class RedisStore:
             table = self._read_topology()
         except (redis.RedisError, OSError) as e:
             self._seeds.failed()
-            self._count_error()
+            self._failed(_names(self.config.endpoints), e)
             log.warning("T3 store unreachable at %s: %s", _names(self.config.endpoints), e)
             return None
         self._seeds.succeeded()
@@ -277,12 +347,19 @@ class RedisStore:
         connection_class = _TLS_CONNECTION if config.tls else _CONNECTION
         return redis.Redis(connection_pool=redis.ConnectionPool(connection_class=connection_class, **options))
 
-    def _count_error(self) -> None:
+    def _failed(self, where: str, error: BaseException) -> tuple[str, bool]:
+        """Count a failed call; (why it failed, whether the store refused the credentials)."""
+        refused = isinstance(error, (redis.AuthenticationError, redis.exceptions.NoPermissionError))
+        why = f"credentials refused ({error})" if refused else (str(error) or type(error).__name__)
+        failure = (f"{where}: {why}", refused)
         with self._lock:
             self.num_errors += 1
+            self._last_failure = failure
+        return failure
 
     def _node_failed(self, node: StoreNode, error: BaseException) -> None:
-        self._count_error()
+        node.failure = self._failed(_names([node.address]), error)
+        node.answering = False
         was_open = node.breaker.state is BreakerState.OPEN
         node.breaker.failed()
         if not was_open and node.breaker.state is BreakerState.OPEN:
@@ -300,9 +377,10 @@ class RedisStore:
         if denied:  # NOPERM, NOAUTH: a credential problem fails the node like a dead one
             self._node_failed(node, denied[0])
         else:
+            node.answering = True
             node.breaker.succeeded()
-        if errors:
-            self._count_error()
+            if errors:
+                self._failed(_names([node.address]), errors[0])
 
 
 def _read_replies(connection: redis.Connection, num_replies: int) -> list:

@@ -30,6 +30,7 @@ class RemoteConfig:
     max_write_backlog_bytes: int = 256 << 20
     breaker_failures: int = 3
     breaker_open_s: float = 5.0
+    probe_interval_s: float = 2.0  # the daemon PINGs every node this often: health with no traffic
     ttl_s: int = 0  # 0: until the store evicts the key
 
     def __post_init__(self) -> None:
@@ -37,8 +38,9 @@ class RemoteConfig:
             raise InvalidArgument("remote.endpoints must name at least one host:port")
         if self.mode not in MODES:
             raise InvalidArgument(f"remote.mode must be one of {', '.join(MODES)}, got {self.mode!r}")
-        if self.timeout_s <= 0 or self.breaker_open_s <= 0 or self.breaker_failures < 1:
-            raise InvalidArgument("remote.timeout_s and remote.breaker_open_s must be > 0, breaker_failures >= 1")
+        if min(self.timeout_s, self.breaker_open_s, self.probe_interval_s) <= 0 or self.breaker_failures < 1:
+            raise InvalidArgument("remote.timeout_s, remote.breaker_open_s and remote.probe_interval_s must be > 0, "
+                                  "remote.breaker_failures >= 1")
         if self.ttl_s < 0 or self.max_write_backlog_bytes < 0:
             raise InvalidArgument("remote.ttl_s and remote.max_write_backlog_bytes must be >= 0")
         if bool(self.tls_cert_file) != bool(self.tls_key_file):

@@ -33,6 +33,8 @@ def handle_to_proto(handle: PoolHandle) -> pb.PoolHandle:
 def handle_from_proto(message: pb.PoolHandle, layout: Layout) -> PoolHandle:
     if message.kind == "shm":
         return PoolHandle("shm", layout, message.num_blocks, message.nbytes, name=message.shm_name)
+    if message.kind == "cuda_fd":
+        return PoolHandle("cuda_fd", layout, message.num_blocks, message.nbytes, device_index=message.device_index)
     if message.kind == "cuda_ipc":
         return PoolHandle("cuda_ipc", layout, message.num_blocks, message.nbytes,
                           ipc_handle=message.cuda_ipc_handle, device_index=message.device_index)

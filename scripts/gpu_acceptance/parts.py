@@ -51,8 +51,8 @@ PARTS = (
                 "tests/movers/test_fp8_codec.py::test_cuda_codec_matches_reference_at_llama3_8b_size"),
           Check("paged attention within the fp32-accumulation tolerances, Llama-3-8B size",
                 "tests/connectors/reference/test_paged_attention_cuda.py::test_kernel_matches_reference_at_llama3_8b_size"))),
-    Part("tests-pool", "the CUDA device pool, its IPC handle, the copy engine's streams", 120,
-         ("tests/t0/test_cuda_pool.py", "tests/movers/test_copy_engine.py"),
+    Part("tests-pool", "the CUDA device pool, its IPC handle and its cuMem POSIX fd, the copy engine's streams", 120,
+         ("tests/t0/test_cuda_pool.py", "tests/t0/test_pool_by_fd.py", "tests/movers/test_copy_engine.py"),
          (Check("two processes share a CUDA pool through its IPC handle",
                 "tests/t0/test_cuda_pool.py::test_second_process_maps_the_pool_through_the_ipc_handle"),)),
     Part("tests-daemon", "a daemon with a CUDA pool serving the reference runner and the vLLM connector's "

@@ -9,6 +9,7 @@ import subprocess
 import sys
 import threading
 
+import grpc
 import pytest
 
 from kvtierd.client import KvtierClient
@@ -263,6 +264,15 @@ def test_evicting_every_tenant_or_draining_needs_an_admin(daemon):
     assert done.returncode == 0 and "dropped" in done.stdout
 
 
+def grpc_health(address: str, service: str) -> str:
+    """The daemon's gRPC Health status of `service`, as a probe sees it: "SERVING", "NOT_SERVING"."""
+    from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+    with grpc.insecure_channel(address) as channel:
+        reply = health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(service=service), timeout=10)
+    return health_pb2.HealthCheckResponse.ServingStatus.Name(reply.status)
+
+
 def test_drain_refuses_new_sessions_and_resume_admits_them(daemon):
     done = kvtierctl("drain", "--wait", "5", address=daemon.address, token=TOKENS["ops"])
     assert done.returncode == 0 and "draining" in done.stdout and "safe to stop" in done.stdout
@@ -270,9 +280,16 @@ def test_drain_refuses_new_sessions_and_resume_admits_them(daemon):
         with KvtierClient(daemon.address, token=TOKENS["acme"], max_attempts=1) as client:
             with pytest.raises(Unavailable, match="draining"):
                 client.attach(LAYOUT)
+        health = kvtierctl("health", address=daemon.address, token=TOKENS["acme"])
+        assert health.returncode == 1 and "PROBLEM: draining" in health.stdout, health.stdout
+        assert grpc_health(daemon.address, "kvtierd.v1.KvTier") == "NOT_SERVING"  # readiness: the same truth
+        assert grpc_health(daemon.address, "") == "SERVING"  # liveness: alive, not to be restarted
     finally:
         resumed = kvtierctl("drain", "--resume", address=daemon.address, token=TOKENS["ops"])
     assert resumed.returncode == 0 and "admitting" in resumed.stdout
+    health = kvtierctl("health", address=daemon.address, token=TOKENS["acme"])
+    assert health.returncode == 0 and "healthy" in health.stdout, health.stdout
+    assert grpc_health(daemon.address, "kvtierd.v1.KvTier") == grpc_health(daemon.address, "") == "SERVING"
     with KvtierClient(daemon.address, token=TOKENS["acme"]) as client:
         client.attach(LAYOUT).close()
 

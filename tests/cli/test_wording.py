@@ -32,8 +32,8 @@ def test_stats_reads_a_count_of_one_as_one():
     """`kvtierctl stats`: every count of one in the header, the store line, the errors and T3 lines."""
     text = "\n".join(StatsView(stats_of_ones(num_sessions=1)).lines("unix:///k.sock"))
     for phrase in ("unix:///k.sock: 1 session, 1 block ref reclaimed from dead sessions",
-                   "shared store (T3): cluster, 1 node, BREAKER OPEN (1 node open); 1 failed call, breakers opened "
-                   "1 time",
+                   "shared store (T3): cluster, 1 node, 1 UNREACHABLE, breakers open; 1 failed call, breakers "
+                   "opened 1 time",
                    "errors: 1 corrupted T2 block dropped, 1 T2 I/O error, 1 failed load, 1 failed offload",
                    "1 hit block (0 B read), 1 miss, 1 refused value;"):
         assert phrase in text, phrase

@@ -405,6 +405,26 @@ def test_host_ipc_is_off_by_default(helm: str, chart: Path) -> None:
 
 
 @pytest.mark.parametrize("ci", CI_FILES, ids=CI_IDS)
+def test_the_sockets_group_and_mode_reach_the_config_and_the_pod(helm: str, chart: Path, ci: Path) -> None:
+    """server.socket_group / socket_mode from socket.*; a gid other than the pod's own group is
+    among the pod's supplementalGroups (the daemon must be a member to give the sockets to it)."""
+    values = ci_values(ci)
+    docs = render_ci(helm, chart, ci)
+    server = tomllib.loads(toml_text(docs))["server"]
+    gid = dig(values, "socket.groupId", 10001)
+    assert server["socket_group"] == str(gid) and server["socket_mode"] == dig(values, "socket.mode", "0660")
+    groups = pod_spec(docs)["securityContext"].get("supplementalGroups", [])
+    assert (gid in groups) is (gid != 10001)
+
+
+def test_without_a_socket_group_the_socket_is_the_daemons_alone(helm: str, chart: Path) -> None:
+    docs = render(helm, chart, "--set", "socket.groupId=null", "--set", "socket.mode=0600")
+    server = tomllib.loads(toml_text(docs))["server"]
+    assert "socket_group" not in server and server["socket_mode"] == "0600"
+    assert "supplementalGroups" not in pod_spec(docs)["securityContext"]
+
+
+@pytest.mark.parametrize("ci", CI_FILES, ids=CI_IDS)
 def test_gpu_limits_only_with_gpu_values(helm: str, chart: Path, ci: Path) -> None:
     docs = render_ci(helm, chart, ci)
     gpu = bool(dig(ci_values(ci), "gpu.enabled", False))
@@ -698,9 +718,9 @@ def test_notes_tell_how_to_reach_the_daemon(helm: str, chart: Path, tmp_path: Pa
     assert "unix:///run/kvtierd/kvtierd.sock" in text and "uid 10001" in text
     assert "grpc.health.v1.Health/Check" in text and "127.0.0.1:8081" in text
     assert "127.0.0.1:9464/metrics" in text
-    assert "runners in OTHER pods cannot map" in text
+    assert "supplementalGroups [10001]" in text and "no hostIPC and no shared /dev/shm are needed" in text
     shared = notes(helm, chart, tmp_path, "-f", str(CHART / "ci" / "host-ipc-values.yaml"))
-    assert "cannot map" not in shared and "hostIPC is on" in shared
+    assert "hostIPC is on" in shared and "Older runners" in shared
 
 
 # ---- the Dockerfile

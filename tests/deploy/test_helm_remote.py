@@ -128,6 +128,7 @@ def test_remote_values_reach_the_remote_section(helm: str, chart: Path) -> None:
         "breaker_failures": 5,
         "breaker_open_s": 2.5,
         "ttl_s": 86400,
+        "probe_interval_s": 0.5,
         "tls": False,
         "password_file": "/etc/kvtierd/remote-auth/password",
     }
@@ -140,7 +141,7 @@ def test_defaults_of_the_remote_section(helm: str, chart: Path) -> None:
     table = toml(render(helm, chart, "--set", "remote.endpoints=redis:6379"))
     assert table["remote"] == {"endpoints": "redis:6379", "mode": "auto", "key_prefix": "kvtierd", "codec": "raw",
                                "timeout_s": 0.5, "max_write_backlog_bytes": "256MiB", "breaker_failures": 3,
-                               "breaker_open_s": 5, "ttl_s": 0, "tls": False}
+                               "breaker_open_s": 5, "ttl_s": 0, "probe_interval_s": 2, "tls": False}
 
 
 # ---- credentials

@@ -259,7 +259,9 @@ def test_config_lines_show_addresses_sizes_and_auth_but_never_a_token(tmp_path):
     assert "T0 pool: 256.0 MiB per layout" in text and "T1 host: 1.0 GiB" in text
     assert "T2 ssd: off" in text and "metrics: off" in text and "quotas: 2 tenants" in text
     default_text = "\n".join(config_lines(load_config(environ={})))
-    assert f"unix peer (socket owner uid {os.getuid()})" in default_text and "T2 ssd: 4.0 GiB in" in default_text
+    assert f"unix peer (socket owner uid {os.getuid()})" in default_text
+    assert "T2 ssd: 4.0 GiB for the node in" in default_text
+    assert "T1 host: 1.0 GiB for the node, 256.0 MiB for each layout" in default_text  # 4 layouts share it
 
 
 @pytest.mark.parametrize("endpoint", ["tcp://0.0.0.0:5557", "tcp://*:5557", "tcp://10.1.2.3:5557", "tcp://[::]:5557",

@@ -39,7 +39,7 @@ CHILD = textwrap.dedent("""
 
 @pytest.fixture
 def cuda_pool():
-    with create_device_pool(small_layout(), NUM_BLOCKS, device="cuda:0") as pool:
+    with create_device_pool(small_layout(), NUM_BLOCKS, device="cuda:0", cuda_share="ipc") as pool:
         yield pool
 
 
@@ -49,7 +49,7 @@ def cuda_pool():
 def test_cuda_pool_is_a_zeroed_dedicated_allocation(dtype):
     """Block-major shape in the layout dtype, zeros, on cuda:0, with a 64-byte IPC handle."""
     layout = small_layout(dtype=dtype)
-    with create_device_pool(layout, NUM_BLOCKS) as pool:  # 'auto' picks CUDA where present
+    with create_device_pool(layout, NUM_BLOCKS, cuda_share="ipc") as pool:  # 'auto' picks CUDA where present
         assert isinstance(pool, CudaDevicePool)
         assert pool.device == torch.device("cuda", 0)
         assert pool.tensor.shape == (NUM_BLOCKS, *layout.block_shape)

@@ -223,7 +223,7 @@ def test_stats_report_capacity_usage_and_flags(tmp_path, open_tiers):
     assert stats.capacity_bytes == 10 * 4096 and stats.used_bytes == 3 * 4096
     assert (stats.num_cached_blocks, stats.num_corrupted_blocks, stats.num_io_errors) == (3, 0, 0)
     assert stats.admitting is True and stats.reason == "" and stats.durability == "none"
-    assert os.path.getsize(tmp_path / "nvme0" / ssd_files.SLOT_FILE_NAME) == 5 * 4096  # preallocated
+    assert os.path.getsize(tmp_path / "nvme0" / ssd_files.SLOT_FILE_NAME) == 5 * 4096  # grown by the first store
     assert os.path.getsize(tmp_path / "nvme1" / ssd_files.SLOT_FILE_NAME) == 5 * 4096
 
 

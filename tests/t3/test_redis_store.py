@@ -232,7 +232,8 @@ def test_a_killed_master_gives_misses_only_for_its_keys_and_its_breaker_opens(re
             assert bounded(lambda: store.get(keys)) == expected
             health = store.health()
             assert health.num_errors == call
-            assert (health.state, health.num_open_nodes) == (("open", 1) if call == 3 else ("closed", 0))
+            # unreachable from its first failed call; the breaker opens at the third
+            assert (health.state, health.num_open_nodes) == ("open" if call == 3 else "closed", 1)
         assert bounded(lambda: store.get(keys)) == expected
         assert bounded(lambda: store.exists(keys)) == [key not in owned[victim] for key in keys]
         assert bounded(lambda: store.set([(key, b"new") for key in keys])) == [key not in owned[victim] for key in keys]
@@ -277,6 +278,8 @@ def test_a_stopped_masters_breaker_probes_after_open_s_and_closes_once_it_answer
             assert store.health().num_open_nodes == 1
             wait_until(lambda: store.health().state is BreakerState.HALF_OPEN, timeout_s=10,
                        what="the breaker to go half-open", interval_s=0.01)
+            half_open = store.health()  # a breaker that may probe is not a node that answers
+            assert half_open.num_open_nodes == 1 and not half_open.serving
             bounded(lambda: store.get(keys))  # the probe: still frozen
             health = store.health()
             assert (health.num_open_nodes, health.num_opened, health.num_errors) == (1, 2, 2)
@@ -285,6 +288,42 @@ def test_a_stopped_masters_breaker_probes_after_open_s_and_closes_once_it_answer
         assert bounded(lambda: store.get(keys)) == [value_of(key) for key in keys]
         health = store.health()
         assert (health.state, health.num_open_nodes, health.num_errors) == ("closed", 0, 2)
+
+
+# ------------------------------------------------------------------------------------------------ probes
+
+
+def test_a_probe_knows_a_healthy_store_before_any_request(redis_cluster_module):
+    with open_store(redis_cluster_module) as store:
+        assert store.health().mode == "unknown" and not store.health().serving  # nothing asked yet
+        health = bounded(store.probe)
+        assert (health.mode, health.num_nodes, health.num_open_nodes, health.serving) == ("cluster", 3, 0, True)
+        assert (health.num_errors, health.last_error) == (0, "")
+
+
+def test_a_probe_counts_every_stopped_master_and_sees_them_answer_again(redis_cluster):
+    """All three masters frozen: one probe finds 3 of 3 unreachable, though no request went to any of
+    them and no breaker opened yet; resumed, the next probe finds the store serving."""
+    with open_store(redis_cluster) as store:
+        assert bounded(store.probe).serving
+        with contextlib.ExitStack() as frozen:
+            for port in redis_cluster.ports:
+                frozen.enter_context(stopped(redis_cluster, port))
+            health = bounded(store.probe)
+            assert (health.num_nodes, health.num_open_nodes, health.serving) == (3, 3, False)
+            assert health.state is BreakerState.CLOSED and f"{redis_cluster.host}:" in health.last_error
+        health = bounded(store.probe)
+        assert (health.num_open_nodes, health.serving, health.last_error) == (0, True, "")
+
+
+def test_probing_on_its_thread_sees_a_node_die_with_no_traffic(redis_cluster):
+    with open_store(redis_cluster, probe_interval_s=0.1) as store:
+        store.start_probing(store.config.probe_interval_s)
+        assert store.health().serving  # probed before start_probing returned
+        kill_node(redis_cluster, redis_cluster.ports[2])
+        wait_until(lambda: store.health().num_open_nodes == 1, timeout_s=10, what="the probe to find the dead node",
+                   interval_s=0.02)
+        assert not store.health().serving
 
 
 # ------------------------------------------------------------------------------------------------ credentials, TLS
@@ -318,6 +357,8 @@ def test_wrong_credentials_are_misses_and_errors_never_an_exception_nor_a_logged
         assert bounded(lambda: store.set([(b"kvtierd:acl:y", b"2")])) == [False]
         health = store.health()
         assert health.num_errors == 2 and health.state is BreakerState.OPEN
+        assert health.credentials_refused and "credentials refused" in health.last_error, health
+        assert "t3-secret" not in health.last_error and WRONG_PASSWORD not in health.last_error
     with contextlib.closing(cluster.cluster_client()) as client:
         assert client.get(b"kvtierd:acl:y") is None
     assert "T3 store unreachable" in caplog.text  # logged, without a password

@@ -145,6 +145,10 @@ chart owns because they must match the pod (listeners, mounted files, volumes, d
 {{- $c := deepCopy .Values.config }}
 {{- $server := get $c "server" | default dict }}
 {{- $_ := set $server "socket" (printf "%s/kvtierd.sock" (trimSuffix "/" .Values.socket.dir)) }}
+{{- if not (kindIs "invalid" .Values.socket.groupId) }}
+{{- $_ = set $server "socket_group" (printf "%d" (int .Values.socket.groupId)) }}
+{{- end }}
+{{- $_ = set $server "socket_mode" .Values.socket.mode }}
 {{- $_ = set $server "health_tcp" (printf "0.0.0.0:%d" (int .Values.probes.healthPort)) }}
 {{- if .Values.metrics.enabled }}
 {{- $_ = set $server "metrics_host" "0.0.0.0" }}
@@ -213,6 +217,7 @@ env KVTIERD_REMOTE_USERNAME (kvtierd.env); the password is a file, never a value
 {{- $remote := dict "endpoints" (include "kvtierd.remoteEndpoints" .) "mode" $r.mode "key_prefix" $r.keyPrefix
     "codec" $r.codec "timeout_s" $r.timeoutS "max_write_backlog_bytes" $r.maxWriteBacklogBytes
     "breaker_failures" $r.breaker.failures "breaker_open_s" $r.breaker.openS "ttl_s" $r.ttlS
+    "probe_interval_s" $r.probeIntervalS
     "tls" (ternary true false $r.tls.enabled) }}
 {{- if $r.existingSecret }}
 {{- $_ := set $remote "password_file" "/etc/kvtierd/remote-auth/password" }}
@@ -492,4 +497,27 @@ listener, the bearer tokens, and the T3 store's password and TLS files.
       {{- end }}
 {{- end }}
 {{- end }}
+{{- end }}
+
+{{/*
+The pod securityContext: podSecurityContext, with socket.groupId among its supplementalGroups when
+it is not the pod's own group (the daemon gives both sockets to that group, so it must be a member).
+*/}}
+{{- define "kvtierd.podSecurityContext" -}}
+{{- $context := deepCopy .Values.podSecurityContext }}
+{{- $gid := .Values.socket.groupId }}
+{{- if and (not (kindIs "invalid" $gid)) (ne (int $gid) (int (.Values.securityContext.runAsGroup | default -1))) }}
+{{- $groups := get $context "supplementalGroups" | default list }}
+{{- if not (has (int $gid) $groups) }}
+{{- $_ := set $context "supplementalGroups" (append $groups (int $gid)) }}
+{{- end }}
+{{- end }}
+{{- toYaml $context }}
+{{- end }}
+
+{{/*
+The group of the socket directory: socket.groupId, else the daemon's group.
+*/}}
+{{- define "kvtierd.socketGroupId" -}}
+{{- if kindIs "invalid" .Values.socket.groupId }}{{ .Values.securityContext.runAsGroup }}{{ else }}{{ int .Values.socket.groupId }}{{ end }}
 {{- end }}

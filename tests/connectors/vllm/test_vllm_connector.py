@@ -418,6 +418,9 @@ def test_both_sides_attach_before_the_engine_serves_and_a_down_daemon_only_delay
     engines.append(down)
     for link in (down.scheduler._scheduler_links[0], down.worker.worker.link):
         assert link.session(attach=False) is None and link.num_attach_failures == 1
+    for side in (down.scheduler, down.worker):  # vllm:kvtierd_attach_failures_total, once per failure
+        assert side.get_kv_connector_stats().data["attach_failures"] == 1
+        assert side.get_kv_connector_stats() is None
     # one warning per side at start, naming the address the engine was given
     assert [w.getMessage().split(" (")[0] for w in warnings] == \
         [f"kvtierd connector: cannot attach to kvtierd at unix://{tmp_path}/absent.sock"] * 2

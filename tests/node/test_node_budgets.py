@@ -1,0 +1,196 @@
+"""host.capacity_bytes and ssd.capacity_bytes are the node's budgets, shared by every layout: the
+layouts' host slabs and SSD slot files together stay within them, and every layout still stores
+and reads back its blocks."""
+
+from __future__ import annotations
+
+import glob
+import os
+
+import pytest
+import torch
+
+from kvtierd.cli.kvtierctl_report import StatsView
+from kvtierd.client import KvtierClient
+from kvtierd.index.slot_index import BlockMeta
+from kvtierd.layout import Layout
+from kvtierd.node import daemon_config
+from kvtierd.server.daemon_process import WRITE_THROUGH, DaemonProcess, small_daemon_args, wait_until
+from kvtierd.t2 import ssd_space
+from kvtierd.t2.node_budget import NodeBudget
+from kvtierd.t2.ssd_config import SsdTierConfig
+from kvtierd.t2.ssd_space import SLOT_FILE_NAME
+from kvtierd.t2.ssd_tier import SsdTier
+from kvtierd.units import GiB, KiB, MiB
+from tests.server.e2e_runner import expected_block, prompt
+
+# 2 layers x 2 (K, V) x 16 tokens x 2 heads x 16 x 2 bytes = 4 KiB: one slot a block in T1 and T2.
+LAYOUTS = [Layout(f"budget-model-{i}", 2, 2, 16, 16) for i in range(5)]
+HOST_BYTES, SSD_BYTES = 800 * KiB, 1 * MiB  # for five layouts: 160 KiB of T1 each, 40 slots
+NUM_CHAINS, CHAIN_BLOCKS = 6, 6  # per layout: 36 blocks, 144 KiB; 720 KiB in all
+
+
+def slot_files(ssd_directory: str) -> list[os.stat_result]:
+    return [os.stat(path) for path in glob.glob(os.path.join(ssd_directory, "*", SLOT_FILE_NAME))]
+
+
+def host_segments(pid: int) -> list[os.stat_result]:
+    return [os.stat(path) for path in glob.glob(f"/dev/shm/kvtierd-host-{pid}-*")]
+
+
+def chain_blocks(client: KvtierClient, layout: Layout, seed: int):
+    tokens = prompt(seed, CHAIN_BLOCKS * layout.block_size)
+    hashes = client.attach(layout, map_pool=False).namespace.hash_blocks(tokens)
+    size = layout.block_size
+    return tokens, [(h, tokens[size * i:size * (i + 1)], expected_block(h, layout.bytes_per_block))
+                    for i, h in enumerate(hashes)]
+
+
+def t2_cached(client: KvtierClient) -> list[int]:
+    return sorted(t.num_cached_blocks for p in client.stats().pools for t in p.tiers if t.tier == "t2")
+
+
+def test_five_layouts_stay_within_the_node_budgets_and_each_reads_back_its_blocks(tmp_path):
+    """Five model ids on one daemon: the host slabs (their /dev/shm segments) and the SSD slot
+    files (sizes and blocks on disk) sum to at most host.capacity_bytes and ssd.capacity_bytes,
+    Stats and kvtierctl show each layout's share beside the node's budget, and every block of
+    every layout comes back byte for byte."""
+    args = small_daemon_args(str(tmp_path), t0_bytes="128KiB", host_bytes=f"{HOST_BYTES}",
+                             ssd_bytes=f"{SSD_BYTES}", extra=[*WRITE_THROUGH, "--set", "pool.max_layouts=5"])
+    ssd_directory = str(tmp_path / "ssd")
+    with DaemonProcess(args) as daemon, KvtierClient(daemon.address) as client:
+        chains = {}
+        for layout in LAYOUTS:
+            for seed in range(NUM_CHAINS):
+                tokens, blocks = chain_blocks(client, layout, seed)
+                assert client.put(layout, blocks).num_blocks == CHAIN_BLOCKS
+                chains[layout, seed] = tokens, blocks
+        assert wait_until(lambda: t2_cached(client) == [NUM_CHAINS * CHAIN_BLOCKS] * len(LAYOUTS), timeout_s=30)
+
+        segments = host_segments(daemon.process.pid)
+        assert len(segments) == len(LAYOUTS)  # every layout has its T1 slab ...
+        assert sum(s.st_size for s in segments) <= HOST_BYTES  # ... and together they fit the node's
+        assert sum(s.st_blocks * 512 for s in segments) <= HOST_BYTES
+        files = slot_files(ssd_directory)
+        assert len(files) == len(LAYOUTS)
+        assert sum(f.st_size for f in files) <= SSD_BYTES
+        assert sum(f.st_blocks * 512 for f in files) <= SSD_BYTES
+
+        stats = client.stats()
+        for tier, capacity in (("t1", HOST_BYTES), ("t2", SSD_BYTES)):
+            rows = [t for p in stats.pools for t in p.tiers if t.tier == tier]
+            assert len(rows) == len(LAYOUTS) and all(t.node_capacity_bytes == capacity for t in rows)
+            assert sum(t.node_held_bytes for t in rows) <= capacity
+            assert all(t.used_bytes <= t.capacity_bytes for t in rows)
+        assert all(t.node_held_bytes == t.node_share_bytes == HOST_BYTES // 5 // 4096 * 4096
+                   for p in stats.pools for t in p.tiers if t.tier == "t1")
+        text = "\n".join(StatsView(stats).lines(daemon.address))
+        assert "node budgets (all layouts): T1 host" in text and \
+            text.count("this layout's part of the node budgets: T1 slab 160.0 KiB, T2 files ") == len(LAYOUTS)
+
+        for (layout, seed), (tokens, blocks) in chains.items():
+            got = client.get(layout, [h for h, _, _ in blocks], token_ids=tokens)
+            assert [(h, data) for h, data in got] == [(h, data) for h, _, data in blocks], (layout.model_id, seed)
+
+
+def ssd_blocks(layout: Layout, start: int, count: int) -> list[tuple[BlockMeta, bytes]]:
+    items, parent = [], b"\x00" * 32
+    for i in range(start, start + count):
+        block_hash = i.to_bytes(4, "little") * 8
+        meta = BlockMeta(block_hash, parent, bytes(4 * layout.block_size))
+        items.append((meta, expected_block(block_hash, layout.bytes_per_block)))
+        parent = block_hash
+    return items
+
+
+def loaded(tier: SsdTier, items) -> list[bytes]:
+    out = torch.empty(len(items), tier.slot_nbytes, dtype=torch.uint8)
+    num = tier.load([meta.block_hash for meta, _ in items], out)
+    return [bytes(out[i].numpy()) for i in range(num)]
+
+
+def test_a_layout_under_its_share_makes_the_one_above_give_back_disk(tmp_path):
+    """A fills the node's 16 slots; B, under its share (8), gets room: A gives back the end of its
+    files (B asks for a chunk up to its share); neither ever exceeds the budget, what each still
+    holds loads exactly, and B at its share recycles its own least recently used slots."""
+    layout = LAYOUTS[0]
+    budget = NodeBudget(16 * 4096, "ssd")
+
+    def tier(name: str) -> SsdTier:
+        return SsdTier.open(SsdTierConfig([str(tmp_path / name)], budget.capacity_bytes, durability="none",
+                                          lmdb_map_bytes=16 << 20, node_budget=budget), layout)
+
+    def on_disk() -> int:
+        return sum(os.path.getsize(tmp_path / name / SLOT_FILE_NAME) for name in ("a", "b"))
+
+    a, b = tier("a"), tier("b")
+    try:
+        assert a.store(ssd_blocks(layout, 0, 16)) == 16
+        assert budget.used_bytes == on_disk() == 16 * 4096 and a.stats().file_bytes == 16 * 4096
+        assert b.store(ssd_blocks(layout, 100, 4)) == 4
+        assert budget.used_bytes == on_disk() <= 16 * 4096
+        assert a.stats().file_bytes == 8 * 4096 and b.stats().file_bytes == 8 * 4096
+        held_by_a = [item for item in ssd_blocks(layout, 0, 16) if a.lookup([item[0].block_hash])]
+        assert len(held_by_a) == 8 and all(loaded(a, [item]) == [item[1]] for item in held_by_a)
+        assert b.store(ssd_blocks(layout, 200, 6)) == 6  # up to its share, then its own LRU slots
+        assert budget.used_bytes == on_disk() <= 16 * 4096 and b.stats().file_bytes == 8 * 4096
+        assert loaded(b, ssd_blocks(layout, 200, 6)) == [data for _, data in ssd_blocks(layout, 200, 6)]
+        assert b.lookup([ssd_blocks(layout, 100, 1)[0][0].block_hash]) == 0  # B's least recently used went
+        assert b.stats().share_bytes == 8 * 4096 and a.stats().node_used_bytes == 16 * 4096
+    finally:
+        a.close()
+        b.close()
+
+
+def test_slot_files_of_a_closed_layout_count_until_they_are_given_back(tmp_path):
+    """A closed tier's files stay on disk and in the budget (dormant); a layout that needs the
+    disk truncates them, and the closed layout reopens with what is left, exactly."""
+    layout = LAYOUTS[0]
+    budget = NodeBudget(8 * 4096, "ssd")
+    config = {name: SsdTierConfig([str(tmp_path / name)], budget.capacity_bytes, durability="none",
+                                  lmdb_map_bytes=16 << 20, node_budget=budget) for name in ("a", "b")}
+    a = SsdTier.open(config["a"], layout)
+    assert a.store(ssd_blocks(layout, 0, 8)) == 8
+    a.close()
+    assert budget.used_bytes == 8 * 4096
+    b = SsdTier.open(config["b"], layout)
+    assert b.store(ssd_blocks(layout, 100, 3)) == 3
+    assert budget.used_bytes <= 8 * 4096
+    assert os.path.getsize(tmp_path / "a" / SLOT_FILE_NAME) == 5 * 4096
+    b.close()
+    a = SsdTier.open(config["a"], layout)
+    try:
+        kept = [item for item in ssd_blocks(layout, 0, 8) if a.lookup([item[0].block_hash])]
+        assert len(kept) == 5 and all(loaded(a, [item]) == [item[1]] for item in kept)
+        assert budget.used_bytes <= 8 * 4096
+    finally:
+        a.close()
+
+
+def test_the_default_ssd_budget_is_bounded_by_the_free_space(tmp_path, monkeypatch):
+    """Not set: min(4 GiB, slot files there + half the free space); set: as given."""
+    monkeypatch.setattr(ssd_space, "free_bytes", lambda path: 2 * GiB)
+    environ = {"XDG_CACHE_HOME": str(tmp_path), "XDG_RUNTIME_DIR": str(tmp_path)}
+    assert daemon_config.load_config(environ=environ).ssd.capacity_bytes == 1 * GiB
+    monkeypatch.setattr(ssd_space, "free_bytes", lambda path: 100 * GiB)
+    assert daemon_config.load_config(environ=environ).ssd.capacity_bytes == 4 * GiB
+    monkeypatch.setattr(ssd_space, "free_bytes", lambda path: 2 * GiB)
+    given = dict(environ, KVTIERD_SSD_CAPACITY_BYTES="3GiB")
+    assert daemon_config.load_config(environ=given).ssd.capacity_bytes == 3 * GiB
+
+
+@pytest.mark.parametrize("max_layouts", [1, 4])
+def test_a_layouts_host_share_is_the_node_budget_over_max_layouts(max_layouts):
+    from kvtierd.node.pools import PoolRegistry, PoolSettings
+    from kvtierd.tiering.tier_config import TierConfig
+
+    settings = PoolSettings(64 * KiB, TierConfig(host_capacity_bytes=HOST_BYTES), device="cpu",
+                            max_layouts=max_layouts)
+    registry = PoolRegistry(settings)
+    try:
+        pools = [registry.get_or_create(layout) for layout in LAYOUTS[:max_layouts]]
+        slabs = [pool.manager.tiers.host.capacity_bytes for pool in pools]
+        assert slabs == [HOST_BYTES // max_layouts // 4096 * 4096] * max_layouts
+        assert registry.host_budget.used_bytes == sum(slabs) <= HOST_BYTES
+    finally:
+        registry.close()
