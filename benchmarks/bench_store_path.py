@@ -43,7 +43,7 @@ from benchmarks import _report  # noqa: E402
 from benchmarks.bench_vllm_serve import process_cpu_s  # noqa: E402
 from kvtierd.client import KvtierClient  # noqa: E402
 from kvtierd.layout import Layout  # noqa: E402
-from kvtierd.server.daemon_process import DaemonProcess, small_daemon_args, wait_until  # noqa: E402
+from kvtierd.server.daemon_process import ONE_LAYOUT, DaemonProcess, small_daemon_args, wait_until  # noqa: E402
 from tests.connectors.vllm.vllm_fakes import (  # noqa: E402
     Engine,
     KVCacheBlocks,
@@ -307,7 +307,7 @@ def main(argv: list[str] | None = None) -> int:
         ours_dir, base_dir = Path(directory, "ours"), Path(directory, "whole-chain")
         ours_dir.mkdir()
         base_dir.mkdir()
-        args_for = dict(t0_bytes="64MiB", host_bytes="64MiB", ssd_bytes="64MiB")
+        args_for = dict(t0_bytes="64MiB", host_bytes="64MiB", ssd_bytes="64MiB", extra=ONE_LAYOUT)
         with DaemonProcess(small_daemon_args(str(ours_dir), **args_for)) as daemon:
             ours, layout = run_connector(daemon, workload)
         with DaemonProcess(small_daemon_args(str(base_dir), **args_for)) as daemon:

@@ -68,7 +68,7 @@ from kvtierd.connectors.reference.llama_weights import random_weights  # noqa: E
 from kvtierd.connectors.reference.runner import GenerationRequest, ReferenceRunner  # noqa: E402
 from kvtierd.connectors.reference.runner_connector import KvtierdConnector  # noqa: E402
 from kvtierd.layout import Layout, llama3_8b  # noqa: E402
-from kvtierd.server.daemon_process import DaemonProcess, small_daemon_args  # noqa: E402
+from kvtierd.server.daemon_process import ONE_LAYOUT, DaemonProcess, small_daemon_args  # noqa: E402
 from scripts import redis_cluster  # noqa: E402
 
 LAYOUT = llama3_8b()  # 2 MiB a block, 16 tokens
@@ -94,7 +94,7 @@ def node_args(directory: str, name: str, seeds: str | None, t0_bytes: int, host_
     """A daemon in directory/name, T2 off; with T3 on `seeds` (write-through T0 -> T1 -> T3) when given."""
     path = os.path.join(directory, name)
     os.makedirs(path, exist_ok=True)
-    extra = ["--set", "ssd.directory=", "--set", f"server.max_message_bytes={MAX_MESSAGE_BYTES}"]
+    extra = ["--set", "ssd.directory=", "--set", f"server.max_message_bytes={MAX_MESSAGE_BYTES}", *ONE_LAYOUT]
     if seeds:
         extra += ["--set", f"remote.endpoints={seeds}", "--set", "policy.t0_to_t1=write_through"]
     return small_daemon_args(path, t0_bytes=str(t0_bytes), host_bytes=str(host_bytes), ssd_bytes="64MiB",

@@ -42,7 +42,7 @@ from kvtierd.connectors.reference.llama_weights import random_weights  # noqa: E
 from kvtierd.connectors.reference.model_files import load_model_files  # noqa: E402
 from kvtierd.connectors.reference.runner import GenerationRequest, ReferenceRunner  # noqa: E402
 from kvtierd.connectors.reference.runner_connector import KvtierdConnector  # noqa: E402
-from kvtierd.server.daemon_process import DaemonProcess, small_daemon_args  # noqa: E402
+from kvtierd.server.daemon_process import ONE_LAYOUT, DaemonProcess, small_daemon_args  # noqa: E402
 
 FULL = LlamaConfig(vocab_size=32000, hidden_size=1024, intermediate_size=2816, num_hidden_layers=8,
                    num_attention_heads=16, num_key_value_heads=8)
@@ -135,7 +135,7 @@ class Bench:
         self.daemon = DaemonProcess(small_daemon_args(
             self.directory, t0_bytes=str(2 * request_bytes), host_bytes=str(6 * request_bytes),
             ssd_bytes=str(16 * request_bytes),
-            extra=["--device", str(self.model.device), "--set", "policy.t0_to_t1=write_through",
+            extra=[*ONE_LAYOUT, "--device", str(self.model.device), "--set", "policy.t0_to_t1=write_through",
                    "--set", "policy.recompute_s_per_token=0"]))
         self.client = KvtierClient(self.daemon.address, timeout_s=120.0)
         self.runner = ReferenceRunner(self.model, KvtierdConnector(self.client.attach(self.layout)))

@@ -216,7 +216,7 @@ def main(argv: list[str] | None = None) -> int:
 def measure_llama(python: str, work: str, config: dict, prefix_tokens: int, num_prompts: int,
                   quick: bool) -> tuple[dict, dict, dict]:
     """The Llama's phases: (recompute, vLLM's own hit, {tier: restored from it})."""
-    from kvtierd.server.daemon_process import DaemonProcess, small_daemon_args
+    from kvtierd.server.daemon_process import ONE_LAYOUT, DaemonProcess, small_daemon_args
 
     model_dir = os.path.join(work, "model")
     save_model(python, config, model_dir)
@@ -233,7 +233,7 @@ def measure_llama(python: str, work: str, config: dict, prefix_tokens: int, num_
     daemon_args = small_daemon_args(work, t0_bytes=str(t0_blocks * bytes_per_block),
                                     host_bytes=str(4 * t0_blocks * bytes_per_block),
                                     ssd_bytes=str(8 * t0_blocks * bytes_per_block),
-                                    extra=["--set", "policy.t0_to_t1=write_through"])
+                                    extra=["--set", "policy.t0_to_t1=write_through", *ONE_LAYOUT])
     measured = range(1, num_prompts + 1)  # prompt 0 stores (or warms vLLM's cache); the rest are timed
     recompute = phases.run("recompute", None, decode=True, prompt_indices=measured)
     vllm_hit = phases.run("vllm hit", None, vllm_prefix_caching=True)

@@ -42,6 +42,7 @@ sys.path.insert(0, str(ROOT))
 from benchmarks import _report  # noqa: E402
 from kvtierd.client import KvtierClient  # noqa: E402
 from kvtierd.server.daemon_process import (  # noqa: E402
+    ONE_LAYOUT,
     WRITE_THROUGH,
     DaemonProcess,
     small_daemon_args,
@@ -171,7 +172,7 @@ def run_phase(name: str, vllm_python: str, model: Path, workload: Workload, work
 
 def start_daemon(directory: str) -> DaemonProcess:
     return DaemonProcess(small_daemon_args(directory, t0_bytes="256MiB", host_bytes="512MiB", ssd_bytes="1GiB",
-                                           extra=WRITE_THROUGH))
+                                           extra=[*WRITE_THROUGH, *ONE_LAYOUT]))
 
 
 def wait_for_t2(address: str) -> None:
