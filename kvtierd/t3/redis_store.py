@@ -29,17 +29,12 @@ from collections.abc import Callable, Sequence
 
 import redis
 from redis.backoff import NoBackoff
-from redis.connection import PythonRespSerializer
 from redis.crc import REDIS_CLUSTER_HASH_SLOTS
 from redis.retry import Retry
 
 from kvtierd.t3.circuit_breaker import BreakerState, CircuitBreaker
+from kvtierd.t3.redis_connections import CONNECTION, HIREDIS, TLS_CONNECTION, read_replies
 from kvtierd.t3.remote_config import RemoteConfig
-
-try:
-    import hiredis
-except ImportError:  # a dependency, but redis-py works without it
-    hiredis = None
 
 log = logging.getLogger(__name__)
 Address = tuple[str, int]
@@ -147,8 +142,8 @@ class RedisStore:
         """`num_replies` replies off a connection `_send` wrote to (an error reply as its
         exception), the connection given back; None when it broke (the node failed)."""
         try:
-            if hiredis is not None:  # many small replies: parsed straight off the socket
-                return _read_replies(connection, num_replies)
+            if HIREDIS:  # many small replies: parsed straight off the socket
+                return read_replies(connection, num_replies)
             replies = []
             for _ in range(num_replies):
                 try:
@@ -344,7 +339,7 @@ class RedisStore:
         if config.tls:
             options.update(ssl_ca_certs=config.tls_ca_file or None, ssl_certfile=config.tls_cert_file or None,
                            ssl_keyfile=config.tls_key_file or None)
-        connection_class = _TLS_CONNECTION if config.tls else _CONNECTION
+        connection_class = TLS_CONNECTION if config.tls else CONNECTION
         return redis.Redis(connection_pool=redis.ConnectionPool(connection_class=connection_class, **options))
 
     def _failed(self, where: str, error: BaseException) -> tuple[str, bool]:
@@ -383,41 +378,6 @@ class RedisStore:
                 self._failed(_names([node.address]), errors[0])
 
 
-def _read_replies(connection: redis.Connection, num_replies: int) -> list:
-    """`num_replies` replies read off the connection's socket (its timeout applies) by a hiredis
-    Reader; an error reply becomes redis-py's exception for it (MOVED: MovedError, ...)."""
-    reader = hiredis.Reader()
-    replies: list = []
-    sock = connection._sock
-    while len(replies) < num_replies:
-        data = sock.recv(1 << 16)
-        if not data:
-            raise redis.ConnectionError(f"{connection.host}:{connection.port} closed the connection")
-        reader.feed(data)
-        while (reply := reader.gets()) is not False:
-            replies.append(reply)
-    return [connection._parser.parse_error(str(reply)) if isinstance(reply, hiredis.ReplyError) else reply
-            for reply in replies]
-
-
-def _python_packer(base: type[redis.Connection]) -> type[redis.Connection]:
-    """`base` packing commands in Python: a value over redis-py's buffer cutoff (6,000 bytes) is
-    sent as it is, where hiredis' packer (redis-py's default once hiredis is installed) copies
-    every 2 MiB value into one buffer. Replies are still parsed by hiredis when installed.
-    Measured on a loopback 3-master cluster, 64 x 2 MiB (benchmarks/bench_redis_clients.py):
-    SET 1.01-1.15x the pure-Python client with this packer, 0.77-0.82x with hiredis' packer;
-    GET 1.9-2.5x with hiredis parsing."""
-
-    class PythonPackerConnection(base):
-        def _construct_command_packer(self, packer):
-            return packer if packer is not None else PythonRespSerializer(self._buffer_cutoff, self.encoder.encode)
-
-    PythonPackerConnection.__name__ = f"PythonPacker{base.__name__}"
-    return PythonPackerConnection
-
-
-_CONNECTION = _python_packer(redis.Connection)
-_TLS_CONNECTION = _python_packer(redis.SSLConnection)
 
 
 def _names(endpoints) -> str:
