@@ -62,8 +62,12 @@ def kind_engine(vllm_python: str, kind: ModelKind, model_dir: pathlib.Path, dire
     return EngineProcess(command, directory, name, env, timeout_s=600)
 
 
-def recorded(directory: pathlib.Path, name: str) -> tuple[dict, dict[tuple, str]]:
-    """(the connector's config record, block digest by (prompt, tokens computed, group, position, rank))."""
+def recorded(directory: pathlib.Path, name: str) -> tuple[dict, dict[tuple, set[str]]]:
+    """(the connector's config record, block digests by (prompt, tokens computed, group, position, rank)).
+
+    A key can have more than one digest: the storing engine runs P2 twice, and vLLM's CPU kernels
+    are not batch-invariant, so the second run, batched beside other requests as the machine's load
+    decides, may compute low bits of a block differently. kvtierd holds one of those runs' bytes."""
     config, blocks = {}, {}
     for line in (directory / f"{name}.records").read_text().splitlines():
         record = json.loads(line)
@@ -71,7 +75,7 @@ def recorded(directory: pathlib.Path, name: str) -> tuple[dict, dict[tuple, str]
             config = record
         else:
             key = (record["prompt"], record["computed"], record["group"], record["position"], record["rank"])
-            blocks[key] = record["digest"]
+            blocks.setdefault(key, set()).add(record["digest"])
     return config, blocks
 
 
@@ -136,7 +140,7 @@ def test_a_new_engine_restores_a_prefix_with_the_bytes_and_logprobs_of_vllm(vllm
     assert restored_blocks, "the restoring engine recorded no block"
     assert {key[2] for key in restored_blocks} == {key[2] for key in stored_blocks}  # every group
     assert {key[4] for key in restored_blocks} == set(range(num_shards))
-    differing = [key for key, digest in restored_blocks.items() if stored_blocks.get(key) != digest]
+    differing = [key for key, digests in restored_blocks.items() if not digests <= stored_blocks.get(key, set())]
     assert not differing, differing[:5]
 
     if GROUPS[kind_name] > 1:
