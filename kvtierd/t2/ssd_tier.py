@@ -49,6 +49,7 @@ from kvtierd.t2.ssd_config import SsdTierConfig, describe_error, lock_directory
 from kvtierd.t2.ssd_extent import ExtentSlotIndex
 from kvtierd.t2.ssd_files import SlotFiles
 from kvtierd.t2.ssd_index import Record, SsdIndex
+from kvtierd.t2.ssd_recovery import recover_records
 from kvtierd.t2.ssd_stats import SsdStats
 
 log = logging.getLogger(__name__)
@@ -136,35 +137,20 @@ class SsdTier:
     def _recover(self) -> None:
         paths = [f.path for f in self._files.files]
         stored_paths = self._db.files()
-        previous = paths if stored_paths is None else stored_paths
-
-        def keep(record: Record) -> bool:
-            return (record.layout_id == self._layout_id and record.length == self.slot_nbytes
-                    and record.file_index < min(len(previous), len(paths))
-                    and previous[record.file_index] == paths[record.file_index]
-                    and self._files.global_slot(record.file_index, record.local_slot) is not None)
-
-        records, dropped = self._db.scan(keep)
-        by_slot: dict[int, list[Record]] = {}
-        for record in records:
-            by_slot.setdefault(self._files.global_slot(record.file_index, record.local_slot), []).append(record)
-        # two records, one slot: neither can be trusted to own it
-        dropped += [r.block_hash for group in by_slot.values() if len(group) > 1 for r in group]
-        self.num_dropped_on_open = len(dropped)
+        found = recover_records(self._db, self._files, self._layout_id, self.slot_nbytes,
+                                paths if stored_paths is None else stored_paths)
+        self.num_dropped_on_open = len(found.dropped)
         with self._write_lock:
-            self._commit_index("recovery", deletes=dropped)  # on failure: pending, not admitting
+            self._commit_index("recovery", deletes=found.dropped)  # on failure: pending, not admitting
         if stored_paths != paths:  # after the deletes: records left name the same files in both lists
             try:
                 self._db.set_files(paths)
             except lmdb.Error as error:
                 self._stop_admitting(error, "recovery")
-        restored = [(BlockMeta(r.block_hash, r.parent_hash, r.token_ids), slot, r.last_use_s)
-                    for slot, group in by_slot.items() if len(group) == 1 for r in group]
-        self._index.restore(restored)
-        for slot, group in by_slot.items():
-            if len(group) == 1:
-                self._checksums[slot] = group[0].checksum
-        self.num_recovered = len(restored)
+        self._index.restore(found.restored)
+        for slot, checksum in found.checksums.items():
+            self._checksums[slot] = checksum
+        self.num_recovered = len(found.restored)
         log.info("SSD tier: %d slots of %d bytes in %d file(s), o_direct=%s; recovered %d blocks, dropped %d",
                  self.num_slots, self.stride, len(paths), self._files.o_direct, self.num_recovered,
                  self.num_dropped_on_open)
@@ -305,12 +291,7 @@ class SsdTier:
         drop the blocks at the end of the files and truncate them. Returns the bytes given back
         (fewer when stores or loads hold slots there)."""
         try:
-            operation = self._operation()
-            operation.__enter__()
-        except FailedPrecondition:  # closed
-            return 0
-        try:
-            with self._write_lock:
+            with self._operation(), self._write_lock:
                 extent = self._index.num_slots
                 dropped = self._index.shrink(extent - -(-nbytes // self.stride))
                 new_extent = self._index.num_slots
@@ -323,8 +304,8 @@ class SsdTier:
                     log.error("SSD tier: truncating the slot files failed: %s", error)
                 released = (extent - new_extent) * self.stride
                 self._budget.release(self._budget_key, released)
-        finally:
-            operation.__exit__(None, None, None)
+        except FailedPrecondition:  # closed (_operation); nothing inside raises it
+            return 0
         log.info("SSD tier %s: gave back %d bytes of disk to another layout (%d blocks dropped)",
                  self._budget_key, released, len(dropped))
         return released

@@ -1,0 +1,42 @@
+"""What a restarted SSD tier can trust of its index: the records of its layout, its slot size and
+its files, each alone on its slot. No I/O beyond the index scan; the tier applies the result.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+from kvtierd.index.slot_index import BlockMeta
+from kvtierd.t2.ssd_files import SlotFiles
+from kvtierd.t2.ssd_index import Record, SsdIndex
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class RecoveredRecords:
+    restored: list[tuple[BlockMeta, int, float]]  # (block, global slot, last use): the slot index's restore()
+    checksums: dict[int, int]  # global slot -> checksum of its block
+    dropped: list[bytes]  # block hashes whose records are to be deleted
+
+
+def recover_records(db: SsdIndex, files: SlotFiles, layout_id: int, slot_nbytes: int,
+                    previous_paths: list[str]) -> RecoveredRecords:
+    """Keep a record when it is of this layout and slot size, names a file at the same index in
+    `previous_paths` (the paths the records were written against) and now, and a slot the files
+    hold; two records on one slot are both dropped (neither can be trusted to own it)."""
+    paths = [f.path for f in files.files]
+
+    def keep(record: Record) -> bool:
+        return (record.layout_id == layout_id and record.length == slot_nbytes
+                and record.file_index < min(len(previous_paths), len(paths))
+                and previous_paths[record.file_index] == paths[record.file_index]
+                and files.global_slot(record.file_index, record.local_slot) is not None)
+
+    records, dropped = db.scan(keep)
+    by_slot: dict[int, list[Record]] = {}
+    for record in records:
+        by_slot.setdefault(files.global_slot(record.file_index, record.local_slot), []).append(record)
+    dropped += [r.block_hash for group in by_slot.values() if len(group) > 1 for r in group]
+    alone = {slot: group[0] for slot, group in by_slot.items() if len(group) == 1}
+    return RecoveredRecords([(BlockMeta(r.block_hash, r.parent_hash, r.token_ids), slot, r.last_use_s)
+                             for slot, r in alone.items()],
+                            {slot: r.checksum for slot, r in alone.items()}, dropped)
