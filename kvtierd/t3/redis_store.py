@@ -79,6 +79,7 @@ class RedisStore:
         self._lock = threading.Lock()
         self._nodes: dict[Address, StoreNode] = {}
         self._slot_nodes: list[StoreNode | None] | None = None  # slot → owner; None: not read yet
+        self._masters: list[StoreNode] = []  # the distinct owners in the last slot table read
         self._seeds = CircuitBreaker(config.breaker_failures, config.breaker_open_s)  # topology reads
         self._parallel = concurrent.futures.ThreadPoolExecutor(max_parallel_nodes, thread_name_prefix="kvtierd-t3")
         self.num_errors = 0
@@ -262,10 +263,7 @@ class RedisStore:
     def _serving_nodes(self) -> list[StoreNode]:
         """The nodes that own slots (every node known while the slot table is unknown)."""
         with self._lock:
-            table, nodes = self._slot_nodes, list(self._nodes.values())
-        if table is None:
-            return nodes
-        return list({id(node): node for node in table if node is not None}.values())
+            return list(self._nodes.values()) if self._slot_nodes is None else list(self._masters)
 
     def _ping(self, node: StoreNode) -> None:
         try:
@@ -290,6 +288,7 @@ class RedisStore:
         self._seeds.succeeded()
         with self._lock:
             self._slot_nodes = table
+            self._masters = list({id(node): node for node in table if node is not None}.values())
         return table
 
     def _read_topology(self) -> list[StoreNode | None]:
