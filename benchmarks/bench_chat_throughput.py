@@ -29,7 +29,7 @@ from kvtierd.connectors.reference.llama_model import LlamaModel  # noqa: E402
 from kvtierd.connectors.reference.llama_weights import random_weights  # noqa: E402
 from kvtierd.connectors.reference.runner import GenerationRequest, ReferenceRunner  # noqa: E402
 from kvtierd.connectors.reference.runner_connector import KvtierdConnector  # noqa: E402
-from kvtierd.server.daemon_process import DaemonProcess  # noqa: E402
+from kvtierd.launch.daemon_process import DaemonProcess  # noqa: E402
 
 TIMING = ("timing: wall time of all turns, one pass each (the conversations depend on their own replies); "
           "ours and the baseline run back to back on the same model")

@@ -1,6 +1,6 @@
 """Daemon RPCs: Lookup, and Acquire + Release, of a 4k-token prompt, beside grpc.aio's own floor.
 
-Ours: a real `kvtierd serve` (a child process, kvtierd.server.daemon_process) on a unix socket, driven by
+Ours: a real `kvtierd serve` (a child process, kvtierd.launch.daemon_process) on a unix socket, driven by
 AsyncKvtierClient. The prompt, 4,096 token ids in blocks of 16 (256 sha256 block hashes), is put
 once before timing, so every Lookup and Acquire is a 100 % T0 hit: a runner re-using a system
 prompt. Token ids go with every call as a list[int] (the client packs them, 16 KiB a call). The
@@ -48,8 +48,8 @@ from benchmarks import _grpc_floor, _report  # noqa: E402
 from kvtierd.block_hash import pack_token_ids  # noqa: E402
 from kvtierd.client import AsyncKvtierClient, AsyncSession, KvtierClient  # noqa: E402
 from kvtierd.client.base import channel_options  # noqa: E402
+from kvtierd.launch.daemon_process import DaemonProcess, small_daemon_args  # noqa: E402
 from kvtierd.layout import Layout  # noqa: E402
-from kvtierd.server.daemon_process import DaemonProcess, small_daemon_args  # noqa: E402
 from kvtierd.v1 import kvtier_pb2 as pb  # noqa: E402
 
 NUM_PROMPT_TOKENS = 4096

@@ -1,6 +1,6 @@
 """Put and Get of 64 blocks of 2 MiB through a real daemon, beside redis-server SET and GET.
 
-Ours: a real `kvtierd serve` (a child process, kvtierd.server.daemon_process) on a unix socket;
+Ours: a real `kvtierd serve` (a child process, kvtierd.launch.daemon_process) on a unix socket;
 `KvtierClient.put(llama3_8b(), 64 blocks)` in one Put stream, then `KvtierClient.get` of the 64
 hashes (a Get stream of 64 messages). Every round puts a fresh chain (new token ids, so new
 hashes), so each Put really writes all 64 blocks. T2 is off (no disk). T0 holds three rounds'
@@ -39,8 +39,8 @@ sys.path.insert(0, str(ROOT))
 from benchmarks import _report  # noqa: E402
 from kvtierd.block_hash import Namespace, pack_token_ids  # noqa: E402
 from kvtierd.client import KvtierClient  # noqa: E402
+from kvtierd.launch.daemon_process import DaemonProcess, small_daemon_args  # noqa: E402
 from kvtierd.layout import llama3_8b  # noqa: E402
-from kvtierd.server.daemon_process import DaemonProcess, small_daemon_args  # noqa: E402
 
 LAYOUT = llama3_8b()  # 2 MiB a block, 16 tokens
 NUM_BLOCKS = 64

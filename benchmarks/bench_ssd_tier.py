@@ -35,7 +35,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks import _report  # noqa: E402
-from kvtierd.index.slot_index import BlockMeta  # noqa: E402
+from kvtierd.index.slot_entry import BlockMeta  # noqa: E402
 from kvtierd.layout import llama3_8b  # noqa: E402
 from kvtierd.t2.ssd_tier import SsdTier, SsdTierConfig  # noqa: E402
 

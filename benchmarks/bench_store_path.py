@@ -42,8 +42,8 @@ sys.path.insert(0, str(ROOT))
 from benchmarks import _report  # noqa: E402
 from benchmarks.bench_vllm_serve import process_cpu_s  # noqa: E402
 from kvtierd.client import KvtierClient  # noqa: E402
+from kvtierd.launch.daemon_process import ONE_LAYOUT, DaemonProcess, small_daemon_args, wait_until  # noqa: E402
 from kvtierd.layout import Layout  # noqa: E402
-from kvtierd.server.daemon_process import ONE_LAYOUT, DaemonProcess, small_daemon_args, wait_until  # noqa: E402
 from tests.connectors.vllm.vllm_fakes import (  # noqa: E402
     Engine,
     KVCacheBlocks,

@@ -2,7 +2,7 @@
 
 One run, one loopback Redis Cluster (scripts/redis_cluster.py: 3 masters of Debian's redis-server on free
 127.0.0.1 ports, --save "" --appendonly no, maxmemory 1 GB each, allkeys-lru), started and stopped by this
-script; every daemon is a real `kvtierd serve` (kvtierd.server.daemon_process) on a unix socket, T2 off.
+script; every daemon is a real `kvtierd serve` (kvtierd.launch.daemon_process) on a unix socket, T2 off.
 A daemon "with T3" has `remote.endpoints` = the cluster's masters and `policy.t0_to_t1 = write_through`
 (so T1 writes through into T3 at once), as in tests/t3/test_two_nodes.py. Node A and node B are two
 such daemons (own sockets and pools); no byte goes from A to B except through the cluster.
@@ -67,8 +67,8 @@ from kvtierd.connectors.reference.llama_model import LlamaModel  # noqa: E402
 from kvtierd.connectors.reference.llama_weights import random_weights  # noqa: E402
 from kvtierd.connectors.reference.runner import GenerationRequest, ReferenceRunner  # noqa: E402
 from kvtierd.connectors.reference.runner_connector import KvtierdConnector  # noqa: E402
+from kvtierd.launch.daemon_process import ONE_LAYOUT, DaemonProcess, small_daemon_args  # noqa: E402
 from kvtierd.layout import Layout, llama3_8b  # noqa: E402
-from kvtierd.server.daemon_process import ONE_LAYOUT, DaemonProcess, small_daemon_args  # noqa: E402
 from scripts import redis_cluster  # noqa: E402
 
 LAYOUT = llama3_8b()  # 2 MiB a block, 16 tokens

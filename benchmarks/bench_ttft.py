@@ -42,7 +42,7 @@ from kvtierd.connectors.reference.llama_weights import random_weights  # noqa: E
 from kvtierd.connectors.reference.model_files import load_model_files  # noqa: E402
 from kvtierd.connectors.reference.runner import GenerationRequest, ReferenceRunner  # noqa: E402
 from kvtierd.connectors.reference.runner_connector import KvtierdConnector  # noqa: E402
-from kvtierd.server.daemon_process import ONE_LAYOUT, DaemonProcess, small_daemon_args  # noqa: E402
+from kvtierd.launch.daemon_process import ONE_LAYOUT, DaemonProcess, small_daemon_args  # noqa: E402
 
 FULL = LlamaConfig(vocab_size=32000, hidden_size=1024, intermediate_size=2816, num_hidden_layers=8,
                    num_attention_heads=16, num_key_value_heads=8)

@@ -216,7 +216,7 @@ def main(argv: list[str] | None = None) -> int:
 def measure_llama(python: str, work: str, config: dict, prefix_tokens: int, num_prompts: int,
                   quick: bool) -> tuple[dict, dict, dict]:
     """The Llama's phases: (recompute, vLLM's own hit, {tier: restored from it})."""
-    from kvtierd.server.daemon_process import ONE_LAYOUT, DaemonProcess, small_daemon_args
+    from kvtierd.launch.daemon_process import ONE_LAYOUT, DaemonProcess, small_daemon_args
 
     model_dir = os.path.join(work, "model")
     save_model(python, config, model_dir)
@@ -254,7 +254,7 @@ def measure_llama(python: str, work: str, config: dict, prefix_tokens: int, num_
 
 def measure_kind(kind: str, python: str, work: str, prefix_tokens: int, num_pairs: int) -> dict:
     """One kind's four engines (benchmarks/vllm_kinds.py), on a daemon of its own."""
-    from kvtierd.server.daemon_process import DaemonProcess, small_daemon_args
+    from kvtierd.launch.daemon_process import DaemonProcess, small_daemon_args
 
     model_dir = os.path.join(work, f"model-{kind}")
     vllm_kinds.write_model(python, kind, model_dir)

@@ -60,7 +60,7 @@ from benchmarks import _report  # noqa: E402
 from benchmarks.bench_vllm_serve import BLOCK_SIZE, process_cpu_s, start_daemon, tokens_by_tier  # noqa: E402
 from kvtierd.connectors.demo import demo_texts  # noqa: E402
 from kvtierd.connectors.demo.chat_tokenizer import ChatTokenizer  # noqa: E402
-from kvtierd.server.daemon_process import DaemonProcess  # noqa: E402
+from kvtierd.launch.daemon_process import DaemonProcess  # noqa: E402
 from tests.connectors.vllm.openai_server import SERVED_NAME, OpenAIServer  # noqa: E402
 
 MAX_MODEL_LEN = 2048  # the most --max-model-len this benchmark asks for (OpenAIServer's default)

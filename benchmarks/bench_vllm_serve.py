@@ -41,7 +41,7 @@ sys.path.insert(0, str(ROOT))
 
 from benchmarks import _report  # noqa: E402
 from kvtierd.client import KvtierClient  # noqa: E402
-from kvtierd.server.daemon_process import (  # noqa: E402
+from kvtierd.launch.daemon_process import (  # noqa: E402
     ONE_LAYOUT,
     WRITE_THROUGH,
     DaemonProcess,

@@ -1,5 +1,6 @@
-"""The package's layering, read from its source: no import cycles, grpc only at the edges, and no
-torch in the client library or kvtierctl unless a pool is mapped."""
+"""The package's layering, read from its source: no import cycles between modules nor between folders,
+grpc only at the edges, no torch in the client library or kvtierctl unless a pool is mapped, and
+none of the connectors in `kvtierd serve`."""
 
 from __future__ import annotations
 
@@ -80,6 +81,28 @@ def test_no_module_imports_itself_through_others():
     assert import_cycles(graph) == []
 
 
+def folder_of(module: str, folders: set[str]) -> str:
+    """The folder of kvtierd a module is in (`kvtierd.index`; connectors/ is one, `kvtierd.connectors`),
+    or `kvtierd` for the modules at the top (block keys, units, errors)."""
+    folder = ".".join(module.split(".")[:2])
+    return folder if folder in folders else "kvtierd"
+
+
+def test_the_folders_form_a_stack():
+    """No cycle among kvtierd's folders either: each imports only folders below it (events/ between
+    node/ and server/; the CLI loads the demo, and the demo does not import the CLI)."""
+    modules = source_modules()
+    folders = {".".join(name.split(".")[:2]) for name in modules if name.count(".") >= 2}
+    graph: dict[str, set[str]] = {}
+    for name, imported in modules.items():
+        folder = folder_of(name, folders)
+        graph.setdefault(folder, set()).update(
+            folder_of(other, folders) for other in imported if other in modules)
+        graph[folder].discard(folder)
+    assert {"kvtierd.index", "kvtierd.events", "kvtierd.server", "kvtierd.connectors"} <= set(graph)
+    assert import_cycles(graph) == []
+
+
 def test_cycle_finder_finds_a_planted_cycle():
     graph = {"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}
     assert import_cycles(graph) == [["a", "b", "c"]]
@@ -108,3 +131,12 @@ def test_client_and_kvtierctl_run_without_torch(tmp_path):
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, cwd=tmp_path)
     assert "torch modules: []" in done.stdout, done.stdout + done.stderr
     assert "exit 0" not in done.stdout  # the daemon is absent: kvtierctl said so with a failing code
+
+
+def test_serve_imports_nothing_of_the_connectors():
+    code = ("import sys\nfrom kvtierd.cli.kvtierd_main import main\n"
+            "try:\n    main(['serve', '--help'])\nexcept SystemExit:\n    pass\n"
+            "print(sorted(m for m in sys.modules if m.startswith('kvtierd.connectors')))")
+    done = subprocess.run([sys.executable, "-P", "-c", code], capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.splitlines()[-1] == "[]"

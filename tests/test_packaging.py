@@ -1,8 +1,11 @@
 """The wheel holds every package of the source tree: a package missing from pyproject.toml's
-list works from a checkout (and `pip install -e`) and fails after `pip install .`."""
+list works from a checkout (and `pip install -e`) and fails after `pip install .`. A checkout
+imports by the paths an install does (connectors/ as kvtierd.connectors)."""
 
 from __future__ import annotations
 
+import subprocess
+import sys
 import tomllib
 
 from tests.conftest import REPO
@@ -18,3 +21,12 @@ def test_every_package_of_the_tree_is_listed_in_pyproject():
     found |= {"kvtierd._kernels"}  # kernels/*.cu, mapped by package-dir
     assert found - listed == set(), "packages missing from pyproject.toml"
     assert listed - found == set(), "pyproject.toml lists packages the tree does not have"
+
+
+def test_the_source_tree_imports_the_connectors_as_installed():
+    """No site-packages at all (-S): kvtierd.connectors comes from the checkout's connectors/."""
+    code = (f"import sys; sys.path.insert(0, {str(REPO)!r}); import kvtierd.connectors.demo.model_fetch as m; "
+            f"print(m.__file__)")
+    done = subprocess.run([sys.executable, "-S", "-P", "-c", code], capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip() == str(REPO / "kvtierd" / "connectors" / "demo" / "model_fetch.py")

@@ -28,7 +28,7 @@ from kvtierd.connectors.reference.llama_weights import random_weights
 from kvtierd.connectors.reference.model_files import load_model_files
 from kvtierd.connectors.reference.runner import GenerationRequest, ReferenceRunner
 from kvtierd.connectors.reference.runner_connector import KvtierdConnector
-from kvtierd.server.daemon_process import DaemonProcess, small_daemon_args
+from kvtierd.launch.daemon_process import DaemonProcess, small_daemon_args
 
 RANDOM_MODEL = LlamaConfig(vocab_size=32000, hidden_size=512, intermediate_size=1408, num_hidden_layers=4,
                            num_attention_heads=8, num_key_value_heads=4)

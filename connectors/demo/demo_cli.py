@@ -11,7 +11,7 @@ import dataclasses
 import json
 import sys
 
-from kvtierd.cli.arg_types import positive
+from kvtierd.arg_types import positive
 from kvtierd.connectors.demo.demo import (
     CHAT_T0_BLOCKS,
     CHAT_T1_BLOCKS,

@@ -26,17 +26,9 @@ what every rank holds (the scheduler asks every rank's layout), and KV that vLLM
 identical across ranks (`kv_tp_replicas`, MLA's latent cache) is one layout that the first rank
 of each replica set writes and every rank loads.
 
-kv_connector_extra_config keys (all optional): `address` (else KVTIERD_ADDRESS, else the
-default socket), `token` (else KVTIERD_TOKEN), `model_id` (the key namespace; default the
-model name vLLM was given), `lookup_wait_s` (0.005), `lookup_ttl_s` (2), `lookup_timeout_s` (1, or
-`lookup_wait_s` if longer: a lookup slower than that counts no hit, the request goes on),
-`async_loads` (true: hits with blocks in T1 or T2 load in the background, scheduler.py), `wait_timeout_s`
-(30: promotion wait per load), `timeout_s` (5: per RPC), `retry_after_s` (5: between attach
-attempts), `start_attach_s` (10: how long the engine's start waits for each Attach; one that
-takes longer is retried in the background), `prefetch` (true: a Lookup that finds blocks in T2
-starts their promotion to T1, so the load that follows waits less; off, a Lookup has no side
-effect). kv_role: `kv_both` loads and stores, `kv_consumer` only loads, `kv_producer` only
-stores. `kv_load_failure_policy` must be "recompute" for a failed load (a block evicted or
+kv_connector_extra_config keys (all optional, read once into a VllmExtraConfig): extra_config.py.
+kv_role: `kv_both` loads and stores, `kv_consumer` only loads, `kv_producer` only stores.
+`kv_load_failure_policy` must be "recompute" for a failed load (a block evicted or
 corrupted after the lookup, the daemon gone) to be recomputed; vLLM's default "fail" fails the
 request instead.
 
@@ -72,10 +64,11 @@ from kvtierd.connectors.vllm.daemon_link import DaemonLink
 from kvtierd.connectors.vllm.daemon_lookup import daemon_lookup
 from kvtierd.connectors.vllm.engine_layouts import RankLayouts
 from kvtierd.connectors.vllm.engine_pages import EnginePages
+from kvtierd.connectors.vllm.extra_config import VllmExtraConfig
 from kvtierd.connectors.vllm.kv_groups import engine_groups
 from kvtierd.connectors.vllm.metadata import StepMetadata
 from kvtierd.connectors.vllm.scheduler import SchedulerSide
-from kvtierd.connectors.vllm.worker import DEFAULT_START_ATTACH_S, WorkerSide
+from kvtierd.connectors.vllm.worker import WorkerSide
 from kvtierd.layout import Layout
 
 try:  # vLLM is optional: see the module docstring
@@ -164,7 +157,7 @@ class KvtierdConnector(KVConnectorBase_V1, SupportsHMA):
         self._connector_metadata = None
         self._num_reported_attach_failures = 0  # DaemonLink.num_attach_failures already in a stats report
         transfer_config = vllm_config.kv_transfer_config
-        extra = dict(getattr(transfer_config, "kv_connector_extra_config", None) or {})
+        settings = VllmExtraConfig.from_extra(getattr(transfer_config, "kv_connector_extra_config", None))
         kv_role = getattr(transfer_config, "kv_role", None) or "kv_both"
         self.scheduler: SchedulerSide | None = None
         self.worker: WorkerSide | None = None
@@ -173,40 +166,32 @@ class KvtierdConnector(KVConnectorBase_V1, SupportsHMA):
         self._kv_cache_config = kv_cache_config
         self.engine_groups = engine_groups(kv_cache_config, prefix_caching=bool(
             getattr(vllm_config.cache_config, "enable_prefix_caching", False)))
-        rank_layouts = RankLayouts(vllm_config, kv_cache_config, self.engine_groups, extra.get("model_id"))
+        rank_layouts = RankLayouts(vllm_config, kv_cache_config, self.engine_groups, settings.model_id)
         rank = _tensor_parallel_rank() if is_worker else 0
         self.layout = rank_layouts.of_rank(rank)
 
         def link(layout: Layout) -> DaemonLink:
-            return DaemonLink(layout, target=extra.get("address") or os.environ.get("KVTIERD_ADDRESS"),
-                              token=extra.get("token"),
+            return DaemonLink(layout, target=settings.address or os.environ.get("KVTIERD_ADDRESS"),
+                              token=settings.token,
                               hash_algo=hash_algo_for(getattr(vllm_config.cache_config, "prefix_caching_hash_algo",
                                                               "sha256")),
-                              map_pool=is_worker, timeout_s=float(extra.get("timeout_s", 5.0)),
-                              retry_after_s=float(extra.get("retry_after_s", 5.0)))
+                              map_pool=is_worker, timeout_s=settings.timeout_s, retry_after_s=settings.retry_after_s)
 
-        start_attach_s = float(extra.get("start_attach_s", DEFAULT_START_ATTACH_S))
-        if start_attach_s <= 0:
-            raise ValueError(f"start_attach_s must be > 0, got {start_attach_s}")
         if is_worker:
-            self.worker = WorkerSide(link(self.layout), self.engine_groups,
-                                     wait_timeout_s=float(extra.get("wait_timeout_s", 30.0)),
-                                     writes=rank_layouts.writes(rank), start_attach_s=start_attach_s,
+            self.worker = WorkerSide(link(self.layout), self.engine_groups, wait_timeout_s=settings.wait_timeout_s,
+                                     writes=rank_layouts.writes(rank), start_attach_s=settings.start_attach_s,
                                      counts_tokens=rank == 0)
         else:
             self._scheduler_links = [link(layout) for layout in rank_layouts.layouts]
-            lookup_wait_s = float(extra.get("lookup_wait_s", 0.005))
             self.scheduler = SchedulerSide(daemon_lookup(self._scheduler_links, self.engine_groups,
-                                                         prefetch=bool(extra.get("prefetch", True))),
+                                                         prefetch=settings.prefetch),
                                            self.engine_groups,
                                            loads=kv_role in LOADING_ROLES, stores=kv_role in STORING_ROLES,
-                                           lookup_wait_s=lookup_wait_s,
-                                           lookup_ttl_s=float(extra.get("lookup_ttl_s", 2.0)),
-                                           lookup_timeout_s=float(extra.get("lookup_timeout_s",
-                                                                            max(1.0, lookup_wait_s))),
-                                           async_loads=bool(extra.get("async_loads", True)))
+                                           lookup_wait_s=settings.lookup_wait_s, lookup_ttl_s=settings.lookup_ttl_s,
+                                           lookup_timeout_s=settings.lookup_timeout_s,
+                                           async_loads=settings.async_loads)
             for scheduler_link in self._scheduler_links:  # before requests come (see WorkerSide.register)
-                scheduler_link.session(deadline_s=start_attach_s)
+                scheduler_link.session(deadline_s=settings.start_attach_s)
         log.info("kvtierd connector (%s, %s): layout %s, groups %s", self.role_name, kv_role, self.layout,
                  self.engine_groups.signature())
 

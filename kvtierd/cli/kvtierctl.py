@@ -132,7 +132,7 @@ def main(argv: list[str] | None = None) -> int:
 def run_against_daemon(args: argparse.Namespace) -> int:
     from kvtierd.cli.kvtierctl_report import StatsView, health_problems, tenant_lines
     from kvtierd.client import KvtierClient
-    from kvtierd.client.base import OPERATION_TIMEOUT_S
+    from kvtierd.client.calls import OPERATION_TIMEOUT_S
     from kvtierd.wire.conversions import pool_layout
 
     with (KvtierClient(args.address, token=args.token, timeout_s=args.timeout, max_attempts=1) as client,

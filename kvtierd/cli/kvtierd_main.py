@@ -10,7 +10,7 @@ import sys
 from pathlib import Path
 
 from kvtierd import __version__
-from kvtierd.cli.arg_types import positive
+from kvtierd.arg_types import positive
 from kvtierd.cli.unix_tool import SubcommandParser, quiet_on_closed_pipe
 from kvtierd.errors import KvtierError
 from kvtierd.planning.chat_workload import ChatWorkload
@@ -62,7 +62,7 @@ def main(argv: list[str] | None = None) -> int:
         description="Serves the KvTier gRPC API on a unix socket (mode 0600) by default, with health "
                     "checks, reflection and Prometheus metrics. Configuration: defaults, then the TOML "
                     "file, then KVTIERD_* variables, then flags. SIGTERM stops it cleanly.")
-    from kvtierd.node.daemon_config import add_flags
+    from kvtierd.server.config_flags import add_flags
     add_flags(serve)
 
     args = parser.parse_args(argv)
@@ -127,7 +127,8 @@ def run_fetch_model(args: argparse.Namespace) -> int:
 
 
 def run_serve(args: argparse.Namespace) -> int:
-    from kvtierd.node.daemon_config import load_config, overrides_from_args
+    from kvtierd.server.config_flags import overrides_from_args
+    from kvtierd.server.config_loader import load_config
     from kvtierd.server.serve import run
 
     return run(load_config(args.config, overrides=overrides_from_args(args)))

@@ -1,8 +1,9 @@
 """The client library of kvtierd: `KvtierClient` (blocking) and `AsyncKvtierClient` (asyncio).
 
 `from kvtierd.client import KvtierClient` is the public path; the modules behind it are
-sync_client.py, aio_client.py, base.py (what the two share) and block_data.py (token ids and
-block bytes as callers hand them).
+sync_client.py, aio_client.py, what the two share: base.py (the channel, retries, errors) and
+calls.py (each RPC's request and result), and block_data.py (token ids and block bytes as
+callers hand them).
 """
 
 from kvtierd.client.sync_client import *  # noqa: F401,F403

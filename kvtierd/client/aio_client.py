@@ -1,7 +1,7 @@
 """The asyncio client of kvtierd: `AsyncKvtierClient` and `AsyncSession`, the surface of
-KvtierClient and Session (client.py) as coroutines on a grpc.aio channel. Events is an async
-iterator; a session's keepalive is an asyncio task. Retries, deadlines, error mapping and
-request building are base.py's, shared with the blocking client.
+KvtierClient and Session (sync_client.py) as coroutines on a grpc.aio channel. Events is an async
+iterator; a session's keepalive is an asyncio task. Retries, deadlines and error mapping
+(base.py) and request building (calls.py) are shared with the blocking client.
 """
 
 from __future__ import annotations
@@ -14,23 +14,19 @@ from typing import TypeVar
 import grpc
 import grpc.aio
 
-from kvtierd.client.base import (
+from kvtierd.client.base import ClientBase, EventStreamBase, Retry, TlsOptions, map_rpc_error
+from kvtierd.client.block_data import BlockData, PutResult, PutStream, TokenIds
+from kvtierd.client.calls import (
     AcquireResult,
     Call,
-    ClientBase,
-    EventStreamBase,
-    Retry,
     SessionBase,
-    TlsOptions,
     attach_call,
     drain_call,
     events_request,
     evict_call,
     get_request,
-    map_rpc_error,
     tenant_stats_call,
 )
-from kvtierd.client.block_data import BlockData, PutResult, PutStream, TokenIds
 from kvtierd.layout import Layout
 from kvtierd.v1 import kvtier_pb2 as pb
 

@@ -1,5 +1,6 @@
 """What the sync and asyncio clients share: the daemon's address, channel options, deadlines and
-retries, the mapping of gRPC errors onto kvtierd.errors, and the building of requests and results.
+retries, the mapping of gRPC errors onto kvtierd.errors. The requests and results of the calls
+they make are calls.py's.
 
 Retry policy: a call is retried on UNAVAILABLE only (the daemon could not be reached), with
 exponential backoff (50 ms, 100 ms, 200 ms … capped at 1 s, jittered), at most `max_attempts`
@@ -18,13 +19,10 @@ import dataclasses
 import os
 import random
 import time
-from collections.abc import Callable, Sequence
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import grpc
 
-from kvtierd.block_hash import Namespace
-from kvtierd.client.block_data import TokenIds, hash_list, optional_tokens
 from kvtierd.client.fd_channel import FdChannel
 from kvtierd.endpoints import default_socket_path
 from kvtierd.errors import (
@@ -36,22 +34,16 @@ from kvtierd.errors import (
     PermissionDenied,
     Unavailable,
 )
-from kvtierd.layout import Layout
 from kvtierd.v1 import kvtier_pb2 as pb
 from kvtierd.v1 import kvtier_pb2_grpc
 from kvtierd.wire.block_frames import decode_get_response
-from kvtierd.wire.conversions import READ_CHUNK_OPTIONS, handle_from_proto, layout_to_proto
+from kvtierd.wire.conversions import READ_CHUNK_OPTIONS
 from kvtierd.wire.fd_passing import fd_socket_path
-
-if TYPE_CHECKING:
-    from kvtierd.t0.device_pool import DevicePool
 
 PUT_METHOD = "/kvtierd.v1.KvTier/Put"
 GET_METHOD = "/kvtierd.v1.KvTier/Get"
 RETRY_BASE_S = 0.05
 RETRY_CAP_S = 1.0
-WAIT_MARGIN_S = 1.0  # Wait's RPC deadline is the daemon-side timeout plus this
-ATTACH_TIMEOUT_S = 60.0  # the least deadline of an Attach (see attach_call)
 EVENTS_RETRY_WINDOW_S = 5.0  # how long Events retries UNAVAILABLE, from its start or its last event
 
 
@@ -66,23 +58,6 @@ class TlsOptions:
     def credentials(self) -> grpc.ChannelCredentials:
         return grpc.ssl_channel_credentials(root_certificates=self.root_ca, private_key=self.private_key,
                                             certificate_chain=self.cert_chain)
-
-
-@dataclasses.dataclass(frozen=True, slots=True)
-class AcquireResult:
-    """A request's block table from Acquire: hits first (loads pending if `pending`), then fresh."""
-
-    block_ids: list[int]
-    num_t0_hit_blocks: int
-    num_t1_blocks: int
-    num_t2_blocks: int
-    pending: bool
-    num_t3_blocks: int = 0  # being loaded from the shared store: Wait says how many landed
-
-    @property
-    def num_loading_blocks(self) -> int:
-        """Blocks after the T0 hits being loaded from the lower tiers."""
-        return self.num_t1_blocks + self.num_t2_blocks + self.num_t3_blocks
 
 
 def default_target() -> str:
@@ -189,59 +164,6 @@ class Retry:
         return delay
 
 
-@dataclasses.dataclass(frozen=True, slots=True)
-class Call:
-    """One unary call: the stub method's name, its request, and how to read its response."""
-
-    method: str
-    request: Any
-    parse: Callable[[Any], Any] = lambda response: response
-    timeout_s: float | None = None  # None: the client's timeout_s
-
-
-def attach_call(layout: Layout, hash_algo: str, timeout_s: float, deadline_s: float | None = None,
-                fd_peer: str = "") -> Call:
-    """Attach, with a deadline of `deadline_s`, else at least ATTACH_TIMEOUT_S: the first Attach of a
-    layout builds its pool (device pool, host memory, SSD slot files), which takes seconds on a
-    loaded node. `fd_peer`: the token of an open FdChannel, to get the pool by descriptor."""
-    Namespace(layout, "", hash_algo)  # InvalidArgument for an unknown algorithm, before any call
-    if deadline_s is not None and deadline_s <= 0:
-        raise ValueError(f"an Attach deadline must be > 0 s, got {deadline_s}")
-    return Call("Attach", pb.AttachRequest(layout=layout_to_proto(layout), hash_algo=hash_algo, fd_peer=fd_peer),
-                timeout_s=max(timeout_s, ATTACH_TIMEOUT_S) if deadline_s is None else deadline_s)
-
-
-def get_request(layout: Layout, block_hashes: Sequence[bytes], token_ids: TokenIds | None) -> pb.GetRequest:
-    return pb.GetRequest(layout=layout_to_proto(layout), block_hashes=hash_list(block_hashes),
-                         token_ids=optional_tokens(token_ids))
-
-
-def events_request(layout: Layout | None, resume_after_seq: int | None = None, feed_id: int = 0) -> pb.EventsRequest:
-    request = pb.EventsRequest() if layout is None else pb.EventsRequest(layout=layout_to_proto(layout))
-    if resume_after_seq is not None:
-        request.resume_after_seq = resume_after_seq
-        request.feed_id = feed_id
-    return request
-
-
-OPERATION_TIMEOUT_S = 120.0  # Evict may copy a pool's worth of blocks down before it answers
-
-
-def tenant_stats_call(tenant: str) -> Call:
-    return Call("TenantStats", pb.TenantStatsRequest(tenant=tenant), lambda r: list(r.usage))
-
-
-def evict_call(tenant: str, all_tenants: bool, tiers: Sequence[str], layout: Layout | None) -> Call:
-    request = pb.EvictRequest(tenant=tenant, all_tenants=all_tenants, tiers=list(tiers))
-    if layout is not None:
-        request.layout.CopyFrom(layout_to_proto(layout))
-    return Call("Evict", request, timeout_s=OPERATION_TIMEOUT_S)
-
-
-def drain_call(resume: bool) -> Call:
-    return Call("Drain", pb.DrainRequest(resume=resume))
-
-
 class ClientBase:
     """What the blocking and the asyncio client share: the target, the credentials, the limits
     and the channel (`channels` is the module making it: `grpc` or `grpc.aio`)."""
@@ -287,105 +209,6 @@ class ClientBase:
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}({self.target!r}{', closed' if self.closed else ''})"
-
-
-class SessionBase:
-    """The fields of an attached session and the calls it makes; Session and AsyncSession run them.
-
-    Built from an AttachResponse after checking that daemon and client hash alike: the root the
-    daemon reports must be this process's `Namespace(layout, "", hash_algo).root`.
-    """
-
-    def __init__(self, layout: Layout, response: pb.AttachResponse, hash_algo: str) -> None:
-        self.namespace = Namespace(layout, tenant="", algo=hash_algo)
-        if bytes(response.root_hash) != self.namespace.root:
-            raise FailedPrecondition(
-                f"daemon and client disagree on the hash root (hash_algo={hash_algo!r}, layout={layout}): "
-                f"daemon {bytes(response.root_hash).hex()}, client {self.namespace.root.hex()}")
-        if response.hash_size and response.hash_size != self.namespace.digest_size:
-            raise FailedPrecondition(f"daemon and client disagree on the hash size: "
-                                     f"{response.hash_size} != {self.namespace.digest_size}")
-        self.session_id: str = response.session_id
-        self.tenant: str = response.tenant
-        self.layout = layout
-        self.handle = handle_from_proto(response.pool, layout)
-        self._fd_ticket: str = response.pool.fd_ticket  # one-time: the pool's descriptor on the fd socket
-        self.pool: DevicePool | None = None  # mapped by the client when map_pool
-        self.root_hash: bytes = self.namespace.root
-        self.hash_size: int = self.namespace.digest_size
-        self.bytes_per_block: int = response.bytes_per_block or layout.bytes_per_block
-        self.lease_s: float = response.lease_s
-        self.closed = False
-
-    def keepalive_interval_s(self) -> float:
-        return self.lease_s / 3 if self.lease_s > 0 else 10.0
-
-    def map_pool(self, fd_channel: FdChannel | None = None) -> None:
-        """Map the daemon's device pool into this process (`pool`); imports torch, only here.
-
-        With the fd channel whose token the Attach named, the pool comes as a descriptor and no
-        name is opened (any uid the socket lets in). Without (a TCP target, a daemon without an fd
-        socket): an shm pool is opened by name, which only the daemon's uid may do."""
-        from kvtierd.t0.factory import attach_device_pool
-
-        if fd_channel is None or not self._fd_ticket:
-            self.pool = attach_device_pool(self.handle)
-            return
-        fd = fd_channel.receive_fd(self._fd_ticket)
-        self._fd_ticket = ""
-        try:
-            self.pool = attach_device_pool(self.handle, fd)
-        finally:
-            os.close(fd)
-
-    def _lookup(self, block_hashes, token_ids, prefetch, chain_lengths, num_query_blocks: int) -> Call:
-        return Call("Lookup", pb.LookupRequest(session_id=self.session_id, block_hashes=hash_list(block_hashes),
-                                               token_ids=optional_tokens(token_ids), prefetch=prefetch,
-                                               chain_lengths=list(chain_lengths or ()),
-                                               num_query_blocks=num_query_blocks))
-
-    def _acquire(self, request_id, block_hashes, num_extra_blocks, token_ids, for_store: bool,
-                 query_counted: bool = False, parent_hash: bytes | None = None) -> Call:
-        request = pb.AcquireRequest(session_id=self.session_id, request_id=request_id,
-                                    block_hashes=hash_list(block_hashes), token_ids=optional_tokens(token_ids),
-                                    num_extra_blocks=num_extra_blocks, for_store=for_store,
-                                    query_counted=query_counted, parent_hash=bytes(parent_hash or b""))
-        return Call("Acquire", request, lambda r: AcquireResult(list(r.block_ids), r.num_t0_hit_blocks,
-                                                           r.num_t1_blocks, r.num_t2_blocks, r.pending,
-                                                           r.num_t3_blocks))
-
-    def _wait(self, request_id, timeout_s: float | None, default_timeout_s: float) -> Call:
-        """The daemon waits `timeout_s` (None: the client's timeout); the RPC deadline adds a margin."""
-        wait_s = default_timeout_s if timeout_s is None else timeout_s
-        request = pb.WaitRequest(session_id=self.session_id, request_id=request_id, timeout_s=wait_s)
-        return Call("Wait", request, lambda r: r.num_ready_blocks, timeout_s=wait_s + WAIT_MARGIN_S)
-
-    def _commit(self, request_id, block_ids, block_hashes, token_ids, parent_hash) -> Call:
-        request = pb.CommitRequest(session_id=self.session_id, request_id=request_id, block_ids=list(block_ids),
-                                   block_hashes=hash_list(block_hashes), token_ids=optional_tokens(token_ids),
-                                   parent_hash=bytes(self.root_hash if parent_hash is None else parent_hash))
-        return Call("Commit", request, lambda r: r.num_committed_blocks)
-
-    def _release(self, request_id) -> Call:
-        return Call("Release", pb.ReleaseRequest(session_id=self.session_id, request_id=request_id),
-                    lambda r: r.num_released_blocks)
-
-    def _fork(self, request_id, child_request_id) -> Call:
-        request = pb.ForkRequest(session_id=self.session_id, request_id=request_id,
-                                 child_request_id=child_request_id)
-        return Call("Fork", request, lambda r: list(r.block_ids))
-
-    def _append_blocks(self, request_id, num_blocks) -> Call:
-        request = pb.AppendBlocksRequest(session_id=self.session_id, request_id=request_id, num_blocks=num_blocks)
-        return Call("AppendBlocks", request, lambda r: list(r.block_ids))
-
-    def _prepare_write(self, request_id, position) -> Call:
-        request = pb.PrepareWriteRequest(session_id=self.session_id, request_id=request_id, position=position)
-        return Call("PrepareWrite", request, lambda r: (r.block_id, r.copied))
-
-    def __repr__(self) -> str:
-        state = "closed" if self.closed else f"lease_s={self.lease_s}"
-        return f"{type(self).__name__}({self.session_id!r}, tenant={self.tenant!r}, {self.layout.model_id!r}, {state})"
 
 
 class EventStreamBase:

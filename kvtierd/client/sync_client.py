@@ -9,7 +9,7 @@ aio_client.py) with the same surface.
 
 Every call has a deadline and fails with a kvtierd.errors.KvtierError (the original
 grpc.RpcError as its __cause__); a daemon that is down gives Unavailable at once. Retries,
-deadlines and request building are shared with the async client in base.py.
+deadlines (base.py) and request building (calls.py) are shared with the async client.
 """
 
 from __future__ import annotations
@@ -22,23 +22,19 @@ from typing import TypeVar
 
 import grpc
 
-from kvtierd.client.base import (
+from kvtierd.client.base import ClientBase, EventStreamBase, Retry, TlsOptions, map_rpc_error
+from kvtierd.client.block_data import BlockData, PutResult, PutStream, TokenIds
+from kvtierd.client.calls import (
     AcquireResult,
     Call,
-    ClientBase,
-    EventStreamBase,
-    Retry,
     SessionBase,
-    TlsOptions,
     attach_call,
     drain_call,
     events_request,
     evict_call,
     get_request,
-    map_rpc_error,
     tenant_stats_call,
 )
-from kvtierd.client.block_data import BlockData, PutResult, PutStream, TokenIds
 from kvtierd.errors import FailedPrecondition
 from kvtierd.layout import Layout
 from kvtierd.v1 import kvtier_pb2 as pb

@@ -1,50 +1,29 @@
-"""The block index of a device pool: which block holds which content, who holds which block.
+"""The block index of a device pool: which block holds which content (block_cache.py), and who holds
+which block: the requests' block tables, their allocation, commit, release, fork and copy-on-write.
 
 Eviction (which free block is reused next) is decided in eviction.py.
 """
 
 from __future__ import annotations
 
-import threading
-import time
-from collections.abc import Callable, Hashable, Mapping, Sequence
-from types import MappingProxyType
+from collections.abc import Callable, Hashable, Sequence
 
-from kvtierd.block_hash import BlockHash, pack_token_ids
+from kvtierd.block_hash import pack_token_ids
 from kvtierd.errors import FailedPrecondition, InvalidArgument, NotFound, ResourceExhausted
 from kvtierd.index.allocation import AllocatedBlocks, WriteTarget
-from kvtierd.index.eviction import EvictionHook, Evictor
-from kvtierd.index.free_queue import FreeBlockQueue
-from kvtierd.index.hash_to_blocks import HashToBlocks
-from kvtierd.index.index_events import AllBlocksCleared, BlockStored, EventQueue, IndexEvent
-from kvtierd.index.index_metrics import IndexObserver
+from kvtierd.index.block_cache import BlockCache
 from kvtierd.index.kv_block import KVBlock
-from kvtierd.index.prefix_match import check_hashes, match_prefix, pack_prompt_tokens, split_blocks
+from kvtierd.index.prefix_match import check_hashes, split_blocks
 from kvtierd.index.query_counting import QueryCounting
 
 RequestId = Hashable
 CopyBlock = Callable[[int, int], None]  # (src_block_id, dst_block_id): copy the bytes
 
 
-class BlockIndex:
-    """Blocks of one device pool, their prefix table, their free queue and the block tables.
-
-    Hits agree with vLLM's prefix cache (vllm/v1/core/block_pool.py), request by request against its
-    KVCacheManager (tests/connectors/vllm/on_vllm/test_index_matches_vllm_prefix_cache.py):
-    several blocks may hold one hash (`hash_to_blocks`: a prompt's last block is recomputed even
-    when cached, and that copy is committed too); a hit takes the oldest copy; a copy leaves when
-    its block is reused, and the next copy serves the hits. What the tiers see of copies:
-    - the eviction hook sees a victim only when the last copy of its hash leaves T0: while a copy
-      stays, T0 still serves the hash and copying it down would spend T1 slots and bandwidth on
-      bytes that are still one hit away;
-    - BlockStored is queued when the first copy of a hash is committed, BlockRemoved when its last
-      copy leaves: per hash, strictly alternating, so a router keeping a set stays right (vLLM
-      queues both per copy, and a consumer of its events has to count copies);
-    - `cached_hashes()` and `num_cached_blocks` count distinct hashes (what a lookup can find,
-      comparable with T1 and T2); `num_duplicate_blocks` counts the other copies; `num_evictions`
-      counts blocks (each copy whose content was dropped for reuse);
-    - `evict(hashes)` drops every copy nobody holds and counts the hashes that left;
-    - lookup, allocate and can_allocate walk the oldest copies; prepare_write refuses every committed copy.
+class BlockIndex(BlockCache):
+    """The block tables of the requests that hold a device pool's blocks, over its BlockCache (the
+    blocks, the copies of each hash, the free queue). Lookup, allocate and can_allocate walk the
+    oldest copies; prepare_write refuses every committed copy.
 
     Invariants (checked by tests/index/test_block_index_stateful.py after every step):
     - every block is in exactly one state of BlockState;
@@ -57,84 +36,21 @@ class BlockIndex:
       the blocks nearest the start of a prompt, the most shared, are evicted last.
     Ref counts and block tables change together under `_lock`; every public method takes it.
     A call that raises has changed nothing: checks come before the first mutation.
-    The attributes `blocks`, `free_queue`, `hash_to_blocks`, `hash_to_block` (each hash → the copy
-    a hit takes, read-only) and `tables` are for inspection.
+    `tables` (request → its blocks) is for inspection, like BlockCache's attributes.
     """
 
-    def __init__(
-        self,
-        num_blocks: int,
-        block_size: int,
-        *,
-        hash_size: int = 32,
-        root: BlockHash | None = None,
-        copy_block: CopyBlock | None = None,
-        on_evict: EvictionHook | None = None,
-        observer: IndexObserver | None = None,
-        clock: Callable[[], float] = time.monotonic,
-        max_pending_events: int = 0,
-    ) -> None:
-        if num_blocks <= 0 or block_size <= 0:
-            raise InvalidArgument(f"need num_blocks > 0 and block_size > 0, got {num_blocks}, {block_size}")
-        self.num_blocks = num_blocks
-        self.block_size = block_size
-        self.hash_size = hash_size
-        self.root = root  # when set, block 0 of every chain must name it as its parent
-        self.blocks = [KVBlock(block_id) for block_id in range(num_blocks)]
-        self.free_queue = FreeBlockQueue(self.blocks)
-        self.hash_to_blocks = HashToBlocks()
-        self.hash_to_block: Mapping[BlockHash, KVBlock] = MappingProxyType(self.hash_to_blocks.first)
+    def __init__(self, num_blocks: int, block_size: int, *, copy_block: CopyBlock | None = None,
+                 **cache_options) -> None:
+        """`cache_options`: BlockCache's (hash_size, root, on_evict, observer, clock, max_pending_events)."""
+        super().__init__(num_blocks, block_size, **cache_options)
         self.tables: dict[RequestId, list[KVBlock]] = {}
         self._copy_block = copy_block
-        self._observer = observer
-        self._clock = clock
-        self._events = EventQueue(max_pending_events) if max_pending_events else None
-        self._evictor = Evictor(self.free_queue, self.hash_to_blocks, on_evict, observer, self._events)
-        self._pop_free = self._evictor.pop_free
-        self._lock = threading.Lock()
 
     # ----------------------------------------------------------------------------- queries
-
-    @property
-    def on_evict(self) -> EvictionHook | None:
-        """The eviction hook; set once, before use: the tier manager offloads through it."""
-        return self._evictor.on_evict
-
-    @on_evict.setter
-    def on_evict(self, hook: EvictionHook | None) -> None:
-        self._evictor.on_evict = hook
-
-    @property
-    def num_evictions(self) -> int:
-        """Blocks whose hash was dropped to reuse them (each copy counts)."""
-        return self._evictor.num_evictions
-
-    @property
-    def num_free_blocks(self) -> int:
-        return self.free_queue.num_free_blocks
-
-    @property
-    def num_dropped_events(self) -> int:
-        return self._events.num_dropped if self._events is not None else 0
-
-    @property
-    def num_cached_blocks(self) -> int:
-        """Distinct hashes cached here (held or not); their other copies are not counted."""
-        return len(self.hash_to_blocks)
-
-    @property
-    def num_duplicate_blocks(self) -> int:
-        """Blocks holding a hash that an older block holds too."""
-        return self.hash_to_blocks.num_duplicate_blocks
 
     def block_table(self, request_id: RequestId) -> list[int]:
         with self._lock:
             return [block.block_id for block in self._table(request_id)]
-
-    def lookup(self, block_hashes: Sequence[bytes], token_ids: Sequence[int] | None = None) -> int:
-        """How many leading blocks of the chain are cached here. Changes nothing."""
-        with self._lock:
-            return len(self._hits(block_hashes, token_ids))
 
     def can_allocate(self, block_hashes: Sequence[bytes], num_extra_blocks: int = 0,
                      token_ids: Sequence[int] | None = None) -> bool:
@@ -223,35 +139,8 @@ class BlockIndex:
             expected_parent = table[start_position - 1].block_hash if start_position > 0 else self.root
             if expected_parent is not None and parent_hash != expected_parent:
                 raise InvalidArgument(f"parent hash of position {start_position} does not match the chain")
-            now = self._clock()
-            setdefault = self.hash_to_blocks.first.setdefault
-            parents = [parent_hash, *block_hashes[:-1]]
-            block_tokens = split_blocks(token_bytes, self.block_size)
-            stored: list[KVBlock] = []
-            num_already_held = 0
-            for block, block_hash, parent, tokens in zip(
-                    table[start_position:end_position], block_hashes, parents, block_tokens):
-                held = block.block_hash
-                if held is None:
-                    block.block_hash = block_hash
-                    block.parent_hash = parent
-                    block.token_ids = tokens
-                    block.committed_at_s = now
-                    stored.append(block)
-                    if setdefault(block_hash, block) is not block:  # an older block holds it
-                        self.hash_to_blocks.add_copy(block_hash, block)  # this one is the newest copy
-                elif held == block_hash:
-                    num_already_held += 1
-                else:
-                    self._uncommit(stored)  # all or nothing
-                    raise FailedPrecondition(f"block {block.block_id} is already committed under another hash")
-            if self._events is not None:
-                first = self.hash_to_blocks.first
-                for block in stored:
-                    if first[block.block_hash] is block:  # the first copy: the hash became cached here
-                        self._events.put(BlockStored(block.block_hash, block.parent_hash, block.block_id,
-                                                     block.token_ids))
-            return num_already_held + len(stored)
+            return self._store(table[start_position:end_position], block_hashes, [parent_hash, *block_hashes[:-1]],
+                               split_blocks(token_bytes, self.block_size), self._clock())
 
     def free(self, request_id: RequestId) -> None:
         """Release a request's blocks tail first. A block whose ref_cnt reaches 0 joins the free
@@ -329,42 +218,6 @@ class BlockIndex:
             block.ref_cnt -= 1
             return WriteTarget(copy.block_id, block.block_id)
 
-    def cached_hashes(self) -> list[BlockHash]:
-        """A snapshot of every hash cached in this tier (held or not), each once."""
-        with self._lock:
-            return list(self.hash_to_blocks)
-
-    def evict(self, block_hashes: Sequence[bytes], copy_down: bool = True) -> int:
-        """Drop every copy of the named hashes that nobody holds (ref_cnt 0) from this tier; the
-        blocks move to the head of the free queue, empty (the eviction hook copies them down
-        first unless `copy_down` is false). Copies in use are skipped and keep their hash.
-        Returns how many of the hashes left the tier (no copy of them remains)."""
-        with self._lock:
-            now = self._clock()
-            num_evicted = 0
-            for block_hash in dict.fromkeys(block_hashes):
-                copies = [block for block in self.hash_to_blocks.copies(block_hash) if block.ref_cnt == 0]
-                if copies:
-                    num_evicted += self._evictor.evict_free(copies, now, copy_down)
-            return num_evicted
-
-    def reset(self) -> bool:
-        """Forget every cached block. Refused (False, nothing changed) while any block is in use."""
-        with self._lock:
-            if self.free_queue.num_free_blocks != self.num_blocks:
-                return False
-            for block in self.hash_to_blocks.all_blocks():
-                block.forget_content()
-            self.hash_to_blocks.clear()
-            if self._events is not None:
-                self._events.put(AllBlocksCleared())
-            return True
-
-    def take_events(self) -> list[IndexEvent]:
-        """Every event since the last call, atomically; empty unless events were enabled."""
-        with self._lock:
-            return self._events.take() if self._events is not None else []
-
     # ----------------------------------------------------------------------------- internals
 
     def _table(self, request_id: RequestId) -> list[KVBlock]:
@@ -377,17 +230,6 @@ class BlockIndex:
         if not 0 <= position < len(table):
             raise InvalidArgument(f"position {position} is outside the request's {len(table)} blocks")
         return table[position]
-
-    def _uncommit(self, blocks: list[KVBlock]) -> None:
-        """Undo the commits of this call before it raises, newest first."""
-        for block in reversed(blocks):
-            self.hash_to_blocks.remove(block)
-            block.forget_content()
-
-    def _hits(self, block_hashes: Sequence[bytes], token_ids: Sequence[int] | None) -> list[KVBlock]:
-        check_hashes(block_hashes, self.hash_size)
-        token_bytes = pack_prompt_tokens(token_ids, len(block_hashes), self.block_size)
-        return match_prefix(self.hash_to_blocks.first, block_hashes, token_bytes, self.root, self.block_size)
 
     def _num_blocks_short(self, queued_hits: list[KVBlock], num_new_blocks: int) -> int:
         """How many free blocks are missing for `num_new_blocks`, after the hits on released

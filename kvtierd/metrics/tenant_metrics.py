@@ -14,7 +14,7 @@ from collections.abc import Callable, Iterator
 
 from prometheus_client.metrics_core import GaugeMetricFamily, Metric
 
-from kvtierd.node.daemon_config import Quota
+from kvtierd.node.quotas import Quota
 
 _USED_FIELDS = {"t0": "num_t0_held_blocks", "t1": "num_t1_blocks", "t2": "num_t2_blocks"}
 

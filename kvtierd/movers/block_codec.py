@@ -14,6 +14,7 @@ import torch
 
 from kvtierd.errors import InvalidArgument
 from kvtierd.layout import FLOAT_DTYPES, Layout
+from kvtierd.movers.codec_names import CODEC_NAMES
 
 
 class BlockCodec(abc.ABC):
@@ -106,6 +107,7 @@ class Fp8Codec(BlockCodec):
 
 
 CODECS = {"raw": RawCodec, "fp8": Fp8Codec}
+assert tuple(CODECS) == CODEC_NAMES, "one codec class per name of codec_names.py"
 
 
 def make_codec(name: str, layout: Layout) -> BlockCodec:

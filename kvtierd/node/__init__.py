@@ -1,2 +1,2 @@
-"""The node's state across layouts and tenants: pools, sessions (leases), tenants, quotas, operator operations,
-config."""
+"""The node's state across layouts and tenants: pools (and the [pool] section), sessions (leases), tenants,
+quotas, operator operations."""

@@ -1,8 +1,8 @@
 """The pools the daemon serves: one set of tiers per layout, created on first Attach and shared
 by every tenant (keys keep tenants apart, see tenants.py).
 
-Per layout: the T0 device pool, `t0_bytes // bytes_per_block` blocks. Per node: the T1 host
-memory (`host_capacity_bytes`) and the T2 disk (`ssd_capacity_bytes`), each one NodeBudget
+Per layout: the T0 device pool, `pool.t0_bytes // bytes_per_block` blocks. Per node: the T1 host
+memory (`host_capacity_bytes`) and the T2 disk (`ssd.capacity_bytes`), each one NodeBudget
 (t2/node_budget.py) the layouts take from, so that their sum never exceeds the node's budget:
 - T1: a layout's slab is a share fixed when its pool is created, `host_capacity_bytes //
   max_layouts` (whole slots; none when that is less than one slot), so that every layout the
@@ -34,11 +34,14 @@ from kvtierd.errors import FailedPrecondition, ResourceExhausted
 from kvtierd.layout import Layout
 from kvtierd.movers.block_codec import make_codec
 from kvtierd.movers.factory import CopyEngines
+from kvtierd.node.pool_config import PoolConfig
 from kvtierd.node.quotas import QuotaBook
 from kvtierd.planning.capacity import PoolCapacity, layout_lines
 from kvtierd.t1.host_slab import slot_stride
 from kvtierd.t2.node_budget import BudgetShare, NodeBudget, truncating_shed
+from kvtierd.t2.ssd_config import SsdConfig
 from kvtierd.t2.ssd_space import SLOT_FILE_NAME, layout_slot_files
+from kvtierd.t3.remote_config import RemoteConfig
 from kvtierd.tiering.tier_config import TierConfig
 from kvtierd.tiering.tier_manager import TierManager
 
@@ -49,18 +52,17 @@ MAX_PENDING_EVENTS = 65536
 
 @dataclasses.dataclass(frozen=True)
 class PoolSettings:
-    """What every pool is built with (from the daemon's configuration)."""
+    """What every pool is built with: the daemon's sections (serve.py's pool_settings)."""
 
-    t0_bytes: int  # per layout
+    pool: PoolConfig  # t0_bytes per layout, device, hash_algo, max_layouts
     tier_config: TierConfig  # its host_capacity_bytes is the node's T1 budget, shared by the layouts
-    device: str = "auto"
-    hash_algo: str = "sha256"
-    ssd_directory: str = ""  # "" = no T2
-    ssd_capacity_bytes: int = 0  # the node's T2 budget, shared by the layouts
-    ssd_durability: str = "fdatasync"
-    ssd_o_direct: bool = True
-    max_layouts: int = 4
-    remote: object | None = None  # kvtierd.t3.remote_config.RemoteConfig; None = no T3
+    ssd: SsdConfig | None = None  # None = no T2; its capacity_bytes is the node's T2 budget, shared by the layouts
+    remote: RemoteConfig | None = None  # None = no T3; its password already read from the file
+
+    @property
+    def hash_algo(self) -> str:
+        """The hash of the block keys every pool uses (the servicer checks a client's against it)."""
+        return self.pool.hash_algo
 
 
 class LayoutPool:
@@ -71,32 +73,29 @@ class LayoutPool:
                  ssd_budget: NodeBudget | None = None) -> None:
         """`host_budget`, `ssd_budget`: the node's (PoolRegistry's); None: this pool's own, of the
         settings' capacities."""
-        num_blocks = settings.t0_bytes // layout.bytes_per_block
+        pool_config = settings.pool
+        num_blocks = pool_config.t0_bytes // layout.bytes_per_block
         if num_blocks < 1:
             raise FailedPrecondition(
                 f"a block of this layout is {layout.bytes_per_block:,} bytes: more than the device pool "
-                f"budget t0_bytes={settings.t0_bytes:,}")
+                f"budget t0_bytes={pool_config.t0_bytes:,}")
         self.layout = layout
-        self.client_root = Namespace(layout, "", settings.hash_algo).root
-        self.digest_size = HASH_FUNCTIONS[settings.hash_algo][0]
+        self.client_root = Namespace(layout, "", pool_config.hash_algo).root
+        self.digest_size = HASH_FUNCTIONS[pool_config.hash_algo][0]
         self._key = layout_id(layout)
-        max_layouts = settings.max_layouts if host_budget is not None else 1
+        max_layouts = pool_config.max_layouts if host_budget is not None else 1
         self.host_budget = host_budget or NodeBudget(settings.tier_config.host_capacity_bytes, "host")
         self.host_budget.register(self._key)
         host_bytes = self.host_budget.reserve(self._key, host_share_bytes(layout, settings.tier_config, max_layouts))
         ssd_config = None
         self.ssd_budget = None
-        if settings.ssd_directory and settings.ssd_capacity_bytes:
-            from kvtierd.t2.ssd_config import SsdTierConfig
-
-            self.ssd_budget = ssd_budget or NodeBudget(settings.ssd_capacity_bytes, "ssd")
-            ssd_config = SsdTierConfig([os.path.join(settings.ssd_directory, self._key)],
-                                       settings.ssd_capacity_bytes, durability=settings.ssd_durability,
-                                       o_direct=settings.ssd_o_direct, node_budget=self.ssd_budget)
+        if settings.ssd is not None:
+            self.ssd_budget = ssd_budget or NodeBudget(settings.ssd.capacity_bytes, "ssd")
+            ssd_config = settings.ssd.tier_config(self._key, self.ssd_budget)
         tier_config = dataclasses.replace(settings.tier_config, host_capacity_bytes=host_bytes)
         try:
             self.manager = TierManager(layout, num_blocks, tier_config, ssd_config=ssd_config,
-                                       device=settings.device, hash_size=daemon_key_size(self.digest_size),
+                                       device=pool_config.device, hash_size=daemon_key_size(self.digest_size),
                                        observer=observer, max_pending_events=MAX_PENDING_EVENTS, engines=engines,
                                        remote_store=remote_store)
         except BaseException:
@@ -163,9 +162,9 @@ class PoolRegistry:
         self.remote_store = None  # the node's client of the shared store (T3), shared by the layouts
         self.host_budget = NodeBudget(settings.tier_config.host_capacity_bytes, "host")  # T1, per node
         self.ssd_budget = None  # T2, per node: the slot files of every layout, a restarted daemon's included
-        if settings.ssd_directory and settings.ssd_capacity_bytes:
-            self.ssd_budget = NodeBudget(settings.ssd_capacity_bytes, "ssd")
-            for directory, nbytes in layout_slot_files(settings.ssd_directory).items():
+        if settings.ssd is not None:
+            self.ssd_budget = NodeBudget(settings.ssd.capacity_bytes, "ssd")
+            for directory, nbytes in layout_slot_files(settings.ssd.directory).items():
                 paths = [os.path.join(directory, SLOT_FILE_NAME)]
                 self.ssd_budget.add_dormant(directory, nbytes, truncating_shed(self.ssd_budget, directory, paths))
             self.ssd_budget.shed_over_capacity()  # the budget was lowered since they were written
@@ -188,9 +187,9 @@ class PoolRegistry:
         settings = self.settings
         if pool is None and self.remote_store is not None:
             return self.get_or_create(layout)
-        if pool is not None or not (settings.ssd_directory and settings.ssd_capacity_bytes):
+        if pool is not None or settings.ssd is None:
             return pool
-        if not os.path.isdir(os.path.join(settings.ssd_directory, layout_id(layout))):
+        if not os.path.isdir(os.path.join(settings.ssd.directory, layout_id(layout))):
             return None
         return self.get_or_create(layout)
 
@@ -202,7 +201,7 @@ class PoolRegistry:
             pool = self._pools.get(layout)
             if pool is not None:
                 return pool
-            if len(self._pools) >= self.settings.max_layouts:
+            if len(self._pools) >= self.settings.pool.max_layouts:
                 raise ResourceExhausted(
                     f"the daemon serves {len(self._pools)} layouts already (pool.max_layouts); "
                     f"cannot create a pool for {layout.model_id}")

@@ -9,20 +9,27 @@
   in the slot of its own least recently used block (SlotIndex.set_owner_quota), so one tenant
   cannot flush the others out of a shared tier.
 Tenants without a quota of their own get the "*" quota when one is configured, else no limit.
-A limit of 0 means no limit.
+A limit of 0 means no limit. A tenant's limits are the daemon file's `[quotas."tenant"]` table (Quota).
 """
 
 from __future__ import annotations
 
 import collections
+import dataclasses
 from collections.abc import Mapping
 
 from kvtierd.errors import ResourceExhausted
-from kvtierd.node.daemon_config import Quota
 from kvtierd.node.tenants import Tenant
 from kvtierd.planning.capacity import format_bytes
 
 DEFAULT_TENANT = "*"
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class Quota:
+    t0_bytes: int = 0  # bytes of T0 one tenant may hold; 0 = unlimited
+    t1_bytes: int = 0  # bytes of T1; 0 = unlimited
+    t2_bytes: int = 0  # bytes of T2; 0 = unlimited
 
 
 class QuotaBook:

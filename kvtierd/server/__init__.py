@@ -1,1 +1,2 @@
-"""The gRPC edge: `kvtierd serve`, the KvTier servicer, its interceptor, the Events stream."""
+"""The gRPC edge: `kvtierd serve` and its configuration (daemon_config.py), the KvTier servicer, its
+interceptor, the Events stream."""

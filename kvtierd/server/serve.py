@@ -31,26 +31,27 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
 from kvtierd.errors import FailedPrecondition
+from kvtierd.events.event_feed import EventFeed
+from kvtierd.events.vllm_events import BatchEncoder, WireFormat
+from kvtierd.events.zmq_publisher import ZmqEventPublisher
 from kvtierd.layout import llama3_8b
 from kvtierd.metrics.daemon_metrics import DaemonMetrics
-from kvtierd.node.config_summary import config_lines
-from kvtierd.node.daemon_config import DaemonConfig, admin_tenant_names, setting_name
 from kvtierd.node.operations import Operations
 from kvtierd.node.pools import PoolRegistry, PoolSettings
 from kvtierd.node.quotas import QuotaBook
-from kvtierd.node.remote_section import remote_config_of
 from kvtierd.node.sessions import SessionTable
 from kvtierd.node.tenants import Authenticator, TokenBook
 from kvtierd.planning.capacity import PoolCapacity, format_bytes
+from kvtierd.server.config_flags import setting_name
+from kvtierd.server.config_summary import config_lines
+from kvtierd.server.daemon_config import DaemonConfig
 from kvtierd.server.directory_lock import DirectoryLock
-from kvtierd.server.event_feed import EventFeed
 from kvtierd.server.fd_listener import FdListener
 from kvtierd.server.interceptor import StatusInterceptor
 from kvtierd.server.listeners import SocketFile, add_port, apply_socket_access, bind_fd_socket, bind_unix_socket
+from kvtierd.server.server_config import admin_tenant_names
 from kvtierd.server.servicer import KvTierServicer
 from kvtierd.server.startup_checks import check_machine, socket_group_id
-from kvtierd.server.vllm_events import BatchEncoder, WireFormat
-from kvtierd.server.zmq_publisher import ZmqEventPublisher
 from kvtierd.t0.shm_segment import remove_orphaned_segments
 from kvtierd.tiering.tier_config import TierConfig
 from kvtierd.v1 import kvtier_pb2
@@ -64,16 +65,10 @@ STORE_HEALTH_NAME = "kvtierd.v1.SharedStore"  # a health service name: SERVING w
 
 
 def pool_settings(config: DaemonConfig) -> PoolSettings:
-    policy = config.policy
-    tier_config = TierConfig(host_capacity_bytes=config.host.capacity_bytes, host_codec=config.host.codec,
-                             ssd_codec=config.ssd.codec, t0_to_t1=policy.t0_to_t1, t1_to_t2=policy.t1_to_t2,
-                             t1_to_t3=policy.t1_to_t3, t2_to_t3=policy.t2_to_t3, remote_codec=config.remote.codec,
-                             recompute_s_per_token=policy.recompute_s_per_token or None)
-    return PoolSettings(t0_bytes=config.pool.t0_bytes, tier_config=tier_config, device=config.pool.device,
-                        hash_algo=config.pool.hash_algo, ssd_directory=config.ssd.directory,
-                        ssd_capacity_bytes=config.ssd.capacity_bytes, ssd_durability=config.ssd.durability,
-                        ssd_o_direct=config.ssd.o_direct, max_layouts=config.pool.max_layouts,
-                        remote=remote_config_of(config.remote))
+    """The pools' settings: the daemon's sections, T2 and T3 only where on (reads the T3 password file)."""
+    return PoolSettings(config.pool, TierConfig.of_sections(config.host, config.ssd, config.policy, config.remote),
+                        ssd=config.ssd if config.ssd.enabled else None,
+                        remote=config.remote.with_password_read() if config.remote.enabled else None)
 
 
 def planning_lines(config: DaemonConfig, request_tokens: int = 8192) -> list[str]:
@@ -86,7 +81,7 @@ def planning_lines(config: DaemonConfig, request_tokens: int = 8192) -> list[str
     if config.host.capacity_bytes:  # a layout's fixed share of the node's budget
         host_share = config.host.capacity_bytes // config.pool.max_layouts
         lines.append(PoolCapacity.from_budget(layout, host_share).lines("  T1 host", request_tokens)[0])
-    if config.ssd.directory and config.ssd.capacity_bytes:  # alone on the node: all of it
+    if config.ssd.enabled:  # alone on the node: all of it
         lines.append(PoolCapacity.from_budget(layout, config.ssd.capacity_bytes).lines(
             "  T2 SSD (alone on the node)", request_tokens)[0])
     return lines
@@ -169,7 +164,7 @@ class Daemon:
             self.fd_listener = FdListener(listening)
             self.servicer.fd_listener = self.fd_listener
         ssd = self.config.ssd
-        if ssd.directory and ssd.capacity_bytes:  # before any pool opens T2 in it
+        if ssd.enabled:  # before any pool opens T2 in it
             self.ssd_lock = DirectoryLock.acquire(ssd.directory, setting_name("ssd.directory"))
         num_orphans, orphan_bytes = remove_orphaned_segments()  # what killed daemons left in /dev/shm
         if num_orphans:

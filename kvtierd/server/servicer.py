@@ -21,12 +21,12 @@ from collections.abc import Awaitable, Callable
 from kvtierd import __version__
 from kvtierd.block_hash import pack_token_ids
 from kvtierd.errors import DRAINING_DETAILS, DeadlineExceeded, FailedPrecondition, InvalidArgument, Unavailable
+from kvtierd.events.event_feed import EventFeed
 from kvtierd.index.query_counting import QueryCounting
 from kvtierd.layout import Layout
 from kvtierd.node.operations import Operations
 from kvtierd.node.pools import LayoutPool, PoolRegistry
 from kvtierd.node.sessions import SessionLease, SessionTable
-from kvtierd.server.event_feed import EventFeed
 from kvtierd.server.fd_listener import FdListener
 from kvtierd.server.interceptor import current_tenant
 from kvtierd.server.pool_stats import pool_stats, remote_store_message
@@ -296,18 +296,25 @@ class KvTierServicer(kvtier_pb2_grpc.KvTierServicer):
                                       client_keys(tenant, pool, request.block_hashes), packed_tokens(request.token_ids),
                                       lambda num_blocks: quotas.check(tenant.name, num_blocks * bytes_per_block))
         get = await _off_loop_owned(start_get, BlockGet.close) if pool.manager.has_remote else start_get()
-        if get.future is None:
+        if get.num_blocks == 0:
             return
         nbytes = get.num_blocks * bytes_per_block
         quotas.add(tenant.name, nbytes)
         loop, encoding = asyncio.get_running_loop(), None
         try:
             num_ready = await asyncio.shield(asyncio.wrap_future(get.future))
-            hashes = list(request.block_hashes[:num_ready])
+            hashes = list(request.block_hashes[:get.num_blocks])
             for start in range(0, num_ready, GET_BATCH_BLOCKS):  # serialized off the loop, in one copy
-                encoding = loop.run_in_executor(None, _encode_blocks, get, hashes, start)
+                encoding = loop.run_in_executor(None, _encode_blocks, get, hashes, start, num_ready)
                 for frame in await asyncio.shield(encoding):
                     yield frame
+            if get.remote is not None and num_ready == get.num_local_blocks:  # T3's part, as it lands
+                for chunk in get.remote.chunks():
+                    payloads = await asyncio.shield(asyncio.wrap_future(chunk))
+                    encoding = loop.run_in_executor(None, _encode_payloads, hashes, num_ready, payloads)
+                    for frame in await asyncio.shield(encoding):
+                        yield frame
+                    num_ready += len(payloads)
         finally:  # no await here: a cancelled stream must still release, once nothing reads its blocks
             def release(_=None) -> None:
                 if get.future.done():
@@ -383,7 +390,13 @@ async def _off_loop_owned(work: Callable[[], object], undo: Callable[[object], N
         raise
 
 
-def _encode_blocks(get: BlockGet, hashes: list[bytes], start: int) -> list[bytes]:
-    """GetResponses of the blocks from `start` on, a batch of them (block_frames.py)."""
+def _encode_payloads(hashes: list[bytes], start: int, payloads: list[memoryview]) -> list[bytes]:
+    """GetResponses of blocks `start`, `start + 1`, ... from their bytes (block_frames.py)."""
+    return [encode_get_response(hashes[start + i], payload) for i, payload in enumerate(payloads)]
+
+
+def _encode_blocks(get: BlockGet, hashes: list[bytes], start: int, stop: int) -> list[bytes]:
+    """GetResponses of the request's blocks from `start` on, a batch of them, before `stop`
+    (block_frames.py)."""
     return [encode_get_response(hashes[i], get.block_bytes(i))
-            for i in range(start, min(start + GET_BATCH_BLOCKS, len(hashes)))]
+            for i in range(start, min(start + GET_BATCH_BLOCKS, stop))]

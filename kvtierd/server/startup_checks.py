@@ -12,7 +12,7 @@ and config key). It only reads: nothing is created, bound or changed. It refuses
   the node's budget: every layout's slot files together grow up to it as blocks are written;
   slot files already in the directory (`<directory>/*/kvtierd-slots.bin`, a restarted daemon's)
   count as free, since they are part of that budget. A default capacity (none set) is already
-  bounded by the free space (daemon_config.py), so only an explicit one can be refused here;
+  bounded by the free space (config_loader.py), so only an explicit one can be refused here;
 - host.capacity_bytes above the machine's memory (MemTotal), and pool.t0_bytes above the size of
   /dev/shm where the device pool lives there (the device resolves to the CPU);
 - pool.device naming a CUDA device this machine lacks.
@@ -20,7 +20,7 @@ and config key). It only reads: nothing is created, bound or changed. It refuses
 Writability is os.access: root passes it everywhere but on a read-only filesystem (EROFS).
 What these checks cannot see is refused where it happens: ports in use and sockets served by
 another daemon at bind (listeners.py), another daemon's SSD directory at its lock
-(directory_lock.py), a tokens or password file at load (tenants.py, remote_section.py).
+(directory_lock.py), a tokens or password file at load (tenants.py, t3/remote_config.py).
 """
 
 from __future__ import annotations
@@ -29,8 +29,9 @@ import grp
 import os
 
 from kvtierd.errors import FailedPrecondition, InvalidArgument
-from kvtierd.node.daemon_config import DaemonConfig, setting_name
 from kvtierd.planning.capacity import format_bytes
+from kvtierd.server.config_flags import setting_name
+from kvtierd.server.daemon_config import DaemonConfig
 from kvtierd.server.listeners import MAX_UNIX_PATH_BYTES
 from kvtierd.t0.factory import resolve_device
 from kvtierd.t2.ssd_space import slot_files_bytes
@@ -49,7 +50,7 @@ def check_machine(config: DaemonConfig) -> None:
     for key in ("tls_cert", "tls_key", "tls_client_ca"):
         if getattr(server, key):
             check_readable(getattr(server, key), f"server.{key}")
-    if config.ssd.directory and config.ssd.capacity_bytes:
+    if config.ssd.enabled:
         check_ssd_directory(config.ssd.directory, config.ssd.capacity_bytes)
     memory_bytes = machine_memory_bytes()
     if config.host.capacity_bytes > memory_bytes:

@@ -1,1 +1,1 @@
-"""T1, the host tier: fixed-size slots of pinned (or shared) host DRAM."""
+"""T1, the host tier: fixed-size slots of pinned (or shared) host DRAM, and its [host] section."""

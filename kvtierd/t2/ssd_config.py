@@ -1,5 +1,6 @@
-"""Configuration of the SSD tier, the lock that keeps one tier per directory, and the
-operator's description of a disk error."""
+"""Configuration of the SSD tier: the daemon file's [ssd] section (SsdConfig, the node's T2) and
+what one tier is opened with (SsdTierConfig, one layout's directory); the lock that keeps one tier
+per directory, and the operator's description of a disk error."""
 
 from __future__ import annotations
 
@@ -9,18 +10,59 @@ import errno
 import fcntl
 import os
 import resource
+from collections.abc import Mapping
 
 import lmdb
 
+from kvtierd.config_checks import require_choice
 from kvtierd.errors import FailedPrecondition, InvalidArgument
+from kvtierd.movers.codec_names import CODEC_NAMES
 from kvtierd.t2.ssd_files import DISK_FULL_ERRNOS
+from kvtierd.units import GiB
 
 LOCK_FILE_NAME = "kvtierd-ssd.lock"
-DURABILITY_POLICIES = ("fdatasync", "none")
+DURABILITY_POLICIES = ("fdatasync", "none")  # fdatasync: data synced before its index commit; none: neither synced
+DEFAULT_SSD_CAPACITY_BYTES = 4 * GiB  # when not set: bounded by the slot files there plus half the free space
+
+
+def default_ssd_dir(environ: Mapping[str, str] = os.environ) -> str:
+    """$XDG_CACHE_HOME/kvtierd where that variable is an absolute path, else ~/.cache/kvtierd."""
+    cache_home = environ.get("XDG_CACHE_HOME", "")
+    if not os.path.isabs(cache_home):
+        cache_home = os.path.join(os.path.expanduser("~"), ".cache")
+    return os.path.join(cache_home, "kvtierd")
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class SsdConfig:
+    """[ssd]: the SSD tier (T2) of the node. Each layout's tier lives in `<directory>/<layout id>`
+    (`tier_config`); `capacity_bytes` is the budget of all their slot files together."""
+
+    directory: str = dataclasses.field(default_factory=default_ssd_dir)  # SSD tier (T2) files; "" disables T2
+    capacity_bytes: int = DEFAULT_SSD_CAPACITY_BYTES  # bytes: SSD tier (T2) of the node, all layouts' files
+    codec: str = "raw"  # "raw" | "fp8"
+    durability: str = "fdatasync"  # "fdatasync" | "none"
+    o_direct: bool = True  # bypass the page cache where the filesystem allows
+
+    def __post_init__(self) -> None:
+        require_choice("ssd.codec", self.codec, CODEC_NAMES)
+        require_choice("ssd.durability", self.durability, DURABILITY_POLICIES)
+
+    @property
+    def enabled(self) -> bool:
+        """T2 is on: a directory and a budget."""
+        return bool(self.directory and self.capacity_bytes)
+
+    def tier_config(self, layout_key: str, node_budget: object | None = None) -> SsdTierConfig:
+        """One layout's tier: its own directory under this one, the node's budget shared."""
+        return SsdTierConfig([os.path.join(self.directory, layout_key)], self.capacity_bytes,
+                             durability=self.durability, o_direct=self.o_direct, node_budget=node_budget)
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
 class SsdTierConfig:
+    """What one tier opens: its directories and budget (the daemon's from SsdConfig.tier_config)."""
+
     directories: list[str]  # one slot file each; the LMDB index lives in the first
     capacity_bytes: int  # the most the slot files may grow to, over all directories, split evenly
     durability: str = "fdatasync"  # "fdatasync": data synced before its index commit; "none": neither synced

@@ -8,7 +8,8 @@ from __future__ import annotations
 import time
 from collections.abc import Callable
 
-from kvtierd.index.slot_index import SlotEntry, SlotIndex
+from kvtierd.index.slot_entry import SlotEntry
+from kvtierd.index.slot_index import SlotIndex
 
 
 class ExtentSlotIndex(SlotIndex):

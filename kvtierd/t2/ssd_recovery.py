@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from kvtierd.index.slot_index import BlockMeta
+from kvtierd.index.slot_entry import BlockMeta
 from kvtierd.t2.ssd_files import SlotFiles
 from kvtierd.t2.ssd_index import Record, SsdIndex
 

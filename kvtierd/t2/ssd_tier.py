@@ -1,12 +1,10 @@
 """The T2 SSD tier: blocks in slot files (ssd_files.py), found through a persistent LMDB index
 (ssd_index.py) and an in-memory SlotIndex (LRU, two-phase), recovered on open.
 
-Disk: the files grow as blocks are written, in chunks the node's disk budget grants
-(node_budget.py, shared by every layout's tier), never past `capacity_bytes`. With the budget
-spent, a store reuses this tier's least recently used slots (prepare_store); with none evictable
-the blocks are skipped and counted, never an error. A tier below its fair share of the budget
-first asks the tier furthest above its share to give back the end of its files (`_shed`: the
-blocks there are dropped, the files truncated).
+Disk: the files grow as blocks are written, in chunks the node's disk budget grants, and give
+their end back when another layout needs it (ssd_growth.py). With the budget spent, a store
+reuses this tier's least recently used slots (prepare_store); with none evictable the blocks are
+skipped and counted, never an error.
 
 Write order of a store batch, so that a crash at any instant leaves the old state or the new:
   (a) the entries that give up their slots (LRU victims of prepare_store, watermark evictions)
@@ -42,12 +40,14 @@ import xxhash
 
 from kvtierd.errors import FailedPrecondition, InvalidArgument
 from kvtierd.index.index_events import IndexEvent
-from kvtierd.index.slot_index import BlockMeta, SlotEntry, slots_within
+from kvtierd.index.slot_entry import BlockMeta, SlotEntry
+from kvtierd.index.slot_index import slots_within
 from kvtierd.layout import Layout
 from kvtierd.t2.node_budget import NodeBudget, truncating_shed
 from kvtierd.t2.ssd_config import SsdTierConfig, describe_error, lock_directory
 from kvtierd.t2.ssd_extent import ExtentSlotIndex
 from kvtierd.t2.ssd_files import SlotFiles
+from kvtierd.t2.ssd_growth import SsdGrowth, take_budget
 from kvtierd.t2.ssd_index import Record, SsdIndex
 from kvtierd.t2.ssd_recovery import recover_records
 from kvtierd.t2.ssd_stats import SsdStats
@@ -55,7 +55,6 @@ from kvtierd.t2.ssd_stats import SsdStats
 log = logging.getLogger(__name__)
 
 INDEX_RESERVE_BYTES = 1 << 20  # left free beside the index when the disk cannot hold the capacity
-GROW_CHUNK_BYTES = 64 << 20  # the files grow by at least this much at a time (or what the budget has)
 
 
 class SsdTier:
@@ -92,10 +91,10 @@ class SsdTier:
         self._reason = "; ".join(filter(None, [self._reason, *self._files.shortfalls]))
         self.num_slots = self._files.max_slots  # the most the files may hold
         self.stride = self._files.stride
-        self._grow_slots = max(1, GROW_CHUNK_BYTES // self.stride)
         self._budget: NodeBudget = budget if budget is not None else NodeBudget(self.num_slots * self.stride, "ssd")
         self._budget_key = directories[0]
-        extent = self._take_budget(self._budget.register(self._budget_key), self._files.existing_slots())
+        extent = take_budget(self._budget, self._budget_key, self._budget.register(self._budget_key),
+                             self._files.existing_slots(), self.stride)
         try:
             self._files.resize(extent)  # drops what the budget no longer covers (records past it are dropped)
         except OSError as error:
@@ -104,6 +103,8 @@ class SsdTier:
         self._checksums = np.zeros(self.num_slots, dtype=np.uint64)  # per slot, of its holder
         self._write_lock = threading.Lock()  # orders slot reuse against LMDB deletes (see module doc)
         self._pending_deletes: set[bytes] = set()  # under _write_lock
+        self._growth = SsdGrowth(self._budget, self._budget_key, self._files, self._index, self._write_lock,
+                                 self._commit_index, self._stop_admitting)
         self._stats_lock = threading.Lock()
         self._touched: dict[bytes, float] = {}  # last uses not yet persisted; under _stats_lock
         self._state = threading.Condition()
@@ -118,19 +119,6 @@ class SsdTier:
         if self._db is not None:
             self._recover()
         self._budget.register(self._budget_key, self._shed)  # from now on others may ask it to give back
-
-    def _take_budget(self, held_bytes: int, num_existing_slots: int) -> int:
-        """Make this tier's part of the budget cover exactly what its files keep of the
-        `num_existing_slots` they hold (all, when the budget has room); returns those slots."""
-        want = num_existing_slots * self.stride
-        if held_bytes > want:
-            self._budget.release(self._budget_key, held_bytes - want)
-        elif held_bytes < want:
-            held_bytes += self._budget.reserve(self._budget_key, want - held_bytes, unit=self.stride)
-        extent = min(num_existing_slots, held_bytes // self.stride)
-        if extent * self.stride < held_bytes:
-            self._budget.release(self._budget_key, held_bytes - extent * self.stride)
-        return extent
 
     # ------------------------------------------------------------------------------ open
 
@@ -210,7 +198,7 @@ class SsdTier:
         with self._operation():
             if not self._admitting or not metas:
                 return 0
-            self._make_room(sum(1 for block_hash in sources if not self._index.holds(block_hash)))
+            self._growth.make_room(sum(1 for block_hash in sources if not self._index.holds(block_hash)))
             with self._write_lock:
                 num_new = sum(1 for block_hash in sources if not self._index.holds(block_hash))
                 num_quota_skips = self._index.num_quota_skips
@@ -251,64 +239,13 @@ class SsdTier:
                 self.bytes_written += len(entries) * self.slot_nbytes
             return len(entries)
 
-    def _make_room(self, num_blocks: int) -> None:
-        """Grow the files for `num_blocks` new blocks when the free slots lack them and the budget
-        grants it (a chunk at a time while under its fair share); a tier under its fair share
-        first asks the others to give back. Called outside `_write_lock` (a shed takes the other
-        tier's). When nothing is granted the store reuses this tier's least recently used slots."""
-        num_missing = min(num_blocks - self._index.num_free_slots, self.num_slots - self._index.num_slots)
-        if num_missing <= 0:
-            return
-        if self._budget.free_bytes < num_missing * self.stride:  # ask for a chunk: fewer, larger extents
-            self._budget.make_room(self._budget_key, self._num_wanted(num_missing) * self.stride,
-                                   needed_bytes=num_missing * self.stride)
-        with self._write_lock:
-            extent = self._index.num_slots
-            num_missing = min(num_blocks - self._index.num_free_slots, self.num_slots - extent)
-            if num_missing <= 0:
-                return
-            num_wanted = self._num_wanted(num_missing)
-            granted = self._budget.reserve(self._budget_key, num_wanted * self.stride, unit=self.stride)
-            num_granted = granted // self.stride
-            if not num_granted:
-                return
-            try:
-                self._files.resize(extent + num_granted)
-            except OSError as error:  # the disk cannot hold what the budget granted
-                self._budget.release(self._budget_key, num_granted * self.stride)
-                self._stop_admitting(error, "slot file growth")
-                return
-            self._index.grow(num_granted)
-
-    def _num_wanted(self, num_missing: int) -> int:
-        """Slots to grow by for `num_missing`: a chunk while under the fair share, else what is missing."""
-        share = self._budget.share(self._budget_key)
-        num_below_share = max(0, share.share_bytes - share.held_bytes) // self.stride
-        return min(max(num_missing, min(self._grow_slots, num_below_share)), self.num_slots - self._index.num_slots)
-
     def _shed(self, nbytes: int) -> int:
-        """Give back at least `nbytes` of disk to the node's budget (another layout needs it):
-        drop the blocks at the end of the files and truncate them. Returns the bytes given back
-        (fewer when stores or loads hold slots there)."""
+        """The budget's call when another layout needs disk: SsdGrowth.shed, unless closed."""
         try:
-            with self._operation(), self._write_lock:
-                extent = self._index.num_slots
-                dropped = self._index.shrink(extent - -(-nbytes // self.stride))
-                new_extent = self._index.num_slots
-                if new_extent == extent:
-                    return 0
-                self._commit_index("give back disk", deletes=[e.block_hash for e in dropped])  # before truncating
-                try:
-                    self._files.resize(new_extent)
-                except OSError as error:
-                    log.error("SSD tier: truncating the slot files failed: %s", error)
-                released = (extent - new_extent) * self.stride
-                self._budget.release(self._budget_key, released)
+            with self._operation():
+                return self._growth.shed(nbytes)
         except FailedPrecondition:  # closed (_operation); nothing inside raises it
             return 0
-        log.info("SSD tier %s: gave back %d bytes of disk to another layout (%d blocks dropped)",
-                 self._budget_key, released, len(dropped))
-        return released
 
     def _write_run(self, run, entries, sources) -> list[tuple[int, int]]:
         self._files.write_run(run, sources)

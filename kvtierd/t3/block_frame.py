@@ -53,8 +53,26 @@ def layout_digest(layout: Layout, codec_name: str) -> bytes:
     return hashlib.sha256(layout.fingerprint() + b"\0" + codec_name.encode()).digest()[:16]
 
 
-def frame_block(digest: bytes, block_hash: bytes, parent_hash: bytes, token_ids: bytes, payload) -> bytes:
-    """One block's value: header, hashes, token ids (packed u32) and `payload` (a bytes-like)."""
+class FrameValue:
+    """One block's value as the pieces it is sent in: the header, hashes and token ids (a small
+    bytes), then the payload as it was given (no copy). `len()` is the value's length."""
+
+    __slots__ = ("head", "payload", "nbytes")
+
+    def __init__(self, head: bytes, payload: memoryview) -> None:
+        self.head, self.payload = head, payload
+        self.nbytes = len(head) + payload.nbytes
+
+    def __len__(self) -> int:
+        return self.nbytes
+
+    def __bytes__(self) -> bytes:
+        return self.head + bytes(self.payload)
+
+
+def frame_value(digest: bytes, block_hash: bytes, parent_hash: bytes, token_ids: bytes, payload) -> FrameValue:
+    """One block's value: header, hashes, token ids (packed u32) and `payload` (a bytes-like, not
+    copied: it must not change until the value is written)."""
     assert len(digest) == 16 and len(token_ids) % 4 == 0
     payload = memoryview(payload).cast("B")
     checksum = xxhash.xxh3_64()
@@ -62,7 +80,12 @@ def frame_block(digest: bytes, block_hash: bytes, parent_hash: bytes, token_ids:
         checksum.update(part)
     head = _HEAD.pack(MAGIC, VERSION, len(block_hash), len(parent_hash), 0, len(token_ids) // 4, len(payload),
                       digest, checksum.intdigest())
-    return b"".join((head, block_hash, parent_hash, token_ids, payload))
+    return FrameValue(b"".join((head, block_hash, parent_hash, token_ids)), payload)
+
+
+def frame_block(digest: bytes, block_hash: bytes, parent_hash: bytes, token_ids: bytes, payload) -> bytes:
+    """`frame_value` in one bytes (a copy of the payload)."""
+    return bytes(frame_value(digest, block_hash, parent_hash, token_ids, payload))
 
 
 @dataclasses.dataclass(frozen=True, slots=True)

@@ -32,6 +32,7 @@ from redis.backoff import NoBackoff
 from redis.crc import REDIS_CLUSTER_HASH_SLOTS
 from redis.retry import Retry
 
+from kvtierd.t3.block_frame import FrameValue
 from kvtierd.t3.circuit_breaker import BreakerState, CircuitBreaker
 from kvtierd.t3.redis_connections import CONNECTION, HIREDIS, TLS_CONNECTION, read_replies
 from kvtierd.t3.remote_config import RemoteConfig
@@ -39,6 +40,7 @@ from kvtierd.t3.remote_config import RemoteConfig
 log = logging.getLogger(__name__)
 Address = tuple[str, int]
 _EXISTS = b"*2\r\n$6\r\nEXISTS\r\n$%d\r\n%s\r\n"  # one EXISTS in RESP, packed by hand
+_SMALL = 1 << 14  # a value below this is joined into the write before it
 
 
 @dataclasses.dataclass(eq=False)
@@ -103,7 +105,7 @@ class RedisStore:
         for node, positions in self._group(keys).items():
             if node.breaker.allow():
                 packed = b"".join(_EXISTS % (len(keys[i]), keys[i]) for i in positions)
-                connection = self._send(node, packed)
+                connection = self._send(node, [packed])
                 if connection is not None:
                     sent.append((node, positions, connection))
         for node, positions, connection in sent:
@@ -115,15 +117,40 @@ class RedisStore:
             self._replied(node, [reply for reply in replies if isinstance(reply, redis.RedisError)])
         return present
 
-    def set(self, items: Sequence[tuple[bytes, bytes]], ttl_s: int = 0) -> list[bool]:
-        """SET each (key, value), with a TTL when `ttl_s`; True where the node took it."""
-        values = dict(items)
-        return self._each_node([key for key, _ in items],
-                               lambda pipe, key: pipe.set(key, values[key], ex=ttl_s or None),
-                               lambda reply: reply is True, False)
+    def set(self, items: Sequence[tuple[bytes, bytes | FrameValue]], ttl_s: int = 0) -> list[bool]:
+        """SET each (key, value), with a TTL when `ttl_s`; True where the node took it. Each node's
+        SETs go out packed by hand as one write of many buffers, a FrameValue's payload sent from
+        where it lies (no copy), the nodes in parallel; then their replies are read."""
+        written = [False] * len(items)
+        expiry = b"$2\r\nEX\r\n$%d\r\n%d\r\n" % (len(str(ttl_s)), ttl_s) if ttl_s else b""
+        head = b"*5\r\n$3\r\nSET\r\n" if ttl_s else b"*3\r\n$3\r\nSET\r\n"
 
-    def _send(self, node: StoreNode, packed: bytes) -> redis.Connection | None:
-        """A pooled connection of the node with `packed` commands written to it (None: it failed)."""
+        def run(node: StoreNode, positions: list[int]) -> None:
+            buffers: list = []
+            pending = b""  # small pieces joined into the next write
+            for i in positions:
+                key, value = items[i]
+                pending += head + b"$%d\r\n%s\r\n$%d\r\n" % (len(key), key, len(value))
+                if isinstance(value, FrameValue):
+                    buffers += [pending + value.head, value.payload]
+                else:
+                    buffers += [pending + value] if len(value) < _SMALL else [pending, value]
+                pending = b"\r\n" + expiry
+            buffers.append(pending)
+            connection = self._send(node, buffers)
+            replies = self._receive(node, connection, len(positions)) if connection is not None else None
+            if replies is None:
+                return
+            for i, reply in zip(positions, replies):
+                written[i] = reply == b"OK"
+            self._replied(node, [reply for reply in replies if isinstance(reply, redis.RedisError)])
+
+        self._on_each_node(self._group([key for key, _ in items]), run)
+        return written
+
+    def _send(self, node: StoreNode, packed: list) -> redis.Connection | None:
+        """A pooled connection of the node with the `packed` commands (buffers, sent in order)
+        written to it; None: it failed."""
         pool = node.client.connection_pool
         try:
             connection = pool.get_connection()
@@ -131,7 +158,7 @@ class RedisStore:
             self._node_failed(node, e)
             return None
         try:
-            connection.send_packed_command([packed], check_health=False)
+            connection.send_packed_command(packed, check_health=False)
         except (redis.RedisError, OSError) as e:
             connection.disconnect()
             pool.release(connection)
@@ -216,12 +243,8 @@ class RedisStore:
         reply; a key whose node gave no reply gets `failed`."""
         results = [failed] * len(keys)
         groups = self._group(keys)
-        if not groups:
-            return results
 
         def run(node: StoreNode, positions: list[int]) -> None:
-            if not node.breaker.allow():
-                return
             pipe = node.client.pipeline(transaction=False)
             for position in positions:
                 command(pipe, keys[position])
@@ -238,12 +261,17 @@ class RedisStore:
                     results[position] = parse(reply)
             self._replied(node, errors)
 
+        self._on_each_node(groups, run)
+        return results
+
+    def _on_each_node(self, groups: dict[StoreNode, list[int]], run: Callable) -> None:
+        """`run(node, positions)` for every node whose breaker allows a call, the nodes in parallel."""
+        groups = {node: positions for node, positions in groups.items() if node.breaker.allow()}
         if len(groups) == 1:
             run(*next(iter(groups.items())))
         else:
             for future in [self._parallel.submit(run, node, positions) for node, positions in groups.items()]:
                 future.result()
-        return results
 
     def _group(self, keys: Sequence[bytes]) -> dict[StoreNode, list[int]]:
         """Positions of `keys` by the node that owns them; {} while no seed answers."""

@@ -5,7 +5,8 @@ digest (block_frame.layout_digest) covers the layout and the codec, so daemons w
 layouts never read each other's values; the tenant's tag is in every key, so another tenant's
 prefix is a plain miss on every node; no hash tag, so a chain spreads over all the store's slots.
 
-Reads: `probe` counts the chain's leading keys present (EXISTS, one pipeline per node: Lookup);
+Reads: `probe` counts the chain's leading keys present (EXISTS of its first and last key, one
+pipeline per node; chain_probe.py: Lookup, and an Acquire that follows without asking again);
 `load` GETs the chain and verifies each value against the block asked for (block_frame.py). The
 first value missing, short, of another layout, another chain or with a bad checksum ends the run:
 the blocks before it are hits, it and the rest are misses, and a bad value is counted by reason.
@@ -25,6 +26,7 @@ the store's (maxmemory + an allkeys-* policy); a key the store dropped is a miss
 from __future__ import annotations
 
 import collections
+import concurrent.futures
 import dataclasses
 import threading
 from collections.abc import Sequence
@@ -32,14 +34,16 @@ from collections.abc import Sequence
 import torch
 
 from kvtierd.daemon_key import TAG_BYTES
-from kvtierd.index.slot_index import BlockMeta
+from kvtierd.index.slot_entry import BlockMeta
 from kvtierd.layout import Layout
 from kvtierd.movers.copy_engine import Bandwidth
-from kvtierd.t3.block_frame import FrameMismatch, frame_block, layout_digest, read_frame
+from kvtierd.t3.block_frame import FrameMismatch, FrameValue, frame_value, layout_digest, read_frame
+from kvtierd.t3.chain_probe import RecentProbes, probe_chains
 from kvtierd.t3.redis_store import RedisStore
 from kvtierd.t3.remote_writes import RemoteWrites
 
 MAX_KNOWN_KEYS = 1 << 16  # keys recently written or read: not written again
+READ_THREADS = 4  # this layout's T3 reads in flight at once, on threads of their own
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -77,7 +81,12 @@ class RemoteTier:
         self._key_of: dict[bytes, bytes] = {}  # daemon key -> store key, for the probes of hot prefixes
         self._counts = collections.Counter()
         self._corrupt = collections.Counter()
-        self.writes = RemoteWrites(self._write, config.max_write_backlog_bytes, self._written)
+        self._recent = RecentProbes()  # the last probes' answers, for the Acquires that follow
+        # T3 reads wait on the network: on threads of their own, so that a slow store node never
+        # holds the copy engine's T1 and T2 loads
+        self.readers = concurrent.futures.ThreadPoolExecutor(READ_THREADS, thread_name_prefix="kvtierd-t3-read")
+        self.writes = RemoteWrites(self._write, config.max_write_backlog_bytes, self._written,
+                                   on_dropped=self._dropped)
 
     def key(self, block_hash: bytes) -> bytes:
         """The store key of a daemon key (tenant tag + client hash)."""
@@ -92,30 +101,39 @@ class RemoteTier:
 
     # ----------------------------------------------------------------------------- reads
 
-    def probe(self, block_hashes: Sequence[bytes], count_misses: bool = False) -> int:
-        """How many leading blocks of the chain the store holds (not verified until `load`).
-        `count_misses`: the chain is a query; the blocks after those are misses (module doc)."""
-        return self.probe_chains([block_hashes], count_misses)[0]
+    def probe(self, block_hashes: Sequence[bytes], count_misses: bool = False, reuse: bool = False) -> int:
+        """How many leading blocks of the chain the store holds, as chain_probe.py asks (the first
+        and last key; the rest only when the last is absent); not verified until `load`.
+        `count_misses`: the chain is a query; the blocks after those are misses (module doc).
+        `reuse`: take a Lookup's answer for this very chain from the last PROBE_ANSWER_TTL_S
+        instead of asking again (an Acquire after its Lookup)."""
+        answer = self._recent.take(block_hashes) if reuse else None
+        if answer is None:
+            return self.probe_chains([block_hashes], count_misses)[0]
+        if count_misses and not answer.misses_counted:
+            with self._lock:
+                self._counts["miss"] += answer.num_blocks - answer.num_present
+        return answer.num_present
 
     def probe_chains(self, chains: Sequence[Sequence[bytes]], count_misses: bool = False) -> list[int]:
-        """`probe` of each chain, every chain's keys asked in one round trip."""
-        keys = [self.key(block_hash) for chain in chains for block_hash in chain]
-        present = iter(self.store.exists(keys) if keys else ())
-        leading = []
-        for chain in chains:
-            flags = [next(present) for _ in chain]
-            leading.append(flags.index(False) if False in flags else len(flags))
+        """`probe` of each chain, every chain's keys asked at once (one or two round trips)."""
+        leading = probe_chains(chains, self.key, self.store.exists)
+        for chain, num_present in zip(chains, leading):
+            if chain:
+                self._recent.remember(chain, num_present, count_misses)
         if count_misses:
             with self._lock:
-                self._counts["miss"] += len(keys) - sum(leading)
+                self._counts["miss"] += sum(len(chain) for chain in chains) - sum(leading)
         return leading
 
     def load(self, block_hashes: Sequence[bytes], parent: bytes | None, token_bytes: bytes | None,
-             block_size: int) -> tuple[list[BlockMeta], list[memoryview]]:
+             block_size: int, counted: bool = True) -> tuple[list[BlockMeta], list[memoryview]]:
         """GET the chain's blocks (one pipeline per node) and verify them in order: the metas of
-        the leading blocks that passed (token ids from their frames) and views of their payloads.
-        `parent`: the first block's parent; None when the caller does not know it (a chain's first
-        block: the index has no fixed root), which then comes from the frame."""
+        the leading blocks that passed (token ids from their frames) and views of their payloads
+        (each view's `.obj` is the whole value read). `parent`: the first block's parent; None
+        when the caller does not know it (a chain's first block: the index has no fixed root),
+        which then comes from the frame. `counted` False: the caller counts the hits and misses
+        (`count_reads`), e.g. a read ahead that its caller may not use."""
         if not block_hashes:
             return [], []
         keys = [self.key(h) for h in block_hashes]
@@ -137,43 +155,59 @@ class RemoteTier:
             payloads.append(frame.payload)
             parent = block_hash
         with self._lock:
-            self._counts["hit"] += len(metas)
-            self._counts["miss"] += len(block_hashes) - len(metas)
-            self._counts["read_bytes"] += sum(len(v) for v in values[:len(metas)])
             for key in keys[:len(metas)]:
                 self._remember(key)
+        if counted:
+            self.count_reads(len(metas), len(block_hashes) - len(metas), sum(len(v) for v in values[:len(metas)]))
         return metas, payloads
+
+    def count_reads(self, num_hit_blocks: int, num_miss_blocks: int, num_read_bytes: int) -> None:
+        """Count blocks a query read (hits: verified and used) or did not get (misses)."""
+        with self._lock:
+            self._counts["hit"] += num_hit_blocks
+            self._counts["miss"] += num_miss_blocks
+            self._counts["read_bytes"] += num_read_bytes
 
     # ----------------------------------------------------------------------------- writes
 
-    def offer(self, metas: Sequence[BlockMeta], rows: torch.Tensor | Sequence[torch.Tensor]) -> int:
-        """Frame the blocks (copying `rows`: a uint8 tensor of one row per block, or one 1-D view
-        per block, e.g. of T1 slots, which the caller may reuse at once) and queue their writes;
-        returns how many were queued. Blocks written recently are skipped."""
-        assert len(rows) == len(metas) and all(row.dtype == torch.uint8 and row.numel() == self.slot_nbytes
-                                               for row in rows[:1])
-        items = []
+    def offer(self, metas: Sequence[BlockMeta], rows: torch.Tensor | Sequence, copy: bool = True) -> int:
+        """Frame the blocks and queue their writes; returns how many were queued. `rows`: a uint8
+        tensor of one row per block, or one 1-D uint8 view per block (e.g. of T1 slots), copied
+        so the caller may reuse them at once; with `copy` False, buffers of the payloads (e.g. a
+        Put's received bytes) that stay unchanged until written. Blocks written recently, or
+        queued, are skipped."""
+        assert len(rows) == len(metas)
         with self._lock:
             fresh = [(i, m, self.key(m.block_hash)) for i, m in enumerate(metas)]
             fresh = [(i, m, key) for i, m, key in fresh if key not in self._known]
+            for _, _, key in fresh:  # queued: not offered again (forgotten if dropped or failed)
+                self._remember(key)
+        items = []
         for i, meta, key in fresh:
-            items.append((key, frame_block(self.digest, meta.block_hash, meta.parent_hash, meta.token_ids,
-                                           rows[i].numpy())))
+            payload = rows[i].numpy() if isinstance(rows[i], torch.Tensor) else rows[i]
+            assert memoryview(payload).nbytes == self.slot_nbytes
+            items.append((key, frame_value(self.digest, meta.block_hash, meta.parent_hash, meta.token_ids,
+                                           bytes(memoryview(payload).cast("B")) if copy else payload)))
         return self.writes.offer(items)
 
-    def _write(self, items: list[tuple[bytes, bytes]]) -> list[bool]:
+    def _write(self, items: list[tuple[bytes, FrameValue]]) -> list[bool]:
         with self.write.measure(sum(len(frame) for _, frame in items)):
             return self.store.set(items, self.ttl_s)
 
-    def _written(self, items: list[tuple[bytes, bytes]], written: list[bool]) -> None:
+    def _written(self, items: list[tuple[bytes, FrameValue]], written: list[bool]) -> None:
         with self._lock:
             for (key, frame), ok in zip(items, written):
                 if ok:
-                    self._remember(key)
                     self._counts["written"] += 1
                     self._counts["written_bytes"] += len(frame)
                 else:
+                    self._known.pop(key, None)  # may be offered again
                     self._counts["failed_writes"] += 1
+
+    def _dropped(self, keys: list[bytes]) -> None:
+        with self._lock:
+            for key in keys:
+                self._known.pop(key, None)
 
     def _remember(self, key: bytes) -> None:
         """Under _lock."""
@@ -205,4 +239,5 @@ class RemoteTier:
         return self.writes.wait_idle(timeout_s)
 
     def close(self) -> None:
+        self.readers.shutdown(wait=True)
         self.writes.close()

@@ -20,8 +20,10 @@ log = logging.getLogger(__name__)
 class RemoteWrites:
     def __init__(self, write: Callable[[list[tuple[bytes, bytes]]], list[bool]], max_backlog_bytes: int,
                  on_written: Callable[[list[tuple[bytes, bytes]], list[bool]], None],
-                 batch_bytes: int = 64 << 20) -> None:
+                 batch_bytes: int = 64 << 20, on_dropped: Callable[[list[bytes]], None] = lambda keys: None) -> None:
+        """`on_dropped(keys)`: told (on the offering thread) which keys `offer` dropped."""
         self.max_backlog_bytes = max_backlog_bytes
+        self._on_dropped = on_dropped
         self.batch_bytes = batch_bytes
         self._write = write
         self._on_written = on_written
@@ -35,18 +37,23 @@ class RemoteWrites:
         self._thread.start()
 
     def offer(self, items: Sequence[tuple[bytes, bytes]]) -> int:
-        """Queue (key, frame) pairs; returns how many were queued (the rest were dropped)."""
+        """Queue (key, frame) pairs (a frame: anything with a len(), in bytes); returns how many were
+        queued (the rest were dropped)."""
         num_queued = 0
+        dropped = []
         with self._cond:
             for key, frame in items:
                 if self._closed or self.backlog_bytes + len(frame) > self.max_backlog_bytes:
                     self.num_dropped += 1
+                    dropped.append(key)
                     continue
                 self._queue.append((key, frame))
                 self.backlog_bytes += len(frame)
                 num_queued += 1
             if num_queued:
                 self._cond.notify_all()
+        if dropped:
+            self._on_dropped(dropped)
         return num_queued
 
     def wait_idle(self, timeout_s: float | None = None) -> bool:

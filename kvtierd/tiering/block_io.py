@@ -13,11 +13,14 @@ and a block served by T0, T1 or T2 a hit of that tier (a Put's block already in 
 
 from __future__ import annotations
 
+import concurrent.futures
 import dataclasses
 from collections.abc import Callable, Sequence
 
 from kvtierd.errors import InvalidArgument
+from kvtierd.index.slot_entry import BlockMeta
 from kvtierd.tiering.promotion import AcquiredBlocks
+from kvtierd.tiering.remote_stream import RemoteStream
 
 Admit = Callable[[int], None]  # called with a number of T0 blocks before they are taken; raises to refuse
 
@@ -79,6 +82,10 @@ class BlockPut:
             stride = 4 * tiers.layout.block_size
             parent = keys[num_hits - 1] if num_hits else self.parent
             self.commits.append((start + num_hits, keys[num_hits:], tokens[num_hits * stride:], parent))
+            parents = [parent, *keys[num_hits:-1]]
+            self.manager.offloader.offer_received_to_t3(
+                [BlockMeta(b.key, p, b.token_ids) for b, p in zip(batch[num_hits:], parents)],
+                [b.data for b in batch[num_hits:]])
         self.num_already_cached += num_hits
         self.num_blocks += len(batch)
         self.parent = keys[-1]
@@ -100,36 +107,58 @@ class BlockPut:
 
 
 class BlockGet:
-    """One Get: the leading blocks of a chain found in any tier, promoted into T0 blocks of the
-    request, read (`block_bytes`) while it holds them, released by `close`."""
+    """One Get: the leading blocks of a chain found in any tier. The blocks in T0, T1 or T2 are
+    promoted into T0 blocks of the request, read (`block_bytes`) while it holds them, released
+    by `close`; the blocks after them that only T3 holds are streamed from the store as they
+    land (`remote`, remote_stream.py) when T3 keeps raw blocks, else promoted with the rest."""
 
-    def __init__(self, manager, request_id, acquisition: AcquiredBlocks | None) -> None:
+    def __init__(self, manager, request_id, acquisition: AcquiredBlocks | None, num_admitted_blocks: int = 0,
+                 remote: RemoteStream | None = None) -> None:
         self.manager, self.request_id, self.acquisition = manager, request_id, acquisition
+        self.num_local_blocks = len(acquisition.block_ids) if acquisition is not None else 0
+        self.num_admitted_blocks = num_admitted_blocks
+        self.remote = remote
 
     @classmethod
     def start(cls, manager, request_id, keys: Sequence[bytes], token_ids: bytes | None,
               admit: Admit = lambda num_blocks: None) -> BlockGet:
         """Find the chain's prefix in the tiers and start promoting what lies below T0."""
+        tiers = manager.tiers
         hits = manager.lookup(keys, token_ids, count_misses=True)  # T3's misses: here, its acquire asks no more
         num_hits = hits.t0 + hits.t1 + hits.t2 + hits.t3
-        num_misses = len(keys) - num_hits  # the hits are counted by acquire
-        manager.tiers.counters.add("num_query_blocks", num_misses)
-        manager.count_query(num_misses * manager.tiers.layout.block_size)
+        num_misses = len(keys) - num_hits  # the hits are counted by acquire (the streamed ones here)
+        tiers.counters.add("num_query_blocks", num_misses)
+        manager.count_query(num_misses * tiers.layout.block_size)
         if num_hits == 0:
             return cls(manager, request_id, None)
         admit(num_hits)
-        return cls(manager, request_id, manager.acquire(request_id, list(keys[:num_hits]), 0, token_ids,
-                                                        num_t3_present=hits.t3))
+        stream = bool(hits.t3) and tiers.remote_codec.name == "raw"
+        num_promoted = num_hits - hits.t3 if stream else num_hits
+        acquisition = None
+        if num_promoted:
+            acquisition = manager.acquire(request_id, list(keys[:num_promoted]), 0, token_ids,
+                                          num_t3_present=0 if stream else hits.t3)
+        remote = None
+        if stream:
+            manager.count_query_blocks(hits.t3)
+            remote = RemoteStream(tiers, manager.promoter.reads,
+                                  chain_metas(keys, token_ids, num_promoted, num_hits, tiers.index.root,
+                                              tiers.layout.block_size))
+        return cls(manager, request_id, acquisition, num_hits, remote)
 
     @property
-    def future(self):
-        """Resolves to how many leading blocks are readable in T0 (None: nothing to read)."""
-        return self.acquisition.ticket.future if self.acquisition is not None else None
+    def future(self) -> concurrent.futures.Future[int]:
+        """Resolves to how many leading blocks are readable in T0 (of `num_local_blocks`)."""
+        if self.acquisition is not None:
+            return self.acquisition.ticket.future
+        done: concurrent.futures.Future[int] = concurrent.futures.Future()
+        done.set_result(0)
+        return done
 
     @property
     def num_blocks(self) -> int:
-        """Blocks the request holds (the quota the caller admitted)."""
-        return len(self.acquisition.block_ids) if self.acquisition is not None else 0
+        """Blocks the Get admitted (the quota the caller holds for it)."""
+        return self.num_admitted_blocks
 
     def block_bytes(self, position: int):
         """The bytes of the request's block at `position`, on the host (a view on CPU pools)."""
@@ -140,3 +169,13 @@ class BlockGet:
         if self.acquisition is not None:
             self.acquisition = None
             self.manager.release(self.request_id)
+
+
+def chain_metas(keys: Sequence[bytes], token_ids: bytes | None, start: int, stop: int, root: bytes | None,
+                block_size: int) -> list[BlockMeta]:
+    """BlockMetas of `keys[start:stop]`, each chained to the key before it (`root` before the
+    first key); token ids b"" where the caller sent none."""
+    stride = 4 * block_size
+    parents = [keys[start - 1] if start else root, *keys[start:stop - 1]]
+    return [BlockMeta(keys[i], parent, token_ids[i * stride:(i + 1) * stride] if token_ids is not None else b"")
+            for i, parent in zip(range(start, stop), parents)]

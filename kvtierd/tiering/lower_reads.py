@@ -15,7 +15,7 @@ import dataclasses
 import numpy as np
 import torch
 
-from kvtierd.index.slot_index import BlockMeta, StorePlan
+from kvtierd.index.slot_entry import BlockMeta, StorePlan
 from kvtierd.movers.block_codec import BlockCodec
 from kvtierd.tiering.offload import Offloader
 from kvtierd.tiering.tiers import Tiers
@@ -54,7 +54,7 @@ class LowerReads:
             raw = torch.empty((len(metas), tiers.ssd_codec.slot_nbytes), dtype=torch.uint8)
             with tiers.ssd_read.measure(raw.numel()):
                 num_read = tiers.ssd.load(hashes, raw, parent=metas[0].parent_hash)
-            self._land(segment, metas[:num_read], raw[:num_read], tiers.ssd_codec, plan)
+            segment.source = self._land(metas[:num_read], raw[:num_read], tiers.ssd_codec, plan)
         if num_read < len(metas):
             tiers.counters.add("num_failed_load_blocks", len(metas) - num_read)
 
@@ -66,12 +66,16 @@ class LowerReads:
         if not candidates:
             segment.source = (None, [], tiers.remote_codec)
             return
-        stride = 4 * tiers.layout.block_size
-        known_tokens = all(len(m.token_ids) == stride for m in candidates)
         metas, payloads = tiers.remote.load([m.block_hash for m in candidates], candidates[0].parent_hash,
-                                            b"".join(m.token_ids for m in candidates) if known_tokens else None,
+                                            known_token_bytes(candidates, tiers.layout.block_size),
                                             tiers.layout.block_size)
         segment.metas = metas + candidates[len(metas):]
+        segment.source = self.land_t3(metas, payloads)
+
+    def land_t3(self, metas: list[BlockMeta], payloads: list[memoryview]) -> tuple:
+        """Store blocks read from T3 (verified `payloads`, in T3's codec) in T1 when there is one;
+        the (rows, row ids, codec) an upload decodes them from (T1's slots, or a host buffer)."""
+        tiers = self.tiers
         plan = self._plan_t1(metas) if metas else None
         slot_ids = self._direct_slots(plan, metas, tiers.remote_codec)
         if slot_ids is not None:  # every block into its own T1 slot: one copy
@@ -79,12 +83,11 @@ class LowerReads:
             for slot, payload in zip(slot_ids, payloads):
                 host.slots[slot].numpy()[:] = np.frombuffer(payload, np.uint8)
             host.index.complete_store(plan.stores, success=True)
-            segment.source = (host.slots, slot_ids, host.codec)
-            return
+            return host.slots, slot_ids, host.codec
         raw = torch.empty((len(metas), tiers.remote_codec.slot_nbytes), dtype=torch.uint8)
         for row, payload in zip(raw.numpy(), payloads):
             row[:] = np.frombuffer(payload, np.uint8)
-        self._land(segment, metas, raw, tiers.remote_codec, plan)
+        return self._land(metas, raw, tiers.remote_codec, plan)
 
     def _direct_slots(self, plan: StorePlan | None, metas: list[BlockMeta], codec: BlockCodec) -> list[int] | None:
         """The T1 slots to read `metas` straight into: when T1 took every block, in `codec`."""
@@ -101,14 +104,12 @@ class LowerReads:
         self.offloader.spill_t1_victims(plan)
         return plan
 
-    def _land(self, segment: Segment, metas: list[BlockMeta], rows: torch.Tensor, codec: BlockCodec,
-              plan: StorePlan | None) -> None:
-        """Store the leading blocks read (`rows`, in `codec`) in T1's reserved slots, give back the
-        slots of those that did not come, and set the rows the upload decodes from."""
+    def _land(self, metas: list[BlockMeta], rows: torch.Tensor, codec: BlockCodec, plan: StorePlan | None) -> tuple:
+        """Store the leading blocks read (`rows`, in `codec`) in T1's reserved slots and give back
+        the slots of those that did not come; the (rows, row ids, codec) the upload decodes from."""
         host = self.tiers.host
         if host is None:
-            segment.source = (rows, list(range(len(metas))), codec)
-            return
+            return rows, list(range(len(metas))), codec
         rows = self.tiers.recoded_for_t1(codec, rows)
         row_of = {m.block_hash: i for i, m in enumerate(metas)}
         stored = [e for e in plan.stores if e.block_hash in row_of] if plan is not None else []
@@ -117,4 +118,10 @@ class LowerReads:
         if plan is not None:
             host.index.complete_store(stored, success=True)
             host.index.complete_store([e for e in plan.stores if e.block_hash not in row_of], success=False)
-        segment.source = (rows, list(range(len(metas))), host.codec)
+        return rows, list(range(len(metas))), host.codec
+
+
+def known_token_bytes(metas: list[BlockMeta], block_size: int) -> bytes | None:
+    """The blocks' token ids, packed, when the caller sent them for every block (else None)."""
+    stride = 4 * block_size
+    return b"".join(m.token_ids for m in metas) if all(len(m.token_ids) == stride for m in metas) else None

@@ -13,6 +13,7 @@
 - Into T3 (the shared store), from T1 (`t1_to_t3`: write_through or on_evict) or T2 (`t2_to_t3`:
   write_through): the rows are framed (copied) on the thread that has them and queued for the
   store's writer (t3/remote_writes.py: bounded, dropped beyond its backlog), never waited for.
+  A Put's blocks go to T3 batch by batch as they arrive when T0 → T1 → T3 is write-through.
 A failed copy completes its store with success=False: no entry points at bytes that did not land.
 """
 
@@ -24,7 +25,7 @@ import logging
 import torch
 
 from kvtierd.index.kv_block import KVBlock
-from kvtierd.index.slot_index import BlockMeta, SlotEntry, StorePlan
+from kvtierd.index.slot_entry import BlockMeta, SlotEntry, StorePlan
 from kvtierd.movers.copy_engine import Direction
 from kvtierd.tiering.spills import Spills
 from kvtierd.tiering.tier_config import EdgePolicy
@@ -189,6 +190,19 @@ class Offloader:
         """Views of the entries' T1 slots (no copy: framing copies them)."""
         slots = self.tiers.host.slots
         return [slots[e.slot] for e in entries]
+
+    def offer_received_to_t3(self, metas: list[BlockMeta], payloads: list[memoryview]) -> None:
+        """Blocks a client just put into T0, as received (`payloads`: raw block bytes that stay
+        unchanged until written), queued for T3 at once when every edge from T0 to T3 is
+        write-through (so they would reach it anyway, after the Put's commit and T1's copy) and T3
+        stores raw blocks. Counted as the T1 → T3 edge's: the write that edge would have made.
+        The T1 → T3 write-through that follows finds them queued and skips them."""
+        tiers = self.tiers
+        config = tiers.config
+        if (tiers.remote is None or tiers.host is None or tiers.remote_codec.name != "raw"
+                or config.t0_to_t1 is not EdgePolicy.WRITE_THROUGH or config.t1_to_t3 is not EdgePolicy.WRITE_THROUGH):
+            return
+        tiers.counters.add("num_offloaded_blocks", tiers.remote.offer(metas, payloads, copy=False), "t1_t3")
 
     def _offer_t3(self, entries: list[SlotEntry], codec, rows, edge: str) -> None:
         """Queue the entries' blocks (`rows` in `codec`: a tensor, or one view per block) for the

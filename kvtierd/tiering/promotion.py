@@ -27,7 +27,7 @@ import threading
 from kvtierd.block_hash import pack_token_ids
 from kvtierd.errors import KvtierError
 from kvtierd.index.query_counting import QueryCounting
-from kvtierd.index.slot_index import BlockMeta, SlotEntry
+from kvtierd.index.slot_entry import BlockMeta, SlotEntry
 from kvtierd.movers.copy_engine import Direction
 from kvtierd.tiering.lower_reads import LowerReads, Segment
 from kvtierd.tiering.offload import Offloader
@@ -155,11 +155,10 @@ class Promoter:
                 self._start(functools.partial(self._load_t1, t1_entries), targets[:len(t1_entries)], segments[0],
                             done)
             lower = len(t1_entries)
-            for segment, read, codec in ((segments[1], self.reads.read_t2, tiers.ssd_codec),
-                                         (segments[2], self.reads.read_t3, tiers.remote_codec)):
+            for segment, read in ((segments[1], self.reads.read_t2), (segments[2], self.reads.read_t3)):
                 if segment.metas:
-                    self._start(functools.partial(self._load_lower, read, codec),
-                                targets[lower:lower + len(segment.metas)], segment, done)
+                    self._start(functools.partial(self._load_lower, read), targets[lower:lower + len(segment.metas)],
+                                segment, done)
                 lower += len(segment.metas)
 
         self.after_writable(targets, start_loads)
@@ -194,12 +193,10 @@ class Promoter:
         start = hits.t0 + hits.t1
         t2_metas = self._t2_hits(block_hashes, token_bytes, start, None)
         t3_metas = self._t3_hits(block_hashes, token_bytes, start + len(t2_metas), None, hits.t3)
-        for tier, metas, read, codec in (("t2", t2_metas, self.reads.read_t2, tiers.ssd_codec),
-                                         ("t3", t3_metas, self.reads.read_t3, tiers.remote_codec)):
+        for tier, metas, read in (("t2", t2_metas, self.reads.read_t2), ("t3", t3_metas, self.reads.read_t3)):
             if metas:
                 segment = Segment(tier, metas)
-                tiers.dispatch(lambda read=read, segment=segment, codec=codec: tiers.submit(
-                    Direction.HOST_TO_HOST, lambda: read(segment), len(segment.metas) * codec.slot_nbytes))
+                tiers.dispatch(lambda read=read, segment=segment: self._submit_read(read, segment))
         return len(t2_metas) + len(t3_metas)
 
     # ----------------------------------------------------------------------------- planning
@@ -239,15 +236,15 @@ class Promoter:
 
     def _t3_hits(self, block_hashes, token_bytes, start: int, cost, num_present: int | None = None,
                  count_misses: bool = False) -> list[BlockMeta]:
-        """Candidates for a T3 load: the chain's next blocks the store holds (asked now unless
-        `num_present` says), chained to their parents; token ids b"" where the caller sent none.
-        `count_misses`: the chain is a query, so what the store lacks now are T3 misses (a
-        store's Acquire asks for what it is about to write: no miss)."""
+        """Candidates for a T3 load: the chain's next blocks the store holds (`num_present`, or the
+        answer of a Lookup of this chain just before, or asked now), chained to their parents;
+        token ids b"" where the caller sent none. `count_misses`: the chain is a query, so what the
+        store lacks now are T3 misses (a store's Acquire asks for what it is about to write: no miss)."""
         tiers = self.tiers
         if tiers.remote is None or start == len(block_hashes):
             return []
         hashes, parent, rest_tokens, block_size = self._rest(block_hashes, token_bytes, start)
-        num_hits = (tiers.remote.probe(hashes, count_misses) if num_present is None
+        num_hits = (tiers.remote.probe(hashes, count_misses, reuse=True) if num_present is None
                     else min(num_present, len(hashes)))
         path = [(tiers.remote.read, num_hits * tiers.remote_codec.slot_nbytes),
                 (tiers.engine.bandwidth[Direction.HOST_TO_DEVICE], num_hits * tiers.layout.bytes_per_block)]
@@ -293,11 +290,20 @@ class Promoter:
 
         tiers.after(transfer, finalize)
 
-    def _load_lower(self, read, codec, targets: list[int], segment: Segment, done) -> None:
-        """T2 or T3 → host (landing in T1 too) on a host thread, then host → T0 on the load stream."""
+    def _submit_read(self, read, segment: Segment):
+        """Start `read(segment)`, T2 → host on a copy engine host thread or T3 → host on the shared
+        store's reader threads (landing in T1 too); its Transfer."""
         tiers = self.tiers
-        read_transfer = tiers.submit(Direction.HOST_TO_HOST, lambda: read(segment),
-                                     len(segment.metas) * codec.slot_nbytes)
+        if segment.tier == "t3":
+            nbytes = len(segment.metas) * tiers.remote_codec.slot_nbytes
+            return tiers.submit_remote_read(lambda: read(segment), nbytes)
+        nbytes = len(segment.metas) * tiers.ssd_codec.slot_nbytes
+        return tiers.submit(Direction.HOST_TO_HOST, lambda: read(segment), nbytes)
+
+    def _load_lower(self, read, targets: list[int], segment: Segment, done) -> None:
+        """T2 or T3 → host (landing in T1 too), then host → T0 on the load stream."""
+        tiers = self.tiers
+        read_transfer = self._submit_read(read, segment)
 
         def after_read(error: BaseException | None) -> None:
             if error is not None or not segment.source[1]:  # source is set when the read returned

@@ -1,4 +1,5 @@
-"""What moves between tiers and when: edge policies, capacities, codecs, the recompute cost.
+"""What moves between tiers and when: edge policies, capacities, codecs, the recompute cost; the
+daemon file's [policy] section (PolicyConfig) and the TierConfig a layout's tiers are built with.
 
 Per edge (T0→T1, T1→T2, and into the shared tier T3 from T1 or from T2):
 - `write_through`: committed blocks are copied down in the background at once, so a later
@@ -15,10 +16,17 @@ from __future__ import annotations
 import dataclasses
 import enum
 from collections.abc import Sequence
+from typing import TYPE_CHECKING
 
+from kvtierd.config_checks import require, require_choice
 from kvtierd.errors import InvalidArgument
 from kvtierd.layout import FLOAT_DTYPES, Layout
 from kvtierd.movers.copy_engine import Bandwidth
+
+if TYPE_CHECKING:
+    from kvtierd.t1.host_config import HostConfig
+    from kvtierd.t2.ssd_config import SsdConfig
+    from kvtierd.t3.remote_config import RemoteConfig
 
 
 class EdgePolicy(str, enum.Enum):
@@ -27,17 +35,50 @@ class EdgePolicy(str, enum.Enum):
     OFF = "off"
 
 
+EDGE_POLICIES = tuple(policy.value for policy in EdgePolicy)
+T2_TO_T3_POLICIES = (EdgePolicy.WRITE_THROUGH.value, EdgePolicy.OFF.value)  # T2's victims are overwritten in place
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class PolicyConfig:
+    """[policy]: the edges as the daemon's file spells them (strings); TierConfig holds them as EdgePolicy."""
+
+    t0_to_t1: str = "on_evict"  # "write_through" | "on_evict" | "off"
+    t1_to_t2: str = "write_through"  # "write_through" | "on_evict" | "off"
+    recompute_s_per_token: float = 0.0  # seconds per token; 0 = always load lower-tier hits
+    t1_to_t3: str = "write_through"  # into T3 (with remote.endpoints): "write_through" | "on_evict" | "off"
+    t2_to_t3: str = "off"  # "write_through" | "off"
+
+    def __post_init__(self) -> None:
+        require(self.recompute_s_per_token >= 0, "policy.recompute_s_per_token must be >= 0 (0: always load)")
+        for name in ("t0_to_t1", "t1_to_t2", "t1_to_t3"):
+            require_choice(f"policy.{name}", getattr(self, name), EDGE_POLICIES)
+        require_choice("policy.t2_to_t3", self.t2_to_t3, T2_TO_T3_POLICIES)
+
+
+_POLICY = PolicyConfig()  # TierConfig's edges default to the daemon's
+
+
 @dataclasses.dataclass(frozen=True)
 class TierConfig:
     host_capacity_bytes: int = 1 << 30
     host_codec: str = "raw"  # "raw" | "fp8"
     ssd_codec: str = "raw"  # T2 may store fp8 below a raw T1 (converted on the host)
-    t0_to_t1: EdgePolicy = EdgePolicy.ON_EVICT
-    t1_to_t2: EdgePolicy = EdgePolicy.WRITE_THROUGH
-    t1_to_t3: EdgePolicy = EdgePolicy.WRITE_THROUGH  # with a T3 store only: what T1 takes goes on to T3
-    t2_to_t3: EdgePolicy = EdgePolicy.OFF  # write_through: what T2 takes goes on to T3 as well
+    t0_to_t1: EdgePolicy = EdgePolicy(_POLICY.t0_to_t1)
+    t1_to_t2: EdgePolicy = EdgePolicy(_POLICY.t1_to_t2)
+    t1_to_t3: EdgePolicy = EdgePolicy(_POLICY.t1_to_t3)  # with a T3 store only: what T1 takes goes on to T3
+    t2_to_t3: EdgePolicy = EdgePolicy(_POLICY.t2_to_t3)  # write_through: what T2 takes goes on to T3 as well
     remote_codec: str = "raw"  # what T3 values hold ("raw" | "fp8")
     recompute_s_per_token: float | None = None  # None: lower-tier hits are always loaded
+
+    @classmethod
+    def of_sections(cls, host: HostConfig, ssd: SsdConfig, policy: PolicyConfig, remote: RemoteConfig) -> TierConfig:
+        """The daemon file's sections as a layout's tiers take them; `host.capacity_bytes` is the
+        node's T1 budget here (each pool gets its share, node/pools.py)."""
+        return cls(host_capacity_bytes=host.capacity_bytes, host_codec=host.codec, ssd_codec=ssd.codec,
+                   t0_to_t1=policy.t0_to_t1, t1_to_t2=policy.t1_to_t2, t1_to_t3=policy.t1_to_t3,
+                   t2_to_t3=policy.t2_to_t3, remote_codec=remote.codec,
+                   recompute_s_per_token=policy.recompute_s_per_token or None)
 
     def __post_init__(self) -> None:
         if self.host_capacity_bytes < 0:

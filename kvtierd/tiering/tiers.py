@@ -99,6 +99,23 @@ class Tiers:
         is spent); its bytes count in this layout's `bytes_moved` once it landed."""
         return self.engine.submit(direction, job, nbytes, on_landed=self._count_moved)
 
+    def submit_remote_read(self, job: Callable[[], None], nbytes: int) -> Transfer:
+        """Run a T3 read (`job`: into host memory) on the shared store's reader threads, not the
+        copy engine's; its bytes count as host-to-host moves once it returned."""
+        transfer = Transfer(Direction.HOST_TO_HOST, nbytes)
+
+        def run() -> None:
+            try:
+                job()
+            except BaseException as error:
+                transfer.future.set_exception(error)
+            else:
+                self._count_moved(transfer)
+                transfer.future.set_result(None)
+
+        self.remote.readers.submit(run)
+        return transfer
+
     def run(self, direction: Direction, job: Job, nbytes: int) -> None:
         """`submit` and wait: for copies that must land before the caller goes on."""
         self.submit(direction, job, nbytes).wait()

@@ -13,7 +13,7 @@ import time
 import pytest
 
 from kvtierd.client import KvtierClient
-from kvtierd.server.daemon_process import DaemonProcess, python_module_command, small_daemon_args
+from kvtierd.launch.daemon_process import DaemonProcess, python_module_command, small_daemon_args
 from tests.server.e2e_runner import LAYOUT
 
 KVTIERCTL = python_module_command("kvtierd.cli.kvtierctl")

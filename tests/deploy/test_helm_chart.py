@@ -1,6 +1,6 @@
 """helm/kvtierd, the Dockerfile and their tools: `helm lint --strict`, `helm template` of every
 ci/*-values.yaml validated by kubernetes-validate against Kubernetes 1.30, assertions on the
-rendered objects, the rendered kvtierd.toml loaded by kvtierd.node.daemon_config, values.schema.json
+rendered objects, the rendered kvtierd.toml loaded by kvtierd.server.config_loader, values.schema.json
 refusing bad values, and hadolint on the Dockerfile.
 
 helm (v3.18) and hadolint come from scripts/install-helm and scripts/install-hadolint into .tools/;
@@ -27,7 +27,8 @@ import pytest
 import yaml
 
 from kvtierd.errors import InvalidArgument
-from kvtierd.node.daemon_config import KEY_TYPES, DaemonConfig, load_config
+from kvtierd.server.config_loader import load_config
+from kvtierd.server.daemon_config import KEY_TYPES, DaemonConfig
 from kvtierd.units import parse_bytes
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -282,7 +283,7 @@ def test_rendered_config_starts_a_daemon_whose_probes_pass(helm: str, chart: Pat
     import grpc
     from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-    from kvtierd.server.daemon_process import DaemonProcess
+    from kvtierd.launch.daemon_process import DaemonProcess
 
     docs = render(helm, chart)
     path = tmp_path / "kvtierd.toml"
@@ -619,8 +620,8 @@ def test_every_schema_property_has_a_description() -> None:
 
 
 def test_schema_knows_every_daemon_key_it_accepts() -> None:
-    # config.* in the schema lists only keys kvtierd.node.daemon_config knows (a renamed key fails here).
-    from kvtierd.node.daemon_config import QUOTA_KEYS
+    # config.* in the schema lists only keys kvtierd.server.daemon_config knows (a renamed key fails here).
+    from kvtierd.server.daemon_config import QUOTA_KEYS
     config = SCHEMA["properties"]["config"]
     for section, node in config["properties"].items():
         if section == "quotas":

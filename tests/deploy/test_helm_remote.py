@@ -36,7 +36,8 @@ from test_helm_chart import (
     toml_text,
 )
 
-from kvtierd.node.daemon_config import KEY_TYPES
+from kvtierd.server.daemon_config import KEY_TYPES
+from kvtierd.t3.remote_config import parse_endpoints
 from kvtierd.units import parse_bytes
 
 REMOTE_CI = CHART / "ci" / "remote-values.yaml"
@@ -320,7 +321,9 @@ def test_the_daemon_loads_the_remote_section(helm: str, chart: Path, ci: Path, t
     config = load_rendered(render_ci(helm, chart, ci), tmp_path)
     table = toml(render_ci(helm, chart, ci))["remote"]
     for key, value in table.items():
-        assert getattr(config.remote, key) == (parse_bytes(value) if key.endswith("_bytes") else value), key
+        expected = parse_bytes(value) if key.endswith("_bytes") else parse_endpoints(value) if key == "endpoints" \
+            else value
+        assert getattr(config.remote, key) == expected, key
     assert config.remote.password_file == "/etc/kvtierd/remote-auth/password"
 
 
@@ -358,8 +361,8 @@ def test_the_rendered_remote_section_reaches_a_real_store(helm: str, chart: Path
     kubelet makes them (files under tmp_path; the seeds, the pod's paths and small tiers set by flags),
     the daemon authenticates, T3 takes the blocks written through, and the password is never logged."""
     from kvtierd.client import KvtierClient
+    from kvtierd.launch.daemon_process import DaemonProcess, wait_until
     from kvtierd.layout import Layout
-    from kvtierd.server.daemon_process import DaemonProcess, wait_until
     from tests.t3.redis_cluster import running_cluster, running_single
 
     docs = render_ci(helm, chart, ci)

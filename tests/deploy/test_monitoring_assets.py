@@ -20,8 +20,8 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from kvtierd.client import KvtierClient
 from kvtierd.errors import KvtierError
+from kvtierd.launch.daemon_process import DaemonProcess, small_daemon_args, wait_until
 from kvtierd.layout import Layout
-from kvtierd.server.daemon_process import DaemonProcess, small_daemon_args, wait_until
 from kvtierd.v1 import kvtier_pb2
 from tests.t3.redis_cluster import running_single
 

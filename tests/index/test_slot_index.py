@@ -5,7 +5,8 @@ from __future__ import annotations
 import pytest
 
 from kvtierd.errors import InvalidArgument
-from kvtierd.index.slot_index import BlockMeta, SlotIndex
+from kvtierd.index.slot_entry import BlockMeta
+from kvtierd.index.slot_index import SlotIndex
 from tests.factories import FakeClock
 
 

@@ -11,7 +11,8 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
 from kvtierd.errors import InvalidArgument
-from kvtierd.index.slot_index import BlockMeta, SlotIndex
+from kvtierd.index.slot_entry import BlockMeta
+from kvtierd.index.slot_index import SlotIndex
 from tests.factories import FakeClock
 
 NUM_SLOTS = 4

@@ -239,7 +239,7 @@ def test_tenant_usage_and_quota_gauges_from_a_live_daemon(tmp_path):
     import os
 
     from kvtierd.client import KvtierClient
-    from kvtierd.server.daemon_process import DaemonProcess, small_daemon_args
+    from kvtierd.launch.daemon_process import DaemonProcess, small_daemon_args
     from tests.server.e2e_runner import LAYOUT, prompt
 
     config = tmp_path / "kvtierd.toml"

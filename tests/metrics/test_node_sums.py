@@ -11,8 +11,8 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from kvtierd.client import KvtierClient
+from kvtierd.launch.daemon_process import DaemonProcess, small_daemon_args, wait_until
 from kvtierd.layout import Layout
-from kvtierd.server.daemon_process import DaemonProcess, small_daemon_args, wait_until
 from tests.server.e2e_runner import expected_block, prompt
 
 pytestmark = pytest.mark.timeout(180)

@@ -8,8 +8,8 @@ import pytest
 import torch
 
 from kvtierd.errors import InvalidArgument
+from kvtierd.launch.daemon_process import wait_until
 from kvtierd.movers.copy_engine import Bandwidth, Direction, ThreadCopyEngine
-from kvtierd.server.daemon_process import wait_until
 
 
 @pytest.fixture

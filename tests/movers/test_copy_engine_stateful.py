@@ -13,8 +13,8 @@ from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
+from kvtierd.launch.daemon_process import wait_until
 from kvtierd.movers.copy_engine import Direction, ThreadCopyEngine
-from kvtierd.server.daemon_process import wait_until
 
 BUDGET = 100
 SIZES = [0, 1, 30, 50, 70, 100, 150]  # 150: larger than the budget, runs alone

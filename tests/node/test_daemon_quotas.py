@@ -7,7 +7,7 @@ import pytest
 
 from kvtierd.client import KvtierClient
 from kvtierd.errors import ResourceExhausted
-from kvtierd.server.daemon_process import DaemonProcess, small_daemon_args, wait_until
+from kvtierd.launch.daemon_process import DaemonProcess, small_daemon_args, wait_until
 from tests.server.e2e_runner import LAYOUT, expected_block, prompt
 
 SLOT_STRIDE = 4096  # host slots are 4 KiB aligned; a 1 KiB block takes one

@@ -12,10 +12,10 @@ import torch
 
 from kvtierd.cli.kvtierctl_report import StatsView
 from kvtierd.client import KvtierClient
-from kvtierd.index.slot_index import BlockMeta
+from kvtierd.index.slot_entry import BlockMeta
+from kvtierd.launch.daemon_process import WRITE_THROUGH, DaemonProcess, small_daemon_args, wait_until
 from kvtierd.layout import Layout
-from kvtierd.node import daemon_config
-from kvtierd.server.daemon_process import WRITE_THROUGH, DaemonProcess, small_daemon_args, wait_until
+from kvtierd.server import config_loader
 from kvtierd.t2 import ssd_space
 from kvtierd.t2.node_budget import NodeBudget
 from kvtierd.t2.ssd_config import SsdTierConfig
@@ -171,21 +171,22 @@ def test_the_default_ssd_budget_is_bounded_by_the_free_space(tmp_path, monkeypat
     """Not set: min(4 GiB, slot files there + half the free space); set: as given."""
     monkeypatch.setattr(ssd_space, "free_bytes", lambda path: 2 * GiB)
     environ = {"XDG_CACHE_HOME": str(tmp_path), "XDG_RUNTIME_DIR": str(tmp_path)}
-    assert daemon_config.load_config(environ=environ).ssd.capacity_bytes == 1 * GiB
+    assert config_loader.load_config(environ=environ).ssd.capacity_bytes == 1 * GiB
     monkeypatch.setattr(ssd_space, "free_bytes", lambda path: 100 * GiB)
-    assert daemon_config.load_config(environ=environ).ssd.capacity_bytes == 4 * GiB
+    assert config_loader.load_config(environ=environ).ssd.capacity_bytes == 4 * GiB
     monkeypatch.setattr(ssd_space, "free_bytes", lambda path: 2 * GiB)
     given = dict(environ, KVTIERD_SSD_CAPACITY_BYTES="3GiB")
-    assert daemon_config.load_config(environ=given).ssd.capacity_bytes == 3 * GiB
+    assert config_loader.load_config(environ=given).ssd.capacity_bytes == 3 * GiB
 
 
 @pytest.mark.parametrize("max_layouts", [1, 4])
 def test_a_layouts_host_share_is_the_node_budget_over_max_layouts(max_layouts):
+    from kvtierd.node.pool_config import PoolConfig
     from kvtierd.node.pools import PoolRegistry, PoolSettings
     from kvtierd.tiering.tier_config import TierConfig
 
-    settings = PoolSettings(64 * KiB, TierConfig(host_capacity_bytes=HOST_BYTES), device="cpu",
-                            max_layouts=max_layouts)
+    settings = PoolSettings(PoolConfig(device="cpu", t0_bytes=64 * KiB, max_layouts=max_layouts),
+                            TierConfig(host_capacity_bytes=HOST_BYTES))
     registry = PoolRegistry(settings)
     try:
         pools = [registry.get_or_create(layout) for layout in LAYOUTS[:max_layouts]]

@@ -7,6 +7,7 @@ import pytest
 
 from kvtierd.block_hash import pack_token_ids
 from kvtierd.node.operations import Operations
+from kvtierd.node.pool_config import PoolConfig
 from kvtierd.node.pools import PoolRegistry, PoolSettings
 from kvtierd.node.quotas import QuotaBook
 from kvtierd.node.sessions import SessionTable
@@ -20,7 +21,8 @@ ADMIN = Tenant.named("ops")
 
 @pytest.fixture
 def registry():
-    settings = PoolSettings(8 * LAYOUT.bytes_per_block, TierConfig(host_capacity_bytes=32 * 4096), device="cpu")
+    settings = PoolSettings(PoolConfig(device="cpu", t0_bytes=8 * LAYOUT.bytes_per_block),
+                            TierConfig(host_capacity_bytes=32 * 4096))
     registry = PoolRegistry(settings)
     pool = registry.get_or_create(LAYOUT)
     manager, prompt = pool.manager, tokens(7, 4 * BLOCK_SIZE)

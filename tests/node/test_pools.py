@@ -6,6 +6,7 @@ import pytest
 
 from kvtierd.errors import ResourceExhausted
 from kvtierd.layout import Layout
+from kvtierd.node.pool_config import PoolConfig
 from kvtierd.node.pools import PoolRegistry, PoolSettings
 from kvtierd.tiering.tier_config import TierConfig
 
@@ -14,8 +15,8 @@ OTHER = Layout("pools-b", 2, 1, 8, 4)
 
 
 def registry(max_layouts: int = 4) -> PoolRegistry:
-    settings = PoolSettings(8 * OTHER.bytes_per_block, TierConfig(host_capacity_bytes=1 << 16), device="cpu",
-                            max_layouts=max_layouts)
+    settings = PoolSettings(PoolConfig(device="cpu", t0_bytes=8 * OTHER.bytes_per_block, max_layouts=max_layouts),
+                            TierConfig(host_capacity_bytes=1 << 16))
     return PoolRegistry(settings)
 
 

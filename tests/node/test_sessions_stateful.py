@@ -16,6 +16,7 @@ from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, 
 from kvtierd.block_hash import Namespace, pack_token_ids
 from kvtierd.errors import ResourceExhausted
 from kvtierd.layout import Layout
+from kvtierd.node.pool_config import PoolConfig
 from kvtierd.node.pools import LayoutPool, PoolSettings
 from kvtierd.node.quotas import QuotaBook
 from kvtierd.node.sessions import SessionTable
@@ -37,7 +38,8 @@ class SessionMachine(RuleBasedStateMachine):
     def __init__(self) -> None:
         super().__init__()
         self.loop = asyncio.new_event_loop()
-        settings_ = PoolSettings(NUM_BLOCKS * LAYOUT.bytes_per_block, TierConfig(host_capacity_bytes=0), device="cpu")
+        settings_ = PoolSettings(PoolConfig(device="cpu", t0_bytes=NUM_BLOCKS * LAYOUT.bytes_per_block),
+                                 TierConfig(host_capacity_bytes=0))
         self.pool = LayoutPool(LAYOUT, settings_)
         self.clock = FakeClock()
         self.quotas = QuotaBook()

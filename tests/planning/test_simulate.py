@@ -9,9 +9,9 @@ import pytest
 
 from kvtierd.cli.kvtierd_main import main
 from kvtierd.errors import InvalidArgument
+from kvtierd.launch.daemon_process import python_module_command
 from kvtierd.planning.chat_workload import ChatWorkload, Conversations
 from kvtierd.planning.simulate import ChatSimulator, report_lines
-from kvtierd.server.daemon_process import python_module_command
 
 SMALL = ChatWorkload(num_conversations=6, num_turns=3, system_prompt_tokens=256, seed=3)
 

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from kvtierd.server.daemon_process import wait_until
+from kvtierd.launch.daemon_process import wait_until
 from scripts.gpu_acceptance import parts, report, runner, travel
 from scripts.gpu_acceptance.results import FAIL, PASS, TIMEOUT, PartResult
 

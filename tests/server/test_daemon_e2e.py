@@ -15,7 +15,7 @@ import pytest
 from kvtierd.block_hash import pack_token_ids
 from kvtierd.client import KvtierClient
 from kvtierd.errors import InvalidArgument
-from kvtierd.server.daemon_process import (
+from kvtierd.launch.daemon_process import (
     WRITE_THROUGH,
     DaemonProcess,
     python_module_command,

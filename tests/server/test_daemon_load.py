@@ -11,7 +11,7 @@ import sys
 import pytest
 
 from kvtierd.client import KvtierClient
-from kvtierd.server.daemon_process import DaemonProcess, small_daemon_args, wait_until
+from kvtierd.launch.daemon_process import DaemonProcess, small_daemon_args, wait_until
 
 RUNNER = os.path.join(os.path.dirname(__file__), "e2e_runner.py")
 NUM_WORKERS = 4

@@ -9,7 +9,7 @@ import pytest
 
 from kvtierd.client import KvtierClient, TlsOptions
 from kvtierd.errors import Unavailable
-from kvtierd.server.daemon_process import DaemonProcess, small_daemon_args
+from kvtierd.launch.daemon_process import DaemonProcess, small_daemon_args
 from tests.server.e2e_runner import LAYOUT
 
 

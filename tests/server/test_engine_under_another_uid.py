@@ -22,7 +22,7 @@ import pytest
 
 from kvtierd.client import KvtierClient
 from kvtierd.client.fd_channel import FdChannel
-from kvtierd.server.daemon_process import DaemonProcess
+from kvtierd.launch.daemon_process import DaemonProcess
 from tests import other_uid
 from tests.conftest import REPO
 from tests.server.test_fd_socket import raw_attach

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 from kvtierd.client import KvtierClient
-from kvtierd.server.daemon_process import DaemonProcess, small_daemon_args
+from kvtierd.launch.daemon_process import DaemonProcess, small_daemon_args
 from kvtierd.v1 import kvtier_pb2 as pb
 from tests.server.e2e_runner import LAYOUT, prompt
 

@@ -16,10 +16,10 @@ from pathlib import Path
 import pytest
 
 from kvtierd.client import KvtierClient
-from kvtierd.client.base import attach_call
+from kvtierd.client.calls import attach_call
 from kvtierd.client.fd_channel import FdChannel
 from kvtierd.errors import FailedPrecondition, PermissionDenied
-from kvtierd.server.daemon_process import DaemonProcess, wait_until
+from kvtierd.launch.daemon_process import DaemonProcess, wait_until
 from kvtierd.server.fd_listener import FdListener
 from kvtierd.t0.shm_segment import ShmSegment
 from kvtierd.wire.fd_passing import GREETING

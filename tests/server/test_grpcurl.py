@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from kvtierd.server.daemon_process import DaemonProcess, small_daemon_args
+from kvtierd.launch.daemon_process import DaemonProcess, small_daemon_args
 
 REPO = Path(__file__).resolve().parents[2]
 LAYOUT = {"model_id": "m", "num_layers": 2, "num_kv_heads": 2, "head_dim": 16, "block_size": 4}

@@ -6,8 +6,8 @@ from __future__ import annotations
 import pytest
 
 from kvtierd.client import KvtierClient
+from kvtierd.launch.daemon_process import DaemonProcess, small_daemon_args
 from kvtierd.layout import Layout
-from kvtierd.server.daemon_process import DaemonProcess, small_daemon_args
 
 LAYOUT = Layout("chains", 2, 2, 16, 4)
 TOKENS = list(range(500, 532))  # 8 blocks of 4

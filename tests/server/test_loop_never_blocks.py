@@ -10,7 +10,7 @@ import time
 import pytest
 
 from kvtierd.client import KvtierClient
-from kvtierd.server.daemon_process import DaemonProcess, small_daemon_args, wait_until
+from kvtierd.launch.daemon_process import DaemonProcess, small_daemon_args, wait_until
 from tests.server.e2e_runner import LAYOUT, expected_block, prompt
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))

@@ -16,7 +16,7 @@ import signal
 import numpy as np
 import torch
 
-from kvtierd.index.slot_index import BlockMeta
+from kvtierd.index.slot_entry import BlockMeta
 from kvtierd.layout import Layout
 from kvtierd.t2.ssd_tier import SsdTier, SsdTierConfig
 

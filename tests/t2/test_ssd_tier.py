@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from kvtierd.errors import FailedPrecondition, InvalidArgument
-from kvtierd.index.slot_index import BlockMeta
+from kvtierd.index.slot_entry import BlockMeta
 from kvtierd.layout import Layout
 from kvtierd.t2 import ssd_files
 from kvtierd.t2.ssd_tier import SsdTier, SsdTierConfig

@@ -367,12 +367,10 @@ def test_wrong_credentials_are_misses_and_errors_never_an_exception_nor_a_logged
 
 def test_a_password_file_from_the_daemon_config_authenticates(make_redis_cluster, tmp_path):
     """[remote] password_file (a mounted Secret: trailing newline) becomes the store's password: it works."""
-    from kvtierd.node.remote_section import RemoteSection, remote_config_of
-
     cluster = make_redis_cluster(username="kvtier", password="t3-secret")
     (tmp_path / "password").write_text("t3-secret\n")
-    config = remote_config_of(RemoteSection(endpoints=cluster.seeds, username="kvtier",
-                                            password_file=str(tmp_path / "password"), timeout_s=TIMEOUT_S))
+    config = RemoteConfig(endpoints=cluster.seeds, username="kvtier", password_file=str(tmp_path / "password"),
+                          timeout_s=TIMEOUT_S).with_password_read()
     store = RedisStore(config)
     try:
         assert store.set([(b"kvtierd:file", b"1")]) == [True] and store.get([b"kvtierd:file"]) == [b"1"]

@@ -12,7 +12,7 @@ import struct
 import pytest
 import torch
 
-from kvtierd.index.slot_index import BlockMeta
+from kvtierd.index.slot_entry import BlockMeta
 from kvtierd.layout import Layout
 from kvtierd.movers.block_codec import make_codec
 from kvtierd.t3.block_frame import layout_digest
@@ -232,14 +232,15 @@ def test_another_tenant_misses_the_same_client_hashes(stores):
 @pytest.mark.cluster  # its store fixture is picked by getfixturevalue, which the lanes cannot see
 @pytest.mark.parametrize("deployment", ["single", "cluster"])
 def test_a_chain_whose_third_value_is_gone_loads_its_first_two(request, deployment):
-    """Value 3 of 6 deleted (evicted by the store): probe and load stop before it; 4 misses counted."""
+    """Value 3 of 6 deleted (evicted by the store): the probe, which asks the first and last keys,
+    takes all 6 as present; the load, which verifies every value, stops before it; 4 misses counted."""
     stores = request.getfixturevalue("stores" if deployment == "single" else "cluster_stores")
     tier = stores.tier()
     metas = chain(ACME, 9, 6)
     rows = written(tier, metas)
     with stores.client() as client:
         assert client.delete(tier.key(metas[2].block_hash)) == 1
-    assert tier.probe(hashes(metas)) == 2
+    assert tier.probe(hashes(metas)) == 6
     loaded = tier.load(hashes(metas), ROOT, tokens_of(metas), LAYOUT.block_size)
     assert len(loaded[0]) == 2
     assert_loaded(loaded, metas, rows)
@@ -258,6 +259,47 @@ def test_probe_counts_the_leading_keys_present(stores):
     with stores.client() as client:
         client.delete(tier.key(metas[0].block_hash))
     assert tier.probe(hashes(metas)) == 0
+
+
+def test_a_chain_whose_last_value_is_gone_is_probed_exactly(stores):
+    """First present, last absent: the keys between are asked, and the answer is the present run."""
+    tier = stores.tier()
+    metas = chain(ACME, 11, 7)
+    written(tier, metas[:5])
+    assert tier.probe(hashes(metas)) == 5
+    with stores.client() as client:
+        client.delete(tier.key(metas[2].block_hash))
+    assert tier.probe(hashes(metas)) == 2
+    assert tier.probe(hashes(metas[:2])) == 2 and tier.probe(hashes(metas[4:6])) == 1
+
+
+def test_probe_asks_only_the_first_and_last_keys_when_both_are_present(stores):
+    """A 64-block chain in the store: one probe sends 2 EXISTS (the server's command count says so)."""
+    tier = stores.tier()
+    metas = chain(ACME, 12, 64)
+    written(tier, metas)
+    with stores.client() as client:
+        before = client.info("commandstats").get("cmdstat_exists", {}).get("calls", 0)
+        assert tier.probe(hashes(metas)) == 64
+        assert client.info("commandstats")["cmdstat_exists"]["calls"] - before == 2
+
+
+def test_an_acquire_reuses_the_lookups_answer_for_the_same_chain_once(stores):
+    """probe(reuse=True) right after a probe of the same chain asks the store nothing and gives the same
+    answer, once; a chain that differs (shorter, longer) is asked again; misses are counted once."""
+    tier = stores.tier()
+    metas = chain(ACME, 13, 6)
+    written(tier, metas[:4])
+    with stores.client() as client:
+        calls = lambda: client.info("commandstats").get("cmdstat_exists", {}).get("calls", 0)  # noqa: E731
+        assert tier.probe(hashes(metas), count_misses=True) == 4
+        before = calls()
+        assert tier.probe(hashes(metas), count_misses=True, reuse=True) == 4
+        assert calls() == before
+        assert tier.stats().num_miss_blocks == 2  # the Lookup's, not again
+        assert tier.probe(hashes(metas), reuse=True) == 4 and calls() > before  # taken once: asked again
+        before = calls()
+        assert tier.probe(hashes(metas[:5]), reuse=True) == 4 and calls() > before  # another chain
 
 
 def test_probe_chains_answers_each_chain_as_probe_does(stores):

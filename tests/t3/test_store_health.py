@@ -14,7 +14,7 @@ import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from prometheus_client.parser import text_string_to_metric_families
 
-from kvtierd.server.daemon_process import DaemonProcess, wait_until
+from kvtierd.launch.daemon_process import DaemonProcess, wait_until
 from tests.t3.redis_cluster import kill_node
 from tests.t3.test_two_nodes import TOKENS, node_args
 

@@ -9,7 +9,7 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from kvtierd.client import KvtierClient
-from kvtierd.server.daemon_process import DaemonProcess, small_daemon_args, wait_until
+from kvtierd.launch.daemon_process import DaemonProcess, small_daemon_args, wait_until
 from tests.server.e2e_runner import LAYOUT, expected_block, prompt
 from tests.t3.redis_cluster import kill_node, owner_port
 
@@ -203,3 +203,61 @@ def test_t3_misses_count_every_block_of_a_query_the_store_did_not_supply_once(tm
         t3 = t3_stats(on_b)
         assert (t3.num_hit_blocks, t3.num_miss_blocks) == want
         assert t3_miss_metric(b) == want
+
+
+# ------------------------------------------------------------------------------------------------ Get streamed from T3
+
+
+def delete_value(cluster, client_hash: bytes) -> None:
+    """Remove one block's value from the store (as an eviction would)."""
+    keys = [key for port in cluster.ports
+            for key in cluster.node_client(port).scan_iter(match=f"*:{client_hash.hex()}")]
+    assert len(keys) == 1
+    with contextlib.closing(cluster.node_client(owner_port(cluster, keys[0]))) as node:
+        assert node.delete(keys[0]) == 1
+
+
+def test_a_get_from_t3_returns_the_chain_and_lands_it_in_node_bs_t1(tmp_path, redis_cluster):
+    """A 40-block chain only in T3, streamed to the client chunk by chunk: every block exact, 40 T3 hits,
+    and node B's T1 holds the chain afterwards (a Lookup finds it there, no longer in T3)."""
+    with two_nodes(tmp_path, redis_cluster.seeds) as (a, b), \
+            KvtierClient(a.address, token="a-token") as on_a, KvtierClient(b.address, token="a-token") as on_b:
+        tokens, hashes = put_chain(on_a, 21, 160)
+        got = on_b.get(LAYOUT, hashes, token_ids=tokens)
+        assert [h for h, _ in got] == hashes
+        assert all(data == expected_block(h, LAYOUT.bytes_per_block) for h, data in got)
+        assert (t3_stats(on_b).num_hit_blocks, t3_stats(on_b).num_miss_blocks) == (40, 0)
+        session = on_b.attach(LAYOUT)
+        assert wait_until(lambda: session.lookup(hashes, token_ids=tokens).num_t1_blocks == 40, timeout_s=20)
+
+
+def test_a_get_whose_eleventh_value_is_gone_returns_the_ten_before_it_and_counts_the_rest_once(
+        tmp_path, redis_cluster):
+    """Block 11 of 40 evicted from the store: the probe (first and last key) claims 40, the Get returns
+    blocks 1-10 exactly; 10 hits and 30 misses, though the chunks after it were read ahead."""
+    with two_nodes(tmp_path, redis_cluster.seeds) as (a, b), \
+            KvtierClient(a.address, token="a-token") as on_a, KvtierClient(b.address, token="a-token") as on_b:
+        tokens, hashes = put_chain(on_a, 22, 160)
+        delete_value(redis_cluster, hashes[10])
+        assert on_b.attach(LAYOUT).lookup(hashes, token_ids=tokens).num_t3_blocks == 40
+        got = on_b.get(LAYOUT, hashes, token_ids=tokens)
+        assert [h for h, _ in got] == hashes[:10]
+        assert all(data == expected_block(h, LAYOUT.bytes_per_block) for h, data in got)
+        t3 = t3_stats(on_b)
+        assert (t3.num_hit_blocks, t3.num_miss_blocks, t3.num_corrupt_blocks) == (10, 30, 0)
+
+
+def test_a_get_of_a_chain_node_b_holds_in_part_returns_its_blocks_then_t3s(tmp_path, redis_cluster):
+    """Node B put the chain's first 12 blocks itself; the other 20 only node A put: one Get returns all
+    32 exactly, 12 from node B's T0 and 20 from T3."""
+    with two_nodes(tmp_path, redis_cluster.seeds) as (a, b), \
+            KvtierClient(a.address, token="a-token") as on_a, KvtierClient(b.address, token="a-token") as on_b:
+        tokens, hashes = put_chain(on_a, 23, 128)
+        put_chain(on_b, 23, 48)
+        before = {t.tier: t.num_hit_blocks for p in on_b.stats().pools for t in p.tiers}
+        got = on_b.get(LAYOUT, hashes, token_ids=tokens)
+        assert [h for h, _ in got] == hashes
+        assert all(data == expected_block(h, LAYOUT.bytes_per_block) for h, data in got)
+        after = {t.tier: t.num_hit_blocks for p in on_b.stats().pools for t in p.tiers}
+        assert after["t0"] - before["t0"] == 12
+        assert t3_stats(on_b).num_hit_blocks == 20

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from kvtierd.index.query_counting import QueryCounting
-from kvtierd.server.daemon_process import wait_until
+from kvtierd.launch.daemon_process import wait_until
 from kvtierd.tiering.tier_config import EdgePolicy
 from tests.factories import BLOCK_SIZE, NAMESPACE, tokens
 from tests.tiering.tier_factories import content_for, make_manager, prefill, promote_exactly

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from kvtierd.block_hash import pack_token_ids
-from kvtierd.server.daemon_process import wait_until
+from kvtierd.launch.daemon_process import wait_until
 from kvtierd.tiering.block_io import PutBlock
 from kvtierd.tiering.write_backs import WriteBacks
 from tests.factories import BLOCK_SIZE, NAMESPACE, tokens

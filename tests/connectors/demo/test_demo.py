@@ -8,7 +8,7 @@ import subprocess
 
 import pytest
 
-from kvtierd.server.daemon_process import DaemonProcess, python_module_command, small_daemon_args
+from kvtierd.launch.daemon_process import DaemonProcess, python_module_command, small_daemon_args
 
 SMALL = ["--random-weights", "--layers", "2", "--hidden", "128", "--conversations", "3", "--turns", "3",
          "--shared-requests", "2", "--system-prompt-tokens", "256", "--first-turn-tokens", "128", "--reply-tokens", "8",

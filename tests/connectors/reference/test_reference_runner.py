@@ -11,7 +11,7 @@ from kvtierd.client import KvtierClient
 from kvtierd.connectors.reference.kv_backend import PrivateKv
 from kvtierd.connectors.reference.runner import GenerationRequest, ReferenceRunner
 from kvtierd.connectors.reference.runner_connector import KvtierdConnector
-from kvtierd.server.daemon_process import DaemonProcess, small_daemon_args
+from kvtierd.launch.daemon_process import DaemonProcess, small_daemon_args
 from tests.connectors.reference.connector_factories import TOY, prompt, toy_model
 
 BLOCK_SIZE = 4

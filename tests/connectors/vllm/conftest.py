@@ -7,7 +7,7 @@ import tempfile
 
 import pytest
 
-from kvtierd.server.daemon_process import DaemonProcess, small_daemon_args
+from kvtierd.launch.daemon_process import DaemonProcess, small_daemon_args
 
 
 @pytest.fixture

@@ -14,7 +14,7 @@ from kvtierd.connectors.vllm.connector import KvtierdConnector, configure_loggin
 from kvtierd.connectors.vllm.group_hits import RequestHit
 from kvtierd.connectors.vllm.kv_groups import engine_groups
 from kvtierd.connectors.vllm.scheduler import SchedulerSide
-from kvtierd.server.daemon_process import DaemonProcess, small_daemon_args, wait_until
+from kvtierd.launch.daemon_process import DaemonProcess, small_daemon_args, wait_until
 from tests.connectors.vllm.vllm_fakes import (
     BLOCK_SIZE,
     KV_LAYOUTS,

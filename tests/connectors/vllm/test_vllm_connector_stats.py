@@ -7,7 +7,7 @@ from prometheus_client import CollectorRegistry, Counter, Histogram
 
 from kvtierd.connectors.vllm.connector import KvtierdConnector
 from kvtierd.connectors.vllm.connector_stats import LOOKUP_SECONDS, KvtierdConnectorStats, KvtierdPromMetrics
-from kvtierd.server.daemon_process import wait_until
+from kvtierd.launch.daemon_process import wait_until
 from tests.connectors.vllm.vllm_fakes import BLOCK_SIZE, Engine, Request, prompt
 
 

@@ -23,7 +23,7 @@ from pathlib import Path
 
 import pytest
 
-from kvtierd.server.daemon_process import DaemonProcess
+from kvtierd.launch.daemon_process import DaemonProcess
 from tests import other_uid
 from tests.connectors.vllm.engine_process import EngineProcess, engine_env
 from tests.connectors.vllm.test_vllm_engines import (

@@ -23,7 +23,7 @@ import subprocess
 import pytest
 
 from kvtierd.client import KvtierClient
-from kvtierd.server.daemon_process import WRITE_THROUGH, DaemonProcess, small_daemon_args, wait_until, written_through
+from kvtierd.launch.daemon_process import WRITE_THROUGH, DaemonProcess, small_daemon_args, wait_until, written_through
 from tests.connectors.vllm.engine_process import EngineProcess, engine_env
 
 ENGINE_MAIN = pathlib.Path(__file__).with_name("vllm_engine_main.py")

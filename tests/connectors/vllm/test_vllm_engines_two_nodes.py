@@ -10,7 +10,7 @@ import tempfile
 import pytest
 
 from kvtierd.client import KvtierClient
-from kvtierd.server.daemon_process import wait_until
+from kvtierd.launch.daemon_process import wait_until
 from tests.connectors.vllm.test_vllm_engines import (  # noqa: F401 (fixtures)
     SHARED_PREFIX_LEN,
     SHARED_PROMPTS,

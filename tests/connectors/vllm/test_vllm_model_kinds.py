@@ -25,7 +25,7 @@ import tempfile
 import pytest
 
 from kvtierd.client import KvtierClient
-from kvtierd.server.daemon_process import DaemonProcess, small_daemon_args
+from kvtierd.launch.daemon_process import DaemonProcess, small_daemon_args
 from tests.conftest import REPO
 from tests.connectors.vllm.engine_process import EngineProcess, engine_env
 from tests.connectors.vllm.model_kinds import KINDS, ModelKind

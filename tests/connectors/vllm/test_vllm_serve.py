@@ -20,7 +20,7 @@ import pytest
 
 from kvtierd.client import KvtierClient
 from kvtierd.connectors.demo import demo_texts
-from kvtierd.server.daemon_process import WRITE_THROUGH, DaemonProcess, small_daemon_args, wait_until, written_through
+from kvtierd.launch.daemon_process import WRITE_THROUGH, DaemonProcess, small_daemon_args, wait_until, written_through
 from tests.connectors.vllm.openai_server import OpenAIServer
 from tests.connectors.vllm.test_vllm_engines import tier
 

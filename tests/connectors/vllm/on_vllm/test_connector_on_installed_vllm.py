@@ -47,7 +47,7 @@ from kvtierd.connectors.vllm.connector import KvtierdConnector
 from kvtierd.connectors.vllm.engine_pages import EnginePages
 from kvtierd.connectors.vllm.kv_groups import engine_groups
 from kvtierd.connectors.vllm.metadata import StepMetadata
-from kvtierd.server.daemon_process import DaemonProcess, small_daemon_args, wait_until
+from kvtierd.launch.daemon_process import DaemonProcess, small_daemon_args, wait_until
 from tests.connectors.vllm import vllm_fakes
 
 NUM_LAYERS, NUM_KV_HEADS, HEAD_DIM, BLOCK_SIZE, NUM_ENGINE_BLOCKS = 4, 2, 64, 32, 24

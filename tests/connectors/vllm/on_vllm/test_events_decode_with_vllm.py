@@ -25,13 +25,13 @@ from vllm.v1.request import Request
 
 from kvtierd.block_hash import pack_token_ids
 from kvtierd.client import KvtierClient
+from kvtierd.events.vllm_events import BatchEncoder, PoolEvents, WireFormat
 from kvtierd.index.index_events import AllBlocksCleared as Cleared
 from kvtierd.index.index_events import BlockRemoved as Removed
 from kvtierd.index.index_events import BlockStored as Stored
+from kvtierd.launch.daemon_process import DaemonProcess, small_daemon_args
 from kvtierd.layout import Layout
 from kvtierd.node.tenants import Tenant
-from kvtierd.server.daemon_process import DaemonProcess, small_daemon_args
-from kvtierd.server.vllm_events import BatchEncoder, PoolEvents, WireFormat
 
 BLOCK_SIZE = 16
 LAYOUT = Layout("events-model", 2, 2, 16, BLOCK_SIZE)

@@ -19,12 +19,12 @@ import logging
 import secrets
 
 from kvtierd.daemon_key import client_hash_of, tenant_tag_of
+from kvtierd.events.event_history import EventHistory, Reader
+from kvtierd.events.vllm_events import MEDIUM_CPU, MEDIUM_GPU, MEDIUM_STORAGE, PoolEvents
 from kvtierd.index.index_events import AllBlocksCleared, BlockRemoved, BlockStored
 from kvtierd.layout import Layout
 from kvtierd.node.pools import MAX_PENDING_EVENTS, LayoutPool, PoolRegistry
 from kvtierd.node.tenants import Tenant
-from kvtierd.server.event_history import EventHistory, Reader
-from kvtierd.server.vllm_events import MEDIUM_CPU, MEDIUM_GPU, MEDIUM_STORAGE, PoolEvents
 from kvtierd.v1 import kvtier_pb2 as pb
 
 log = logging.getLogger(__name__)

@@ -14,11 +14,11 @@ import pytest
 import zmq
 
 from kvtierd.client import KvtierClient
+from kvtierd.events.vllm_events import BatchEncoder, PoolEvents, WireFormat
+from kvtierd.events.zmq_publisher import ZmqEventPublisher
 from kvtierd.index.index_events import BlockRemoved
+from kvtierd.launch.daemon_process import WRITE_THROUGH, DaemonProcess, DaemonStartError, small_daemon_args, wait_until
 from kvtierd.node.tenants import Tenant
-from kvtierd.server.daemon_process import WRITE_THROUGH, DaemonProcess, DaemonStartError, small_daemon_args, wait_until
-from kvtierd.server.vllm_events import BatchEncoder, PoolEvents, WireFormat
-from kvtierd.server.zmq_publisher import ZmqEventPublisher
 from tests.server.e2e_runner import LAYOUT, prompt
 
 END_SEQ = (-1).to_bytes(8, "big", signed=True)

@@ -8,8 +8,7 @@ import sys
 
 import pytest
 
-from kvtierd.server.daemon_process import DaemonProcess, DaemonStartError, python_module_command, small_daemon_args
-from tests.conftest import REPO
+from kvtierd.launch.daemon_process import DaemonProcess, DaemonStartError, python_module_command, small_daemon_args
 
 
 def test_a_child_that_exits_before_ready_is_reported_with_its_status_and_output(tmp_path):
@@ -22,7 +21,7 @@ def test_a_child_that_exits_before_ready_is_reported_with_its_status_and_output(
 
 def test_a_child_that_stays_silent_is_reported_after_the_timeout_and_killed(tmp_path, monkeypatch):
     silent = [sys.executable, "-c", "import time; time.sleep(600)"]
-    monkeypatch.setattr("kvtierd.server.daemon_process.python_module_command", lambda *args: silent)
+    monkeypatch.setattr("kvtierd.launch.daemon_process.python_module_command", lambda *args: silent)
     with pytest.raises(DaemonStartError, match="did not become ready within 1 s"):
         DaemonProcess([], ready_timeout_s=1.0)
 
@@ -36,20 +35,3 @@ def test_python_children_keep_the_working_directory_off_sys_path(tmp_path):
     assert done.returncode == 0, done.stderr
     assert done.stdout.startswith("kvtierd ")
 
-
-def test_serve_imports_nothing_of_the_connectors():
-    code = ("import sys\nfrom kvtierd.cli.kvtierd_main import main\n"
-            "try:\n    main(['serve', '--help'])\nexcept SystemExit:\n    pass\n"
-            "print(sorted(m for m in sys.modules if m.startswith('kvtierd.connectors')))")
-    done = subprocess.run([sys.executable, "-P", "-c", code], capture_output=True, text=True, timeout=60)
-    assert done.returncode == 0, done.stderr
-    assert done.stdout.splitlines()[-1] == "[]"
-
-
-def test_the_source_tree_imports_the_connectors_as_installed():
-    """No site-packages at all (-S): kvtierd.connectors comes from the checkout's connectors/."""
-    code = (f"import sys; sys.path.insert(0, {str(REPO)!r}); import kvtierd.connectors.demo.model_fetch as m; "
-            f"print(m.__file__)")
-    done = subprocess.run([sys.executable, "-S", "-P", "-c", code], capture_output=True, text=True, timeout=60)
-    assert done.returncode == 0, done.stderr
-    assert done.stdout.strip() == str(REPO / "kvtierd" / "connectors" / "demo" / "model_fetch.py")

@@ -10,15 +10,11 @@ import pytest
 
 from kvtierd.endpoints import default_socket_path
 from kvtierd.errors import InvalidArgument
-from kvtierd.node.config_summary import config_lines
-from kvtierd.node.daemon_config import (
-    ENV_KEYS,
-    Quota,
-    add_flags,
-    default_ssd_dir,
-    load_config,
-    overrides_from_args,
-)
+from kvtierd.node.quotas import Quota
+from kvtierd.server.config_flags import add_flags, overrides_from_args
+from kvtierd.server.config_loader import ENV_KEYS, load_config
+from kvtierd.server.config_summary import config_lines
+from kvtierd.t2.ssd_config import default_ssd_dir
 from kvtierd.units import GiB, MiB
 
 

@@ -1,4 +1,5 @@
-"""Argument types shared by the `kvtierd` subcommands' parsers."""
+"""Argument types of the command lines: the `kvtierd` subcommands' parsers (cli/) and the demo's
+flags (connectors/demo/demo_cli.py), which use them without importing the CLI."""
 
 from __future__ import annotations
 

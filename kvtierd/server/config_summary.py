@@ -5,8 +5,9 @@ from __future__ import annotations
 
 import os
 
-from kvtierd.node.daemon_config import DaemonConfig
-from kvtierd.node.remote_section import remote_summary
+from kvtierd.server.daemon_config import DaemonConfig
+from kvtierd.t3.remote_config import RemoteConfig, format_endpoints
+from kvtierd.tiering.tier_config import PolicyConfig
 
 
 def config_lines(config: DaemonConfig) -> list[str]:
@@ -44,4 +45,21 @@ def config_lines(config: DaemonConfig) -> list[str]:
     lines.append(f"kv events: {'connect' if events.connect else 'bind'} {events.zmq_endpoint}{replay}, topic "
                  f"{events.topic!r}, {events.format} format, media {media}, salt {events.salt}"
                  if events.zmq_endpoint else "kv events: off")
+    return lines
+
+
+def remote_summary(remote: RemoteConfig, policy: PolicyConfig) -> list[str]:
+    """Start-up lines about T3 (never the password)."""
+    if not remote.enabled:
+        return ["T3 shared store: off"]
+    credential = ("password from " + remote.password_file if remote.password_file else
+                  "password set" if remote.password else "no password")
+    lines = [f"T3 shared store: {format_endpoints(remote.endpoints)} ({remote.mode}, "
+             f"{'TLS' if remote.tls else 'no TLS'}, user {remote.username or 'default'}, {credential}), "
+             f"codec {remote.codec}, keys {remote.key_prefix}:*, timeout {remote.timeout_s:g} s, "
+             f"breaker {remote.breaker_failures} failures / {remote.breaker_open_s:g} s; "
+             f"T1->T3 {policy.t1_to_t3}, T2->T3 {policy.t2_to_t3}"]
+    if policy.t0_to_t1 != "write_through" and policy.t1_to_t3 != "off":
+        lines.append(f"note: T0->T1 is {policy.t0_to_t1}: a block reaches T3 only once T0 evicts it; set "
+                     "policy.t0_to_t1 = write_through for other nodes to see it at once")
     return lines

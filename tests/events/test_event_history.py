@@ -10,10 +10,10 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from kvtierd.daemon_key import TAG_BYTES
+from kvtierd.events.event_feed import EventFeed
+from kvtierd.events.event_history import EventHistory, Reader
 from kvtierd.layout import Layout
 from kvtierd.node.tenants import Tenant
-from kvtierd.server.event_feed import EventFeed
-from kvtierd.server.event_history import EventHistory, Reader
 from kvtierd.v1 import kvtier_pb2 as pb
 
 POOL_A, POOL_B = Layout("model-a", 2, 2, 16, 4), Layout("model-b", 2, 2, 16, 4)

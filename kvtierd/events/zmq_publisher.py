@@ -11,7 +11,7 @@ llm-d's kv-cache indexer and Dynamo's KV router read a kvtierd node as they read
 
 Every tenant's blocks are on this feed (it is the node's, for the operator's router; tenants are
 told apart by the salt in extra_keys), so it binds loopback or ipc:// only unless allow_remote
-(daemon_config.py). Unlike vLLM, the endpoint is bound unless `connect` is set, whatever its host.
+(events_config.py). Unlike vLLM, the endpoint is bound unless `connect` is set, whatever its host.
 
 The event loop never waits here: `publish` puts on a bounded queue; one thread encodes, sends and
 answers replays, and owns both sockets after `start`. A full queue drops the batch (counted, logged
@@ -31,8 +31,8 @@ from collections import deque
 
 import zmq
 
+from kvtierd.events.vllm_events import MEDIUM_GPU, BatchEncoder, PoolEvents
 from kvtierd.index.index_events import AllBlocksCleared
-from kvtierd.server.vllm_events import MEDIUM_GPU, BatchEncoder, PoolEvents
 
 log = logging.getLogger(__name__)
 

@@ -1,0 +1,1 @@
+"""`kvtierd serve` as a child process, for the tests, the benchmarks and the demo."""

@@ -1,0 +1,66 @@
+"""The configuration of `kvtierd serve`: one section per table of its TOML file, each the type of
+the part it configures and defined beside it, each checking its own values when built.
+
+| section    | type           | where                           |
+|------------|----------------|---------------------------------|
+| [server]   | ServerConfig   | kvtierd/server/server_config.py |
+| [pool]     | PoolConfig     | kvtierd/node/pool_config.py     |
+| [host]     | HostConfig     | kvtierd/t1/host_config.py       |
+| [ssd]      | SsdConfig      | kvtierd/t2/ssd_config.py        |
+| [policy]   | PolicyConfig   | kvtierd/tiering/tier_config.py  |
+| [events]   | EventsConfig   | kvtierd/events/events_config.py |
+| [remote]   | RemoteConfig   | kvtierd/t3/remote_config.py     |
+| [quotas.*] | Quota          | kvtierd/node/quotas.py          |
+
+Where the values come from (defaults, the file, KVTIERD_* variables, flags) is config_loader.py;
+the flags of `kvtierd serve` are config_flags.py. No torch here.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+from kvtierd.config_checks import require_choice
+from kvtierd.events.events_config import EventsConfig
+from kvtierd.node.pool_config import PoolConfig
+from kvtierd.node.quotas import Quota
+from kvtierd.server.server_config import ServerConfig
+from kvtierd.t1.host_config import HostConfig
+from kvtierd.t2.ssd_config import SsdConfig
+from kvtierd.t3.remote_config import RemoteConfig
+from kvtierd.tiering.tier_config import PolicyConfig
+
+LOG_LEVELS = ("debug", "info", "warning", "error", "critical")
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class DaemonConfig:
+    server: ServerConfig = dataclasses.field(default_factory=ServerConfig)
+    pool: PoolConfig = dataclasses.field(default_factory=PoolConfig)
+    host: HostConfig = dataclasses.field(default_factory=HostConfig)
+    ssd: SsdConfig = dataclasses.field(default_factory=SsdConfig)
+    policy: PolicyConfig = dataclasses.field(default_factory=PolicyConfig)
+    events: EventsConfig = dataclasses.field(default_factory=EventsConfig)
+    remote: RemoteConfig = dataclasses.field(default_factory=RemoteConfig)
+    quotas: dict[str, Quota] = dataclasses.field(default_factory=dict)  # tenant -> quota
+    log_level: str = "info"  # "debug" | "info" | "warning" | "error" | "critical"
+
+    def __post_init__(self) -> None:
+        require_choice("log_level", self.log_level, LOG_LEVELS)
+
+
+SECTIONS = {"server": ServerConfig, "pool": PoolConfig, "host": HostConfig, "ssd": SsdConfig, "policy": PolicyConfig,
+            "events": EventsConfig, "remote": RemoteConfig}
+
+
+def _file_type(field: dataclasses.Field) -> type:
+    """The type a key's value has in the file: its default's, but a tuple is written as one
+    comma-separated string (remote.endpoints) that its section parses."""
+    default = field.default if field.default is not dataclasses.MISSING else field.default_factory()
+    return str if isinstance(default, tuple) else type(default)
+
+
+# Dotted key -> type of its value in the file (str, int, float or bool), for every key but the quotas.
+KEY_TYPES = {f"{section}.{field.name}": _file_type(field)
+             for section, cls in SECTIONS.items() for field in dataclasses.fields(cls)} | {"log_level": str}
+QUOTA_KEYS = tuple(field.name for field in dataclasses.fields(Quota))
