@@ -14,7 +14,10 @@ The clients, all timed in the same rounds in alternation (benchmarks/_report.tim
       on get_redis_connection(node), the 3 run at once on 3 threads (pure-Python RESP, and hiredis),
       and (c') with hiredis parsing and the Python packer;
   (d) valkey-glide's sync client (GlideClusterClient, a non-atomic ClusterBatch), where it imports;
-  (e) redis.asyncio.RedisCluster, one pipeline, on an event loop (the daemon's side is asyncio).
+  (e) redis.asyncio.RedisCluster, one pipeline, on an event loop (the daemon's side is asyncio);
+  (f) kvtierd's own RedisStore (t3/redis_store.py): per node, one write of hand-packed SETs (a value sent
+      from where it lies) or GETs whose values are received straight into buffers of their own
+      (t3/redis_connections.py BulkReader), the 3 masters on 3 threads.
 Extra rows: a plain redis.Redis on one master: one GET of one 2 MiB value, 64 GETs one by one, one
 pipeline of 64 GETs (keys of one hash tag, so all on that master): one connection's ceiling.
 Untimed between rounds: every GET result of the round before is checked against the values.
@@ -287,6 +290,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         async_parser = "hiredis" if redis.utils.HIREDIS_AVAILABLE else "pure-Python"
         cases.add(f"(e) redis.asyncio RedisCluster pipeline, {async_parser} parser", async_client.pipeline_set,
                   async_client.pipeline_get)
+        store = KvtierdStore(cluster)
+        clients.callback(store.close)
+        cases.add("(f) kvtierd's RedisStore: per-node writes of hand-packed commands on 3 threads, values "
+                  "received straight into their buffers", store.set, store.get)
         timings = _report.time_interleaved(cases.ops, rounds=rounds, warmup=warmup, setup=cases.check)
     rows = cases.rows(timings)
     _report.print_table(["client", "op", "MB/s", "(best)", f"vs {BASELINE}", "(best)"], rows)
@@ -299,6 +306,25 @@ def main(argv: Sequence[str] | None = None) -> int:
     if glide is None:
         print(f"(d) valkey-glide: {glide_note}")
     return 0
+
+
+class KvtierdStore:
+    """The daemon's own client of the shared store (kvtierd.t3.redis_store.RedisStore)."""
+
+    def __init__(self, cluster: redis_cluster.LocalRedis) -> None:
+        from kvtierd.t3.redis_store import RedisStore
+        from kvtierd.t3.remote_config import RemoteConfig
+
+        self.store = RedisStore(RemoteConfig(tuple(("127.0.0.1", port) for port in cluster.ports), timeout_s=TIMEOUT_S))
+
+    def close(self) -> None:
+        self.store.close()
+
+    def set(self, keys: list[bytes], values: list[bytes]) -> None:
+        assert all(self.store.set(list(zip(keys, values))))
+
+    def get(self, keys: list[bytes]) -> list:
+        return self.store.get(keys)
 
 
 class Cases:

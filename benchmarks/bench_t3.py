@@ -1,4 +1,4 @@
-"""T3, the shared store, end to end: Put / Get of 64 x 2 MiB, TTFT of a T3 hit, Lookup with T3.
+"""T3, the shared store, end to end: Put / Get of 64 x 2 MiB, promotion of a prefix, TTFT of a T3 hit, Lookup.
 
 One run, one loopback Redis Cluster (scripts/redis_cluster.py: 3 masters of Debian's redis-server on free
 127.0.0.1 ports, --save "" --appendonly no, maxmemory 1 GB each, allkeys-lru), started and stopped by this
@@ -29,9 +29,15 @@ such daemons (own sockets and pools); no byte goes from A to B except through th
    (b) all in T0 (put into both daemons: T3 not asked). Context row: (c) in no tier (the probe finds
    nothing). Goal: with T3 p50 <= 1.5x without, (a) and (b).
 
+4. Promotion of a 4,096-token prefix held only in T3, the path an engine takes (a 512 KiB-a-block
+   layout, 16 layers x 8 KV heads x 64 fp16: 256 blocks, 128 MiB): each round node A puts a fresh prefix
+   until T3 holds it; node C, which holds nothing of it, runs Acquire + Wait + Release (timed; every block
+   must be ready); the baseline GETs the very values node C reads (the keys found in the cluster) with
+   plain redis-py per-node pipelines (hiredis). MB/s = the values' bytes / time. Goal: ours >= 0.8x.
+
 `--profile DIR`: after the timed rounds, py-spy records node A during 10 more Puts, node B during 10 more
 Gets and during 5 s of Lookups of the chain in T3 (raw collapsed stacks in DIR); the top frames are printed
-after the tables. `--parts` runs some of the three parts only.
+after the tables. `--parts` runs some of the four parts only.
 """
 
 from __future__ import annotations
@@ -478,6 +484,81 @@ def bench_lookup(cluster, directory: str, args, rng) -> list[list[str]]:
     return rows
 
 
+# --------------------------------------------------------------------------------------------- 4. promotion
+
+PROMOTION_LAYOUT = Layout("bench-t3-promotion", num_layers=16, num_kv_heads=8, head_dim=64, block_size=16)  # 512 KiB
+
+
+class PromotionRounds:
+    """Each round a fresh 4k-token prefix put through node A until T3 holds it; node C, which holds
+    nothing of it, promotes it as an engine does (Acquire, Wait, Release; timed), and the plain
+    client GETs the very values node C reads (the keys found in the cluster; timed)."""
+
+    def __init__(self, cluster, on_a: KvtierClient, on_c: KvtierClient, baseline: NodePipelines, num_tokens: int,
+                 rng: np.random.Generator) -> None:
+        self.cluster, self.on_a, self.baseline, self.rng = cluster, on_a, baseline, rng
+        self.session = on_c.attach(PROMOTION_LAYOUT, map_pool=False)
+        self.num_tokens = num_tokens
+        self.num_blocks = num_tokens // BLOCK_SIZE
+        self.namespace = Namespace(PROMOTION_LAYOUT, tenant="", algo="sha256")
+        self.num_rounds = 0
+        self.results: dict[str, object] = {}
+
+    def setup(self) -> None:
+        if self.results:
+            assert self.results.pop("ready") == self.num_blocks, "node C promoted fewer blocks than T3 holds"
+            values = self.results.pop("baseline")
+            assert all(v is not None for v in values) and sum(map(len, values)) == self.nbytes
+            self.num_rounds += 1
+        flush(self.cluster)
+        self.tokens = random_tokens(self.rng, self.num_tokens)
+        self.hashes = self.namespace.hash_blocks(self.tokens)
+        packed, stride = pack_token_ids(self.tokens), 4 * BLOCK_SIZE
+        before = t3_written(self.on_a, PROMOTION_LAYOUT.model_id)
+        blocks = [(h, packed[i * stride:(i + 1) * stride], self.rng.bytes(PROMOTION_LAYOUT.bytes_per_block))
+                  for i, h in enumerate(self.hashes)]
+        assert self.on_a.put(PROMOTION_LAYOUT, blocks).num_blocks == self.num_blocks
+        wait_t3_written(self.on_a, PROMOTION_LAYOUT.model_id, before + self.num_blocks)
+        self.keys = [key for port in self.cluster.ports
+                     for key in self.cluster.node_client(port).scan_iter(match="kvtierd:*", count=1000)]
+        assert len(self.keys) == self.num_blocks, len(self.keys)
+        self.nbytes = sum(self.cluster.node_client(self.cluster.key_owner(k)).strlen(k) for k in self.keys)
+
+    def ours(self) -> None:
+        request_id = f"promote-{self.num_rounds}"
+        self.session.acquire(request_id, self.hashes, token_ids=self.tokens)
+        self.results["ready"] = self.session.wait(request_id)
+        self.session.release(request_id)
+
+    def plain_gets(self) -> None:
+        self.results["baseline"] = self.baseline.get(self.keys)
+
+
+def bench_promotion(cluster, directory: str, args, rng) -> list[list[str]]:
+    nbytes = args.promotion_tokens // BLOCK_SIZE * PROMOTION_LAYOUT.bytes_per_block
+    pool_bytes = 2 * nbytes + (16 << 20)
+    flush(cluster)
+    with DaemonProcess(node_args(directory, "promote-a", cluster.seeds, pool_bytes, pool_bytes)) as a, \
+            DaemonProcess(node_args(directory, "promote-c", cluster.seeds, pool_bytes, pool_bytes)) as c, \
+            KvtierClient(a.address, timeout_s=CALL_TIMEOUT_S, max_message_bytes=MAX_MESSAGE_BYTES) as on_a, \
+            KvtierClient(c.address, timeout_s=CALL_TIMEOUT_S, max_message_bytes=MAX_MESSAGE_BYTES) as on_c, \
+            ThreadPoolExecutor(len(cluster.ports), thread_name_prefix="node-pipeline") as threads:
+        baseline = NodePipelines(cluster, "hiredis", threads)
+        try:
+            state = PromotionRounds(cluster, on_a, on_c, baseline, args.promotion_tokens, rng)
+            ours, plain = _report.time_interleaved([state.ours, state.plain_gets], rounds=args.rounds,
+                                                   warmup=args.warmup, setup=state.setup)
+            state.setup()  # checks the last round
+        finally:
+            baseline.close()
+    mb_per_s = lambda ns: state.nbytes / (ns / 1e9) / 1e6  # noqa: E731
+    ratio = plain.median_ns / ours.median_ns
+    return [[f"Promotion of {args.promotion_tokens} tokens held only in T3 (Acquire + Wait) / GETs (hiredis)",
+             _report.median_and_best(mb_per_s(ours.median_ns), mb_per_s(ours.best_ns)),
+             _report.median_and_best(mb_per_s(plain.median_ns), mb_per_s(plain.best_ns)), f"{ratio:.2f}x",
+             f">= {GOAL_PUT_GET:g}x", _report.verdict(ratio >= GOAL_PUT_GET)]]
+
+
 # --------------------------------------------------------------------------------------------- main
 
 def parse_args(argv: Sequence[str] | None):
@@ -488,11 +569,14 @@ def parse_args(argv: Sequence[str] | None):
     parser.add_argument("--ttft-rounds", type=int, help="TTFT rounds, a fresh prefix each (3; --quick 1)")
     parser.add_argument("--lookup-tokens", type=int, help="Lookup: prompt tokens (4096; --quick 1024)")
     parser.add_argument("--profile", metavar="DIR", help="py-spy the daemons during 10 more Puts and Gets")
-    parser.add_argument("--parts", default="put-get,ttft,lookup", help="which parts to run (default: all three)")
+    parser.add_argument("--promotion-tokens", type=int, help="promotion: prefix tokens (4096; --quick 512)")
+    parser.add_argument("--parts", default="put-get,promotion,ttft,lookup",
+                        help="which parts to run (default: all four)")
     args = parser.parse_args(argv)
     quick = args.quick
     defaults = dict(blocks=8 if quick else 64, rounds=2 if quick else 10, prefix_tokens=256 if quick else 2048,
-                    ttft_rounds=1 if quick else 3, lookup_tokens=1024 if quick else 4096)
+                    ttft_rounds=1 if quick else 3, lookup_tokens=1024 if quick else 4096,
+                    promotion_tokens=512 if quick else 4096)
     for key, value in defaults.items():
         if getattr(args, key) is None:
             setattr(args, key, value)
@@ -518,6 +602,8 @@ def main(argv: Sequence[str] | None = None) -> int:
                 version = client.info("server")["redis_version"]
             parts = set(args.parts.split(","))
             put_get_rows, notes = bench_put_get(cluster, directory, args, rng) if "put-get" in parts else ([], [])
+            if "promotion" in parts:
+                put_get_rows += bench_promotion(cluster, directory, args, rng)
             ttft_rows = bench_ttft(cluster, directory, args, rng) if "ttft" in parts else []
             lookup_rows = bench_lookup(cluster, directory, args, rng) if "lookup" in parts else []
     print_header(args, cluster, version, redis, notes)

@@ -40,7 +40,7 @@ import struct
 import sys
 from array import array
 from collections.abc import Callable, Sequence
-from typing import NewType
+from typing import NewType, cast
 
 import numpy as np
 import xxhash
@@ -80,7 +80,10 @@ def field(tag: int, value: bytes) -> bytes:
 _U32_CODE = next(code for code in "IL" if array(code).itemsize == 4)
 
 
-def pack_token_ids(token_ids: Sequence[int] | np.ndarray | bytes) -> bytes:
+PackableTokenIds = Sequence[int] | np.ndarray | bytes  # what pack_token_ids takes
+
+
+def pack_token_ids(token_ids: PackableTokenIds) -> bytes:
     """Token ids as u32 little-endian bytes; raises InvalidArgument outside [0, 2**32).
 
     Bytes are taken as already packed (the wire format): no conversion, only a length check.
@@ -193,7 +196,7 @@ class Namespace:
         if parent is not None and len(parent) != self.digest_size:
             raise InvalidArgument(f"parent hash must be {self.digest_size} bytes, got {len(parent)}")
         prefixes = self._block_prefixes(pack_token_ids(token_ids))
-        chain: list[BlockHash] = []
+        chain: list[bytes] = []  # BlockHashes, appended as the digests come (no wrapper call per block)
         append = chain.append
         parent_hash = self.root if parent is None else parent
         if extras is not None and extras != _NO_EXTRAS:
@@ -211,7 +214,7 @@ class Namespace:
             for prefix in prefixes:
                 parent_hash = digest(prefix + parent_hash)
                 append(parent_hash)
-        return chain
+        return cast("list[BlockHash]", chain)
 
     def _block_prefixes(self, tokens: bytes) -> list[bytes]:
         """Per full block, its message up to the parent: tokens head, tokens, parent head."""

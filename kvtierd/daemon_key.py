@@ -27,8 +27,9 @@ def make_daemon_key(tag: TenantTag, client_hash: bytes) -> DaemonKey:
     return DaemonKey(tag + client_hash)
 
 
-def make_daemon_keys(tag: TenantTag, client_hashes: Iterable[bytes]) -> list[DaemonKey]:
-    """The keys of many client hashes of one tenant (the hot path of Lookup and Acquire)."""
+def make_daemon_keys(tag: TenantTag, client_hashes: Iterable[bytes]) -> list[bytes]:
+    """The keys of many client hashes of one tenant (the hot path of Lookup and Acquire): each a
+    DaemonKey, made without a wrapper call per key, in a list the core takes as its block keys."""
     assert len(tag) == TAG_BYTES, tag
     return list(map(tag.__add__, client_hashes))
 

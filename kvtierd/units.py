@@ -24,8 +24,9 @@ _SIZE = re.compile(r"\s*(\d+(?:\.\d+)?(?:e\d+)?)\s*(?:([kmgt])(i)?b?|b)?\s*", re
 _PREFIXES = "kmgt"
 
 
-def parse_bytes(text: str | int) -> int:
-    """A byte count from an int or a string ("1048576", "40GB", "40GiB", "512Mi", "4e10")."""
+def parse_bytes(text: object) -> int:
+    """A byte count from an int or a string ("1048576", "40GB", "40GiB", "512Mi", "4e10");
+    InvalidArgument for anything else (a TOML or flag value of any type may come here)."""
     if isinstance(text, bool) or not isinstance(text, (int, str)):
         raise InvalidArgument(f"expected a byte size, got {text!r}")
     if isinstance(text, int):

@@ -141,7 +141,8 @@ def run_demo(options: DemoOptions, progress=None, say=print) -> DemoReport:
     with tempfile.TemporaryDirectory(prefix="kvtierd-demo-") as directory:
         daemon = None if options.address else DaemonProcess(daemon_args(options, layout, directory))
         try:
-            address = options.address or daemon.address
+            address = daemon.address if daemon is not None else options.address
+            assert address, "a running daemon was named, or one was started"
             with KvtierClient(address, timeout_s=60.0) as client:
                 return _run(options, demo_model, layout, client, address, progress, say)
         finally:

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import re
 from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
@@ -19,6 +20,9 @@ import torch
 from kvtierd.connectors.reference.llama_config import LlamaConfig
 from kvtierd.connectors.reference.llama_weights import check_weights
 from kvtierd.errors import InvalidArgument
+
+if TYPE_CHECKING:  # the demo extra's GGUF reader, imported where a file is read
+    from gguf import GGUFReader
 
 _GLOBAL_NAMES = {"token_embd.weight": "model.embed_tokens.weight", "output_norm.weight": "model.norm.weight",
                  "output.weight": "lm_head.weight"}
@@ -41,12 +45,13 @@ def open_gguf(path: str | Path):
         raise InvalidArgument(f"{path} is not a readable GGUF file: {e}") from e
 
 
-def _field(reader, key: str, default=None):
+def _field(reader: GGUFReader, key: str, default: Any = None) -> Any:
+    """A metadata field's value (of whatever type the file gives it), or `default`."""
     field = reader.fields.get(key)
     return default if field is None else field.contents()
 
 
-def gguf_config(reader) -> LlamaConfig:
+def gguf_config(reader: GGUFReader) -> LlamaConfig:
     """The LlamaConfig of a GGUF file whose general.architecture is llama."""
     architecture = _field(reader, "general.architecture")
     if architecture != "llama":

@@ -42,24 +42,31 @@ class KvBackend(Protocol):
     @property
     def pool(self) -> torch.Tensor:
         """The block-major pool `[num_blocks, num_layers, 2, block_size, kv_heads, head_dim]`."""
+        ...
 
     def start(self, request_id: str, prompt_token_ids: list[int], extras: PromptExtras) -> StartedSequence:
         """Blocks for the prompt and the first generated token, with whatever the cache holds."""
+        ...
 
     def grow(self, request_id: str, num_blocks: int) -> list[int]:
         """More blocks at the end of the request's table (decode past its last block)."""
+        ...
 
     def write_target(self, request_id: str, position: int) -> int:
         """The block to write `position` into, copied first when it is shared (copy-on-write)."""
+        ...
 
     def blocks_filled(self, request_id: str, token_ids: list[int], num_tokens_with_kv: int) -> None:
         """The pool now holds the KV of the first `num_tokens_with_kv` of `token_ids`."""
+        ...
 
     def fork(self, request_id: str, child_request_id: str) -> list[int]:
         """A child sharing the request's blocks (n > 1 sampling); its block table."""
+        ...
 
     def finish(self, request_id: str) -> None:
         """The request is done: its blocks go back."""
+        ...
 
 
 class PrivateKv:

@@ -56,6 +56,7 @@ class KvtierdConnector:
 
     @property
     def pool(self) -> torch.Tensor:
+        assert self.session.pool is not None, "checked in __init__"
         return self.session.pool.tensor
 
     def start(self, request_id: str, prompt_token_ids: list[int], extras: PromptExtras) -> StartedSequence:

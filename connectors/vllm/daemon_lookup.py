@@ -26,18 +26,14 @@ from kvtierd.connectors.vllm.group_hits import (
 from kvtierd.connectors.vllm.kv_groups import EngineGroups, GroupKind
 from kvtierd.connectors.vllm.scheduler import LookupFn, LookupQuery
 from kvtierd.errors import KvtierError
+from kvtierd.wire.conversions import hits_from_proto
 
 log = logging.getLogger(__name__)
 
 
-def _tier_counts(hits) -> tuple[int, int, int, int]:
-    return hits.num_t0_blocks, hits.num_t1_blocks, hits.num_t2_blocks, hits.num_t3_blocks
-
-
 def _state_presence(hits) -> int:
-    """A chain of one block's answer: ABSENT, or the tier + 1 that holds it."""
-    counts = _tier_counts(hits)
-    return next((tier + 1 for tier, count in enumerate(counts) if count), ABSENT)
+    """A chain of one block's answer: ABSENT, or the tier's level + 1 that holds it."""
+    return next((tier.level + 1 for tier, count in hits_from_proto(hits).items() if count), ABSENT)
 
 
 def lookup_request(engine: EngineGroups, query: LookupQuery) -> tuple[list[bytes], list[int], list[int]]:
@@ -69,7 +65,7 @@ def group_presence(engine: EngineGroups, chains: Sequence, num_positions: int) -
         if group.kind is GroupKind.MAMBA:
             presence.append([_state_presence(next(answers)) for _ in range(num_positions)])
         else:
-            presence.append(leading_presence(_tier_counts(next(answers)), num_positions))
+            presence.append(leading_presence(hits_from_proto(next(answers)), num_positions))
     return presence
 
 

@@ -20,20 +20,20 @@ import dataclasses
 from collections.abc import Sequence
 
 from kvtierd.connectors.vllm.kv_groups import GroupKind, ServedGroup
+from kvtierd.tier import Tier, TierCounts
 
 ABSENT = 0
-T0 = 1  # Presence values: tier index + 1 (T0 = 1, T1 = 2, T2 = 3, T3 = 4)
-NUM_TIERS = 4
+T0 = Tier.T0.level + 1  # Presence values: the tier's level + 1 (T0 = 1, T1 = 2, T2 = 3, T3 = 4)
 
-# Per candidate position: ABSENT, or the tier + 1 that holds the block.
+# Per candidate position: ABSENT, or the tier's level + 1 that holds the block.
 Presence = list[int]
 
 
-def leading_presence(tier_counts: Sequence[int], num_positions: int) -> Presence:
+def leading_presence(tier_counts: TierCounts, num_positions: int) -> Presence:
     """A chain lookup's answer (its leading blocks per tier, T0 first) as per-position presence."""
     presence: Presence = []
-    for tier, count in enumerate(tier_counts):
-        presence += [tier + 1] * count
+    for tier, count in tier_counts.items():
+        presence += [tier.level + 1] * count
     assert len(presence) <= num_positions, (tier_counts, num_positions)
     return presence + [ABSENT] * (num_positions - len(presence))
 
@@ -54,15 +54,15 @@ class RequestHit:
     """The blocks beyond the engine's own hit that every group can serve from the daemon."""
 
     num_blocks: int
-    tier_blocks: tuple[int, int, int, int]  # of the first group's needed blocks: in T0, T1, T2, T3
+    tier_blocks: TierCounts  # of the first group's needed blocks: in T0, T1, T2, T3
     all_in_t0: bool  # every needed block of every group is in T0: a synchronous copy serves it
 
     @property
     def num_t0_blocks(self) -> int:
-        return self.tier_blocks[0]
+        return self.tier_blocks.t0
 
 
-NO_HIT = RequestHit(0, (0, 0, 0, 0), True)
+NO_HIT = RequestHit(0, TierCounts(), True)
 
 
 def request_hit(groups: Sequence[ServedGroup], presence: Sequence[Presence]) -> RequestHit:
@@ -83,10 +83,10 @@ def request_hit(groups: Sequence[ServedGroup], presence: Sequence[Presence]) -> 
 
 
 def _hit(groups: Sequence[ServedGroup], presence: Sequence[Presence], num_blocks: int) -> RequestHit:
-    counts = [0] * NUM_TIERS
+    counts = [0] * len(Tier)
     primary = next((i for i, g in enumerate(groups) if g.kind is GroupKind.FULL), 0)
     for p in needed_positions(groups[primary], num_blocks):
         counts[presence[primary][p] - 1] += 1
     all_in_t0 = all(presence_of[p] == T0 for group, presence_of in zip(groups, presence)
                     for p in needed_positions(group, num_blocks))
-    return RequestHit(num_blocks, tuple(counts), all_in_t0)
+    return RequestHit(num_blocks, TierCounts(*counts), all_in_t0)

@@ -235,9 +235,9 @@ class SchedulerSide:
         """The leading `num_external_tokens` of the request's last lookup split over T0, T1, and
         the tiers below (T2 and T3: storage, as vLLM's metrics see it)."""
         tracked = self._tracked.get(request_id)
-        t0, t1, t2, t3 = tracked.hit.tier_blocks if tracked is not None else NO_HIT.tier_blocks
+        blocks = tracked.hit.tier_blocks if tracked is not None else NO_HIT.tier_blocks
         split, left = [], num_external_tokens
-        for num_blocks in (t0, t1, t2 + t3):
+        for num_blocks in (blocks.t0, blocks.t1, blocks.t2 + blocks.t3):
             split.append(min(left, num_blocks * self.block_size))
             left -= split[-1]
         split[-1] += left  # tokens the lookup did not attribute (it never happens: they are its hits)

@@ -25,7 +25,7 @@ import math
 import signal
 import sys
 import time
-from typing import NoReturn
+from typing import TYPE_CHECKING, NoReturn
 
 from google.protobuf.json_format import MessageToDict
 
@@ -40,6 +40,11 @@ from kvtierd.errors import (
     Unauthenticated,
     Unavailable,
 )
+from kvtierd.tier import LOCAL_TIERS, Tier
+
+if TYPE_CHECKING:  # imported where used: `kvtierctl plan` runs without grpc's client or torch
+    from kvtierd.cli.kvtierctl_report import StatsView
+    from kvtierd.client import KvtierClient
 
 EXIT_PROBLEMS, EXIT_USAGE, EXIT_UNREACHABLE, EXIT_REFUSED, EXIT_INTERRUPTED = 1, 2, 3, 4, 130
 
@@ -97,7 +102,7 @@ def main(argv: list[str] | None = None) -> int:
         whose.add_argument("--tenant", default="", help="whose blocks (default: the caller's; another: admin)")
         whose.add_argument("--all", action="store_true", help="every tenant's blocks (admin)")
         if name == "evict":
-            command.add_argument("--tier", action="append", choices=("t0", "t1", "t2"), default=[],
+            command.add_argument("--tier", action="append", choices=LOCAL_TIERS, default=[],
                                  help="a tier (repeatable; default t0)")
         command.add_argument("--model-id", help="only the pool of this model id")
         command.add_argument("--json", action="store_true")
@@ -156,7 +161,7 @@ def run_against_daemon(args: argparse.Namespace) -> int:
             # Stats first: a daemon that does not answer is found within --timeout, not Evict's deadline.
             pools = client.stats().pools
             layout = pool_layout(pools, args.model_id) if args.model_id else None
-            tiers = getattr(args, "tier", None) or (["t0"] if args.command == "evict" else [])
+            tiers = getattr(args, "tier", None) or ([Tier.T0] if args.command == "evict" else [])
             with answered_within(client.target, OPERATION_TIMEOUT_S):
                 result = client.evict(args.tenant, all_tenants=args.all, tiers=tiers, layout=layout)
             if args.json:
@@ -196,7 +201,7 @@ def answered_within(target: str, timeout_s: float):
                           "and serving at this address?") from None
 
 
-def watch(client, interval_s: float, view) -> int:
+def watch(client: KvtierClient, interval_s: float, view: type[StatsView]) -> int:
     """Refresh until Ctrl-C, or until stdout's reader goes away (exit 0 both), found at once, not at
     the next refresh; on a terminal the screen is redrawn in place."""
     previous, before_s = None, time.monotonic()
@@ -213,7 +218,7 @@ def watch(client, interval_s: float, view) -> int:
         return 0
 
 
-def wait_for_sessions(client, timeout_s: float) -> int:
+def wait_for_sessions(client: KvtierClient, timeout_s: float) -> int:
     """0 once no session is attached; 1 after `timeout_s`; Ctrl-C is an interruption (130), not success."""
     deadline = time.monotonic() + timeout_s
     while (num_sessions := client.stats().num_sessions) and time.monotonic() < deadline:

@@ -7,6 +7,7 @@ import dataclasses
 import json
 import re
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from kvtierd.cli.wording import plural
 from kvtierd.errors import InvalidArgument
@@ -18,7 +19,12 @@ from kvtierd.planning.capacity_plan import (
     plan,
     plan_lines,
 )
+from kvtierd.tier import Tier
 from kvtierd.units import parse_bytes
+from kvtierd.wire.conversions import hits_from_proto
+
+if TYPE_CHECKING:
+    from kvtierd.client import KvtierClient
 
 # ----------------------------------------------------------------------------- plan
 
@@ -98,7 +104,7 @@ def request_lengths(args: argparse.Namespace) -> dict[int, int]:
 
 
 def run_plan(args: argparse.Namespace) -> int:
-    budgets = {tier: parse_bytes(value) for tier, value in (("t0", args.t0), ("t1", args.t1), ("t2", args.t2))
+    budgets = {tier: parse_bytes(value) for tier, value in ((Tier.T0, args.t0), (Tier.T1, args.t1), (Tier.T2, args.t2))
                if value}
     try:
         block_sizes = [int(b) for b in args.block_sizes.split(",")]
@@ -134,7 +140,7 @@ def parse_token_ids(text: str) -> list[int]:
         raise InvalidArgument("token ids must be integers separated by spaces or commas") from None
 
 
-def run_inspect(client, args: argparse.Namespace) -> int:
+def run_inspect(client: KvtierClient, args: argparse.Namespace) -> int:
     """Look the prompt up as the caller's tenant (Lookup: no block is taken or changed)."""
     from kvtierd.block_hash import PromptExtras
     from kvtierd.wire.conversions import pool_layout
@@ -160,14 +166,15 @@ def run_inspect(client, args: argparse.Namespace) -> int:
     finally:
         session.close()
     block_size = session.layout.block_size
-    report = dict(num_blocks=len(hashes), num_hit_blocks=found.num_hit_blocks, t0=found.num_t0_blocks,
-                  t1=found.num_t1_blocks, t2=found.num_t2_blocks, t3=found.num_t3_blocks, block_size=block_size)
+    hits = hits_from_proto(found)
+    report = dict(num_blocks=len(hashes), num_hit_blocks=found.num_hit_blocks, t0=hits.t0, t1=hits.t1, t2=hits.t2,
+                  t3=hits.t3, block_size=block_size)
     if args.json:
         print(json.dumps(report))
     elif found.num_hit_blocks:
         print(f"{found.num_hit_blocks:,} of {plural(len(hashes), 'full block')} cached "
               f"({found.num_hit_blocks * block_size:,} of {len(hashes) * block_size:,} tokens): "
-              + hit_ranges(found.num_t0_blocks, found.num_t1_blocks, found.num_t2_blocks, found.num_t3_blocks))
+              + hit_ranges(*hits))
     else:
         none = ("the prompt's one full block is not cached" if len(hashes) == 1
                 else f"none of the prompt's {len(hashes):,} full blocks is cached")
@@ -178,10 +185,10 @@ def run_inspect(client, args: argparse.Namespace) -> int:
 def hit_ranges(*num_tier_blocks: int) -> str:
     """Where a chain's leading hits are, T0 first (Lookup's order): "blocks 0-5 in T0, then block 6 in T1"."""
     ranges, first = [], 0
-    for tier, count in enumerate(num_tier_blocks):
+    for tier, count in zip(Tier, num_tier_blocks):
         if count:
             span = f"block {first}" if count == 1 else f"blocks {first}-{first + count - 1}"
-            ranges.append(f"{span} in T{tier}")
+            ranges.append(f"{span} in {tier.upper()}")
             first += count
     return ", then ".join(ranges)
 

@@ -10,9 +10,11 @@ interval. Pure functions of the responses: no RPCs here.
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Iterable
 
 from kvtierd.cli.wording import plural
 from kvtierd.planning.capacity import format_bytes
+from kvtierd.tier import Tier
 from kvtierd.v1 import kvtier_pb2 as pb
 
 DIRECTIONS = {"d2h": "T0->T1", "h2d": "T1->T0", "h2h": "T2<->T1"}
@@ -52,7 +54,7 @@ class StatsView:
         layout, before = pool.layout, self._previous_pool(pool)
         hits = {t.tier: t.num_hit_blocks for t in pool.tiers}
         if pool.HasField("t3"):
-            hits["t3"] = pool.t3.num_hit_blocks
+            hits[Tier.T3] = pool.t3.num_hit_blocks
         queries = pool.num_query_blocks
         rate = (f"hit rate {sum(hits.values()) / queries:.1%} of {queries * layout.block_size:,} query tokens ("
                 + ", ".join(f"{tier.upper()} {n / queries:.1%}" for tier, n in hits.items()) + ")"
@@ -63,7 +65,7 @@ class StatsView:
                  f"{'evictions':>9}{'  evictions/s' if before else ''}"]
         before_tiers = {t.tier: t for t in before.tiers} if before else {}
         for tier in pool.tiers:
-            used = (pool.num_blocks - pool.num_free_blocks) if tier.tier == "t0" else None
+            used = (pool.num_blocks - pool.num_free_blocks) if tier.tier == Tier.T0 else None
             used_text = f"{used:,} blk" if used is not None else format_bytes(tier.used_bytes)
             line = (f"  {tier.tier:<4} {format_bytes(tier.capacity_bytes):>11} {used_text:>11} "
                     f"{tier.num_cached_blocks:>13,} {tier.num_hit_blocks:>10,} {tier.num_evictions:>9,}")
@@ -72,7 +74,7 @@ class StatsView:
                 delta = tier.num_evictions - (previous.num_evictions if previous else 0)
                 line += f"  {delta / self.interval_s:>11,.1f}"
             lines.append(line)
-        shares = [f"T1 slab {format_bytes(tier.node_held_bytes)}" if tier.tier == "t1" else
+        shares = [f"T1 slab {format_bytes(tier.node_held_bytes)}" if tier.tier == Tier.T1 else
                   f"{tier.tier.upper()} files {format_bytes(tier.node_held_bytes)} (fair share "
                   f"{format_bytes(tier.node_share_bytes)})" for tier in pool.tiers if tier.node_capacity_bytes]
         if shares:
@@ -101,14 +103,14 @@ class StatsView:
         return lines
 
 
-def node_budget_line(pools) -> str:
+def node_budget_line(pools: Iterable[pb.PoolStats]) -> str:
     """The node's T1 and T2 budgets (shared by every layout) and what the layouts take of them."""
     budgets = {}
     for pool in pools:
         for tier in pool.tiers:
             if tier.node_capacity_bytes:
                 budgets[tier.tier] = tier
-    names = {"t1": "T1 host", "t2": "T2 SSD"}
+    names = {Tier.T1: "T1 host", Tier.T2: "T2 SSD"}
     parts = [f"{names.get(name, name)} {format_bytes(tier.node_used_bytes)} of {format_bytes(tier.node_capacity_bytes)}"
              for name, tier in sorted(budgets.items())]
     return "node budgets (all layouts): " + ", ".join(parts) if parts else ""
@@ -128,7 +130,7 @@ def store_line(remote: pb.RemoteStoreStats) -> str:
 
 
 def _has_t2(pool: pb.PoolStats) -> bool:
-    return any(t.tier == "t2" for t in pool.tiers)
+    return any(t.tier == Tier.T2 for t in pool.tiers)
 
 
 def tenant_lines(usage: list[pb.TenantUsage]) -> list[str]:

@@ -16,10 +16,17 @@ import os
 import select
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Sequence
+from typing import Any, Protocol
 
 
-def quiet_on_closed_pipe(main: Callable[[list[str] | None], int]) -> Callable[[list[str] | None], int]:
+class Main(Protocol):
+    """A command's entry point: its arguments (None: sys.argv's) -> its exit status."""
+
+    def __call__(self, argv: list[str] | None = None, /) -> int: ...
+
+
+def quiet_on_closed_pipe(main: Main) -> Main:
     """`main` returning 0 when stdout's reader has gone, whenever that is found: while printing,
     at the final flush, or after argparse's --help / --version."""
 
@@ -63,7 +70,7 @@ class SubcommandParser(argparse.ArgumentParser):
     """A subcommand's parser (add_subparsers' parser_class) that refuses its unknown arguments
     itself, with its own prog and usage, instead of handing them up to the top-level parser."""
 
-    def parse_known_args(self, args=None, namespace=None):
+    def parse_known_args(self, args: Sequence[str] | None = None, namespace: Any = None) -> tuple[Any, list[str]]:
         namespace, extras = super().parse_known_args(args, namespace)
         if extras:
             self.error(f"unrecognized arguments: {' '.join(extras)}")

@@ -269,7 +269,8 @@ class AsyncEventStream(EventStreamBase):
                 await asyncio.sleep(delay)
                 self._call = self._open()
                 continue
-            if event is grpc.aio.EOF:
+            # EOF comes from grpc's compiled cygrpc module, which has no stubs
+            if event is grpc.aio.EOF:  # pyright: ignore[reportAttributeAccessIssue]
                 raise StopAsyncIteration
             return self._delivered(event)
 

@@ -19,6 +19,7 @@ import dataclasses
 import os
 import random
 import time
+from types import ModuleType
 from typing import Any
 
 import grpc
@@ -168,7 +169,7 @@ class ClientBase:
     """What the blocking and the asyncio client share: the target, the credentials, the limits
     and the channel (`channels` is the module making it: `grpc` or `grpc.aio`)."""
 
-    def __init__(self, channels, target: str | None, token: str | None, tls: TlsOptions | None,
+    def __init__(self, channels: ModuleType, target: str | None, token: str | None, tls: TlsOptions | None,
                  timeout_s: float, max_attempts: int, max_message_bytes: int) -> None:
         if not timeout_s > 0 or max_attempts < 1:
             raise InvalidArgument(f"need timeout_s > 0 and max_attempts >= 1, got {timeout_s}, {max_attempts}")

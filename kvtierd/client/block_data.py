@@ -20,12 +20,13 @@ from kvtierd.wire.conversions import layout_to_proto
 
 if TYPE_CHECKING:
     import torch
+    from typing_extensions import TypeIs
 
 TokenIds = Union[Sequence[int], np.ndarray, "torch.Tensor", bytes]
 BlockData = Union[bytes, bytearray, memoryview, "torch.Tensor"]
 
 
-def is_tensor(value: object) -> bool:
+def is_tensor(value: object) -> TypeIs[torch.Tensor]:
     """Whether `value` is a torch.Tensor, without importing torch: a caller holding a tensor has
     imported torch already, so the client never pulls it in itself."""
     torch = sys.modules.get("torch")
@@ -58,12 +59,12 @@ def check_block_size(data: BlockData, layout: Layout) -> None:
         raise InvalidArgument(f"a block of this layout is {layout.bytes_per_block} bytes, got {nbytes}")
 
 
-def block_buffer(data: BlockData, layout: Layout) -> BlockData | np.ndarray:
+def block_buffer(data: BlockData, layout: Layout) -> bytes | bytearray | memoryview:
     """A block's bytes in block-major order, as a buffer (a tensor's host bytes, not copied
     when it is already a contiguous CPU tensor)."""
     check_block_size(data, layout)
     if is_tensor(data):
-        return data.detach().contiguous().cpu().reshape(-1).view(sys.modules["torch"].uint8).numpy()
+        return data.detach().contiguous().cpu().reshape(-1).view(sys.modules["torch"].uint8).numpy().data
     return data
 
 
@@ -87,8 +88,10 @@ class PutStream:
         """Serialized PutRequests (block_frames.py: the block is copied once, into the message)."""
         for index, (block_hash, token_ids, data) in enumerate(self.blocks):
             try:
+                first = index == 0
                 yield encode_put_request(bytes(block_hash), optional_tokens(token_ids), block_buffer(data, self.layout),
-                                         *((layout_to_proto(self.layout), self.parent_hash) if index == 0 else ()))
+                                         layout_to_proto(self.layout) if first else None,
+                                         self.parent_hash if first else b"")
             except KvtierError as error:
                 self.error = error
                 raise

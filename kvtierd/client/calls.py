@@ -15,8 +15,9 @@ from kvtierd.client.block_data import TokenIds, hash_list, optional_tokens
 from kvtierd.client.fd_channel import FdChannel
 from kvtierd.errors import FailedPrecondition
 from kvtierd.layout import Layout
+from kvtierd.tier import TierCounts
 from kvtierd.v1 import kvtier_pb2 as pb
-from kvtierd.wire.conversions import handle_from_proto, layout_to_proto
+from kvtierd.wire.conversions import acquired_from_proto, handle_from_proto, layout_to_proto
 
 if TYPE_CHECKING:
     from kvtierd.t0.device_pool import DevicePool
@@ -81,16 +82,31 @@ class AcquireResult:
     """A request's block table from Acquire: hits first (loads pending if `pending`), then fresh."""
 
     block_ids: list[int]
-    num_t0_hit_blocks: int
-    num_t1_blocks: int
-    num_t2_blocks: int
+    # the hits in T0, then the blocks being loaded from each lower tier, in the table's order
+    # (T3's: Wait says how many landed)
+    tier_blocks: TierCounts
     pending: bool
-    num_t3_blocks: int = 0  # being loaded from the shared store: Wait says how many landed
+
+    @property
+    def num_t0_hit_blocks(self) -> int:
+        return self.tier_blocks.t0
+
+    @property
+    def num_t1_blocks(self) -> int:
+        return self.tier_blocks.t1
+
+    @property
+    def num_t2_blocks(self) -> int:
+        return self.tier_blocks.t2
+
+    @property
+    def num_t3_blocks(self) -> int:
+        return self.tier_blocks.t3
 
     @property
     def num_loading_blocks(self) -> int:
         """Blocks after the T0 hits being loaded from the lower tiers."""
-        return self.num_t1_blocks + self.num_t2_blocks + self.num_t3_blocks
+        return self.tier_blocks.num_lower_blocks
 
 
 class SessionBase:
@@ -142,48 +158,50 @@ class SessionBase:
         finally:
             os.close(fd)
 
-    def _lookup(self, block_hashes, token_ids, prefetch, chain_lengths, num_query_blocks: int) -> Call:
+    def _lookup(self, block_hashes: Sequence[bytes], token_ids: TokenIds | None, prefetch: bool,
+                chain_lengths: Sequence[int] | None, num_query_blocks: int) -> Call:
         return Call("Lookup", pb.LookupRequest(session_id=self.session_id, block_hashes=hash_list(block_hashes),
                                                token_ids=optional_tokens(token_ids), prefetch=prefetch,
                                                chain_lengths=list(chain_lengths or ()),
                                                num_query_blocks=num_query_blocks))
 
-    def _acquire(self, request_id, block_hashes, num_extra_blocks, token_ids, for_store: bool,
+    def _acquire(self, request_id: str, block_hashes: Sequence[bytes], num_extra_blocks: int,
+                 token_ids: TokenIds | None, for_store: bool,
                  query_counted: bool = False, parent_hash: bytes | None = None) -> Call:
         request = pb.AcquireRequest(session_id=self.session_id, request_id=request_id,
                                     block_hashes=hash_list(block_hashes), token_ids=optional_tokens(token_ids),
                                     num_extra_blocks=num_extra_blocks, for_store=for_store,
                                     query_counted=query_counted, parent_hash=bytes(parent_hash or b""))
-        return Call("Acquire", request, lambda r: AcquireResult(list(r.block_ids), r.num_t0_hit_blocks,
-                                                           r.num_t1_blocks, r.num_t2_blocks, r.pending,
-                                                           r.num_t3_blocks))
+        return Call("Acquire", request,
+                    lambda r: AcquireResult(list(r.block_ids), acquired_from_proto(r), r.pending))
 
-    def _wait(self, request_id, timeout_s: float | None, default_timeout_s: float) -> Call:
+    def _wait(self, request_id: str, timeout_s: float | None, default_timeout_s: float) -> Call:
         """The daemon waits `timeout_s` (None: the client's timeout); the RPC deadline adds a margin."""
         wait_s = default_timeout_s if timeout_s is None else timeout_s
         request = pb.WaitRequest(session_id=self.session_id, request_id=request_id, timeout_s=wait_s)
         return Call("Wait", request, lambda r: r.num_ready_blocks, timeout_s=wait_s + WAIT_MARGIN_S)
 
-    def _commit(self, request_id, block_ids, block_hashes, token_ids, parent_hash) -> Call:
+    def _commit(self, request_id: str, block_ids: Sequence[int], block_hashes: Sequence[bytes], token_ids: TokenIds,
+                parent_hash: bytes | None) -> Call:
         request = pb.CommitRequest(session_id=self.session_id, request_id=request_id, block_ids=list(block_ids),
                                    block_hashes=hash_list(block_hashes), token_ids=optional_tokens(token_ids),
                                    parent_hash=bytes(self.root_hash if parent_hash is None else parent_hash))
         return Call("Commit", request, lambda r: r.num_committed_blocks)
 
-    def _release(self, request_id) -> Call:
+    def _release(self, request_id: str) -> Call:
         return Call("Release", pb.ReleaseRequest(session_id=self.session_id, request_id=request_id),
                     lambda r: r.num_released_blocks)
 
-    def _fork(self, request_id, child_request_id) -> Call:
+    def _fork(self, request_id: str, child_request_id: str) -> Call:
         request = pb.ForkRequest(session_id=self.session_id, request_id=request_id,
                                  child_request_id=child_request_id)
         return Call("Fork", request, lambda r: list(r.block_ids))
 
-    def _append_blocks(self, request_id, num_blocks) -> Call:
+    def _append_blocks(self, request_id: str, num_blocks: int) -> Call:
         request = pb.AppendBlocksRequest(session_id=self.session_id, request_id=request_id, num_blocks=num_blocks)
         return Call("AppendBlocks", request, lambda r: list(r.block_ids))
 
-    def _prepare_write(self, request_id, position) -> Call:
+    def _prepare_write(self, request_id: str, position: int) -> Call:
         request = pb.PrepareWriteRequest(session_id=self.session_id, request_id=request_id, position=position)
         return Call("PrepareWrite", request, lambda r: (r.block_id, r.copied))
 

@@ -17,15 +17,19 @@ from __future__ import annotations
 import asyncio
 import logging
 import secrets
+from typing import TYPE_CHECKING
 
 from kvtierd.daemon_key import client_hash_of, tenant_tag_of
 from kvtierd.events.event_history import EventHistory, Reader
 from kvtierd.events.vllm_events import MEDIUM_CPU, MEDIUM_GPU, MEDIUM_STORAGE, PoolEvents
-from kvtierd.index.index_events import AllBlocksCleared, BlockRemoved, BlockStored
+from kvtierd.index.index_events import AllBlocksCleared, BlockRemoved, BlockStored, IndexEvent
 from kvtierd.layout import Layout
 from kvtierd.node.pools import MAX_PENDING_EVENTS, LayoutPool, PoolRegistry
 from kvtierd.node.tenants import Tenant
 from kvtierd.v1 import kvtier_pb2 as pb
+
+if TYPE_CHECKING:  # pyzmq loads only where the [events] feed is on (serve.py builds the publisher)
+    from kvtierd.events.zmq_publisher import ZmqEventPublisher
 
 log = logging.getLogger(__name__)
 
@@ -52,11 +56,11 @@ class Subscription:
 
 
 class EventFeed:
-    def __init__(self, registry: PoolRegistry, period_s: float = 0.02, publisher=None, lower_tiers: bool = False,
-                 history_events: int = HISTORY_EVENTS, feed_id: int | None = None) -> None:
+    def __init__(self, registry: PoolRegistry, period_s: float = 0.02, publisher: ZmqEventPublisher | None = None,
+                 lower_tiers: bool = False, history_events: int = HISTORY_EVENTS, feed_id: int | None = None) -> None:
         self.registry = registry
         self.period_s = period_s
-        self.publisher = publisher  # a ZmqEventPublisher, or None
+        self.publisher = publisher  # None: no KV event feed
         self.lower_tiers = lower_tiers and publisher is not None
         self.history = EventHistory(history_events, feed_id or secrets.randbits(63) or 1)
         self._appended = asyncio.Event()  # set, then replaced, when the history grows
@@ -89,13 +93,13 @@ class EventFeed:
                 tag = None if isinstance(event, AllBlocksCleared) else tenant_tag_of(event.block_hash)
                 self.history.append(pool.layout, tag, to_message(event, pool.layout.model_id))
             if self.publisher is not None:
-                num_events += self._publish(pool, events)
+                num_events += self._publish(self.publisher, pool, events)
         if num_events:
             self._appended.set()
             self._appended = asyncio.Event()
         return num_events
 
-    def _publish(self, pool: LayoutPool, device_events: list) -> int:
+    def _publish(self, publisher: ZmqEventPublisher, pool: LayoutPool, device_events: list[IndexEvent]) -> int:
         """Hand the pool's events of every tier to the publisher; returns the lower tiers' count."""
         by_medium = [(MEDIUM_GPU, device_events)]
         if self.lower_tiers:
@@ -105,7 +109,7 @@ class EventFeed:
         pool_events = PoolEvents(pool.layout.model_id, pool.layout.block_size, pool.client_root,
                                  tuple((medium, events) for medium, events in by_medium if events))
         if pool_events.num_events:
-            self.publisher.publish(pool_events)
+            publisher.publish(pool_events)
         return pool_events.num_events - len(device_events)
 
     async def run(self) -> None:

@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Callable, Sequence
+from typing import cast
 
 import msgspec
 import numpy as np
@@ -93,20 +94,23 @@ class BatchEncoder:
             out.append(self._message(pool, medium, run))
         return out
 
-    def _message(self, pool: PoolEvents, medium: str, run: list[IndexEvent]):
+    def _message(self, pool: PoolEvents, medium: str, run: list[IndexEvent]) -> list | dict:
         first = run[0]
         if isinstance(first, AllBlocksCleared):
             return self._shape("AllBlocksCleared", {})
-        hashes = [self._hash(client_hash_of(event.block_hash)) for event in run]
+        # A run is of one kind (_continues): removals, or stored blocks.
+        hashes = [self._hash(client_hash_of(event.block_hash))
+                  for event in cast("list[BlockRemoved] | list[BlockStored]", run)]
         if isinstance(first, BlockRemoved):
             return self._shape("BlockRemoved", {"block_hashes": hashes, "medium": medium})
+        stored = cast("list[BlockStored]", run)
         parent = client_hash_of(first.parent_hash) if first.parent_hash is not None else None
         at_root = parent is None or parent == pool.client_root
         salt = (self.tenant_name(tenant_tag_of(first.block_hash)),) if self.wire.salt == "tenant" else None
-        tokens = b"".join(event.token_ids or b"" for event in run)
+        tokens = b"".join(event.token_ids or b"" for event in stored)
         return self._shape("BlockStored", {
             "block_hashes": hashes,
-            "parent_block_hash": None if at_root else self._hash(parent),
+            "parent_block_hash": None if at_root or parent is None else self._hash(parent),
             "token_ids": np.frombuffer(tokens, dtype="<u4").tolist(),
             "block_size": pool.block_size,
             "lora_id": None,
@@ -120,7 +124,7 @@ class BatchEncoder:
             return int.from_bytes(client_hash[-8:], "big")
         return client_hash
 
-    def _shape(self, tag: str, fields: dict):
+    def _shape(self, tag: str, fields: dict) -> list | dict:
         if self.wire.format == "array":
             return [tag, *fields.values()]
         return {"type": tag, **fields}

@@ -133,6 +133,7 @@ class ZmqEventPublisher:
     def _send(self, pool_events: PoolEvents) -> None:
         payload = self.encoder.encode(pool_events, time.time())
         topic = self.topic.replace("{model}", pool_events.model_id).encode()
+        assert self._pub is not None, "bound by start"
         seq = self._next_seq
         self._next_seq += 1
         self._pub.send_multipart((topic, seq.to_bytes(8, "big"), payload))
@@ -140,7 +141,9 @@ class ZmqEventPublisher:
         self.num_published_batches += 1
 
     def _answer_replay(self) -> None:
-        frames = self._replay.recv_multipart()
+        replay = self._replay
+        assert replay is not None, "bound by start"
+        frames = replay.recv_multipart()
         if len(frames) != 3 or len(frames[2]) != 8:
             log.warning("dropped a malformed KV event replay request (%d frames)", len(frames))
             return
@@ -148,8 +151,8 @@ class ZmqEventPublisher:
         start_seq = int.from_bytes(start, "big")
         for seq, topic, payload in list(self._buffer):
             if seq >= start_seq:
-                self._replay.send_multipart((identity, b"", topic, seq.to_bytes(8, "big"), payload))
-        self._replay.send_multipart((identity, b"", b"", END_SEQ, b""))
+                replay.send_multipart((identity, b"", topic, seq.to_bytes(8, "big"), payload))
+        replay.send_multipart((identity, b"", b"", END_SEQ, b""))
 
     def _close_sockets(self) -> None:
         for socket in (self._pub, self._replay):

@@ -68,7 +68,7 @@ class BlockCache:
         self.blocks = [KVBlock(block_id) for block_id in range(num_blocks)]
         self.free_queue = FreeBlockQueue(self.blocks)
         self.hash_to_blocks = HashToBlocks()
-        self.hash_to_block: Mapping[BlockHash, KVBlock] = MappingProxyType(self.hash_to_blocks.first)
+        self.hash_to_block: Mapping[bytes, KVBlock] = MappingProxyType(self.hash_to_blocks.first)
         self._observer = observer
         self._clock = clock
         self._events = EventQueue(max_pending_events) if max_pending_events else None
@@ -117,7 +117,7 @@ class BlockCache:
 
     # ----------------------------------------------------------------------------- cached content
 
-    def cached_hashes(self) -> list[BlockHash]:
+    def cached_hashes(self) -> list[bytes]:
         """A snapshot of every hash cached in this tier (held or not), each once."""
         with self._lock:
             return list(self.hash_to_blocks)
@@ -182,9 +182,10 @@ class BlockCache:
         if self._events is not None:
             first = self.hash_to_blocks.first
             for block in stored:
-                if first[block.block_hash] is block:  # the first copy: the hash became cached here
-                    self._events.put(BlockStored(block.block_hash, block.parent_hash, block.block_id,
-                                                 block.token_ids))
+                block_hash = block.block_hash
+                assert block_hash is not None, "committed above"
+                if first[block_hash] is block:  # the first copy: the hash became cached here
+                    self._events.put(BlockStored(block_hash, block.parent_hash, block.block_id, block.token_ids))
         return num_already_held + len(stored)
 
     def _uncommit(self, blocks: list[KVBlock]) -> None:

@@ -6,12 +6,15 @@ Eviction (which free block is reused next) is decided in eviction.py.
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable, Hashable, Sequence
 
-from kvtierd.block_hash import pack_token_ids
+from kvtierd.block_hash import BlockHash, pack_token_ids
 from kvtierd.errors import FailedPrecondition, InvalidArgument, NotFound, ResourceExhausted
 from kvtierd.index.allocation import AllocatedBlocks, WriteTarget
 from kvtierd.index.block_cache import BlockCache
+from kvtierd.index.eviction import EvictionHook
+from kvtierd.index.index_metrics import IndexObserver
 from kvtierd.index.kv_block import KVBlock
 from kvtierd.index.prefix_match import check_hashes, split_blocks
 from kvtierd.index.query_counting import QueryCounting
@@ -40,9 +43,12 @@ class BlockIndex(BlockCache):
     """
 
     def __init__(self, num_blocks: int, block_size: int, *, copy_block: CopyBlock | None = None,
-                 **cache_options) -> None:
-        """`cache_options`: BlockCache's (hash_size, root, on_evict, observer, clock, max_pending_events)."""
-        super().__init__(num_blocks, block_size, **cache_options)
+                 hash_size: int = 32, root: BlockHash | None = None, on_evict: EvictionHook | None = None,
+                 observer: IndexObserver | None = None, clock: Callable[[], float] = time.monotonic,
+                 max_pending_events: int = 0) -> None:
+        """`copy_block` copies a block for copy-on-write; the others are BlockCache's."""
+        super().__init__(num_blocks, block_size, hash_size=hash_size, root=root, on_evict=on_evict,
+                         observer=observer, clock=clock, max_pending_events=max_pending_events)
         self.tables: dict[RequestId, list[KVBlock]] = {}
         self._copy_block = copy_block
 
@@ -58,6 +64,12 @@ class BlockIndex(BlockCache):
             hits = self._hits(block_hashes, token_ids)
             num_new_blocks = len(block_hashes) - len(hits) + num_extra_blocks
             return self._num_blocks_short([block for block in hits if block.ref_cnt == 0], num_new_blocks) <= 0
+
+    def count_query(self, num_tokens: int) -> None:
+        """Tokens asked for that no walk of this index counted as a query (a Lookup's query blocks,
+        Put's later batches, Get's misses): the observer's query count, without hits."""
+        if self._observer is not None and num_tokens:
+            self._observer.on_query(num_tokens, 0)
 
     # ----------------------------------------------------------------------------- mutations
 

@@ -66,6 +66,7 @@ class Evictor:
                                     [now - block.released_at_s for block in victims])
         if self._events is not None:
             for block in leaving:
+                assert block.block_hash is not None, "a victim holds its hash until forgotten below"
                 self._events.put(BlockRemoved(block.block_hash))
         for block in victims:
             block.block_hash = block.parent_hash = block.token_ids = None  # as KVBlock.forget_content

@@ -16,7 +16,8 @@ class FreeBlockQueue:
     Pop-head, append-tail, push-head and remove-from-middle are O(1): a prefix hit takes a cached
     block out of the middle, which a deque or a heap cannot do in constant time. Sentinel blocks
     at both ends mean every queued block has both links set and no operation special-cases the
-    ends. Not thread-safe: the owner (BlockIndex) holds its lock around every call.
+    ends (the asserts `is not None` below state it where a link is followed). Not thread-safe:
+    the owner (BlockIndex) holds its lock around every call.
     """
 
     def __init__(self, blocks: Iterable[KVBlock] = ()) -> None:
@@ -34,7 +35,7 @@ class FreeBlockQueue:
     def popleft(self) -> KVBlock:
         """Take the head (the next victim). The caller checks emptiness first."""
         block = self._head.next_free
-        assert block is not self._tail, "pop from an empty free queue"
+        assert block is not None and block is not self._tail, "pop from an empty free queue"
         self.remove(block)
         return block
 
@@ -46,6 +47,7 @@ class FreeBlockQueue:
         """Put a just-released block at the tail: it is evicted last."""
         assert block.prev_free is None and block.next_free is None, f"block {block.block_id} already queued"
         last = self._tail.prev_free
+        assert last is not None
         block.prev_free, block.next_free = last, self._tail
         last.next_free = block
         self._tail.prev_free = block
@@ -54,6 +56,7 @@ class FreeBlockQueue:
     def extend(self, blocks: list[KVBlock]) -> None:
         """Append blocks at the tail in order, linking them in one pass."""
         last = self._tail.prev_free
+        assert last is not None
         for block in blocks:
             assert block.prev_free is None, f"block {block.block_id} already queued"
             block.prev_free = last
@@ -68,6 +71,7 @@ class FreeBlockQueue:
         if not blocks:
             return
         first = self._head.next_free
+        assert first is not None
         previous = self._head
         for block in blocks:
             assert block.prev_free is None, f"block {block.block_id} already queued"
@@ -84,10 +88,12 @@ class FreeBlockQueue:
         taken = []
         block = self._head.next_free
         for _ in range(num_blocks):
+            assert block is not None
             taken.append(block)
             following = block.next_free
             block.prev_free = block.next_free = None
             block = following
+        assert block is not None
         self._head.next_free = block
         block.prev_free = self._head
         self.num_free_blocks -= num_blocks
@@ -97,6 +103,7 @@ class FreeBlockQueue:
         """Put a block at the head: it is the next victim (used for blocks that hold nothing)."""
         assert block.prev_free is None and block.next_free is None, f"block {block.block_id} already queued"
         first = self._head.next_free
+        assert first is not None
         block.prev_free, block.next_free = self._head, first
         first.prev_free = block
         self._head.next_free = block
@@ -125,5 +132,6 @@ class FreeBlockQueue:
         """Head to tail."""
         block = self._head.next_free
         while block is not self._tail:
+            assert block is not None
             yield block
             block = block.next_free

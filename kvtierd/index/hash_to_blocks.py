@@ -13,7 +13,6 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 
-from kvtierd.block_hash import BlockHash
 from kvtierd.index.kv_block import KVBlock
 
 
@@ -31,8 +30,8 @@ class HashToBlocks:
     """
 
     def __init__(self) -> None:
-        self.first: dict[BlockHash, KVBlock] = {}  # read by prefix walks; mutated only through these methods
-        self._later: dict[BlockHash, list[KVBlock]] = {}
+        self.first: dict[bytes, KVBlock] = {}  # read by prefix walks; mutated only through these methods
+        self._later: dict[bytes, list[KVBlock]] = {}
         self.num_duplicate_blocks = 0
 
     def __len__(self) -> int:
@@ -42,7 +41,7 @@ class HashToBlocks:
     def __contains__(self, block_hash: object) -> bool:
         return block_hash in self.first
 
-    def __iter__(self) -> Iterator[BlockHash]:
+    def __iter__(self) -> Iterator[bytes]:
         return iter(self.first)
 
     def get(self, block_hash: bytes) -> KVBlock | None:
@@ -56,7 +55,7 @@ class HashToBlocks:
             return []
         return [block, *self._later.get(block_hash, ())]
 
-    def insert(self, block_hash: BlockHash, block: KVBlock) -> bool:
+    def insert(self, block_hash: bytes, block: KVBlock) -> bool:
         """Index `block` as the newest copy of `block_hash`; True when it is the first copy.
         The caller sets `block.block_hash` and has checked that the block holds no hash yet."""
         if self.first.setdefault(block_hash, block) is block:
@@ -64,7 +63,7 @@ class HashToBlocks:
         self.add_copy(block_hash, block)
         return False
 
-    def add_copy(self, block_hash: BlockHash, block: KVBlock) -> None:
+    def add_copy(self, block_hash: bytes, block: KVBlock) -> None:
         """Index `block` as the newest copy of a hash that `first` already holds."""
         assert self.first[block_hash] is not block, f"block {block.block_id} indexed twice"
         self._later.setdefault(block_hash, []).append(block)
@@ -74,6 +73,7 @@ class HashToBlocks:
         """Unindex one copy (its block is reused or dropped); True when it was the last copy,
         so the hash left the tier. The block keeps its fields: the caller clears them."""
         block_hash = block.block_hash
+        assert block_hash is not None, f"block {block.block_id} holds no hash"
         later = self._later.get(block_hash) if self._later else None
         if later is None:
             assert self.first.get(block_hash) is block, f"block {block.block_id} is not indexed"
@@ -93,6 +93,7 @@ class HashToBlocks:
         if not self.num_duplicate_blocks:  # one copy per hash: every hash leaves
             first = self.first
             for block in blocks:
+                assert block.block_hash is not None, f"block {block.block_id} holds no hash"
                 del first[block.block_hash]
             return blocks
         remove = self.remove

@@ -11,15 +11,13 @@ from __future__ import annotations
 import collections
 import dataclasses
 
-from kvtierd.block_hash import BlockHash
-
 
 @dataclasses.dataclass(frozen=True, slots=True)
 class BlockStored:
     """`block_hash` became cached in the tier: its first copy, in block (or slot) `block_id`."""
 
-    block_hash: BlockHash
-    parent_hash: BlockHash | None
+    block_hash: bytes  # a block key, as the index holds it (BlockMeta)
+    parent_hash: bytes | None
     block_id: int
     token_ids: bytes | None = None  # the block's tokens, packed u32 (what routers hash)
 
@@ -28,7 +26,7 @@ class BlockStored:
 class BlockRemoved:
     """The tier no longer holds `block_hash`: its last copy was evicted or dropped."""
 
-    block_hash: BlockHash
+    block_hash: bytes
 
 
 @dataclasses.dataclass(frozen=True, slots=True)

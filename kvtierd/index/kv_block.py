@@ -5,7 +5,7 @@ from __future__ import annotations
 import dataclasses
 import enum
 
-from kvtierd.block_hash import BlockHash
+from kvtierd.index.slot_entry import BlockMeta
 
 
 class BlockState(enum.Enum):
@@ -28,8 +28,8 @@ class KVBlock:
     """
 
     block_id: int
-    block_hash: BlockHash | None = None
-    parent_hash: BlockHash | None = None  # the chain's previous hash, kept for verification
+    block_hash: bytes | None = None  # its key (BlockMeta's): none while it is written or empty
+    parent_hash: bytes | None = None  # the chain's previous hash, kept for verification
     token_ids: bytes | None = None  # packed u32 tokens, kept for verification
     ref_cnt: int = 0
     committed_at_s: float = 0.0  # when the block got its hash
@@ -42,6 +42,12 @@ class KVBlock:
         if self.ref_cnt > 0:
             return BlockState.IN_USE_SHAREABLE if self.block_hash is not None else BlockState.BEING_WRITTEN
         return BlockState.CACHED if self.block_hash is not None else BlockState.EMPTY
+
+    def meta(self) -> BlockMeta:
+        """What a lower tier keeps of this committed block: its hash, parent and tokens."""
+        assert self.block_hash is not None and self.parent_hash is not None and self.token_ids is not None, \
+            f"block {self.block_id} is not committed"
+        return BlockMeta(self.block_hash, self.parent_hash, self.token_ids)
 
     @property
     def is_queued(self) -> bool:

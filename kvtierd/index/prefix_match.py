@@ -12,8 +12,9 @@ import functools
 import operator
 import struct
 from collections.abc import Mapping, Sequence
+from typing import cast
 
-from kvtierd.block_hash import BlockHash, pack_token_ids
+from kvtierd.block_hash import pack_token_ids
 from kvtierd.errors import InvalidArgument
 from kvtierd.index.kv_block import KVBlock
 
@@ -50,7 +51,7 @@ def pack_prompt_tokens(token_ids: Sequence[int] | bytes | None, num_blocks: int,
     return token_bytes
 
 
-def match_prefix(hash_to_block: Mapping[BlockHash, KVBlock], block_hashes: Sequence[bytes],
+def match_prefix(hash_to_block: Mapping[bytes, KVBlock], block_hashes: Sequence[bytes],
                  token_bytes: bytes | None, root: bytes | None, block_size: int) -> list[KVBlock]:
     """The cached blocks of the chain's longest verified prefix. Changes nothing.
 
@@ -61,7 +62,7 @@ def match_prefix(hash_to_block: Mapping[BlockHash, KVBlock], block_hashes: Seque
     num_hits = found.index(None) if None in found else len(found)
     if num_hits == 0:
         return []
-    hits = found[:num_hits]
+    hits = cast("list[KVBlock]", found[:num_hits])  # the blocks before the first miss: none is None
     parents = list(map(_PARENT, hits))
     expected = [root, *block_hashes[:num_hits - 1]]
     if root is None:  # no fixed root: block 0's parent is not checked

@@ -6,15 +6,14 @@ from __future__ import annotations
 
 import dataclasses
 
-from kvtierd.block_hash import BlockHash
-
 
 @dataclasses.dataclass(frozen=True, slots=True)
 class BlockMeta:
-    """What a tier keeps beside a block's bytes: its key, and what verifies it."""
+    """What a tier keeps beside a block's bytes: its key, and what verifies it. Keys are a
+    namespace's block hashes (block_hash.py), or the daemon's keys (daemon_key.py)."""
 
-    block_hash: BlockHash
-    parent_hash: BlockHash
+    block_hash: bytes
+    parent_hash: bytes
     token_ids: bytes  # packed u32
 
 
@@ -29,7 +28,7 @@ class SlotEntry:
     last_use_s: float = 0.0
 
     @property
-    def block_hash(self) -> BlockHash:
+    def block_hash(self) -> bytes:
         return self.meta.block_hash
 
 

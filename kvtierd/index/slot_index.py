@@ -110,14 +110,16 @@ class SlotIndex:
             evicted: list[SlotEntry] = []
             num_skipped = 0
             now = self._clock()
+            owner_of = self._owner_of
             for meta in blocks:
                 if meta.block_hash in self._entries:
                     num_skipped += 1
                     continue
-                owner = self._owner_of(meta.block_hash) if self._owner_of is not None else None
+                owner = owner_of(meta.block_hash) if owner_of is not None else None
                 limit = self._max_slots_of(owner) if owner is not None else None
-                if limit is not None and self._num_slots_by_owner[owner] >= limit:
-                    victim = next((e for e in self._lru.values() if self._owner_of(e.block_hash) == owner), None)
+                if owner_of is not None and owner is not None and limit is not None \
+                        and self._num_slots_by_owner[owner] >= limit:
+                    victim = next((e for e in self._lru.values() if owner_of(e.block_hash) == owner), None)
                     if victim is None:
                         num_skipped += 1  # the owner's slots are all in flight
                         self.num_quota_skips += 1

@@ -18,8 +18,14 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Callable
+from typing import TYPE_CHECKING
 
 from kvtierd.errors import Unavailable
+from kvtierd.tier import Tier
+
+if TYPE_CHECKING:
+    from kvtierd.client.sync_client import KvtierClient
 
 READY_LINE = "kvtierd: ready"
 _LISTEN = re.compile(r"^kvtierd: listening on (\S+)$")
@@ -80,6 +86,7 @@ class DaemonProcess:
                                    + self.output())
 
     def _read(self) -> None:
+        assert self.process.stdout is not None, "started with stdout=PIPE"
         for line in self.process.stdout:
             line = line.rstrip("\n")
             self.lines.append(line)
@@ -104,7 +111,10 @@ class DaemonProcess:
 
     @property
     def address(self) -> str:
-        return self.unix_address or self.tcp_address
+        """Where it serves (its unix socket, else TCP), once started."""
+        address = self.unix_address or self.tcp_address
+        assert address is not None, "the daemon printed no address: it is not started"
+        return address
 
     @property
     def pid(self) -> int:
@@ -130,7 +140,7 @@ class DaemonProcess:
     def __enter__(self) -> DaemonProcess:
         return self
 
-    def __exit__(self, *exc_info) -> None:
+    def __exit__(self, *exc_info: object) -> None:
         self.stop()
         self.kill()
 
@@ -140,11 +150,11 @@ WRITE_THROUGH = ["--set", "policy.t0_to_t1=write_through", "--set", "policy.t1_t
 ONE_LAYOUT = ["--set", "pool.max_layouts=1"]  # a daemon for one layout: its T1 slab is the whole host budget
 
 
-def written_through(client) -> bool:
+def written_through(client: KvtierClient) -> bool:
     """True once every pool of the daemon `client` talks to caches blocks in T0 and T2 holds as
     many (write-through copies them in the background)."""
     pools = client.stats().pools
-    return bool(pools) and all(0 < tiers["t0"].num_cached_blocks <= tiers["t2"].num_cached_blocks
+    return bool(pools) and all(0 < tiers[Tier.T0].num_cached_blocks <= tiers[Tier.T2].num_cached_blocks
                                for tiers in ({t.tier: t for t in pool.tiers} for pool in pools))
 
 
@@ -156,7 +166,7 @@ def small_daemon_args(directory: str, *, t0_bytes: str = "4MiB", host_bytes: str
             *(extra or [])]
 
 
-def wait_until(predicate, timeout_s: float = 10.0, period_s: float = 0.05) -> bool:
+def wait_until(predicate: Callable[[], object], timeout_s: float = 10.0, period_s: float = 0.05) -> bool:
     """Poll `predicate` until it is true or the time runs out; returns its last value."""
     deadline = time.monotonic() + timeout_s
     while True:

@@ -24,6 +24,8 @@ from kvtierd.metrics.bucket_histogram import BucketHistogram
 from kvtierd.metrics.metrics_collector import PoolSource, TierCollector
 
 if TYPE_CHECKING:
+    from kvtierd.node.quotas import Quota
+    from kvtierd.t3.redis_store import StoreHealth
     from kvtierd.tiering.tiering_stats import TieringStats
 
 # Block ages: 1 ms (a block reused within one batch) to 1 h; older ones land in +Inf.
@@ -123,11 +125,11 @@ class DaemonMetrics:
         assert block_size_tokens > 0 and bytes_per_block > 0, (block_size_tokens, bytes_per_block)  # from a Layout
         self._tiers.add_pool(model_id, PoolSource(block_size_tokens, bytes_per_block, stats))
 
-    def add_store_source(self, health: Callable[[], object]) -> None:
+    def add_store_source(self, health: Callable[[], StoreHealth]) -> None:
         """Report the node's shared store (T3) at every scrape from `health()` (RedisStore.health)."""
         self._tiers.store_health = health
 
-    def add_tenant_source(self, usage_rows: Callable[[], list[dict]], quota_of) -> None:
+    def add_tenant_source(self, usage_rows: Callable[[], list[dict]], quota_of: Callable[[str], Quota]) -> None:
         """Report per-tenant usage and quotas at every scrape (tenant_metrics.py)."""
         from kvtierd.metrics.tenant_metrics import TenantCollector
 

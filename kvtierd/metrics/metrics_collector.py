@@ -14,16 +14,22 @@ import dataclasses
 import logging
 import threading
 from collections.abc import Callable, Iterator
-from typing import TYPE_CHECKING, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 from prometheus_client.metrics_core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily, Metric
 
 from kvtierd.metrics.bucket_histogram import BucketHistogram
+from kvtierd.tier import Tier
 
 if TYPE_CHECKING:
+    from kvtierd.t3.redis_store import StoreHealth
     from kvtierd.tiering.tiering_stats import TieringStats
 
 log = logging.getLogger(__name__)
+
+# One scrape's metric families by key. Their add_metric differ (a histogram's takes buckets and a
+# sum, prometheus_client's Metric has none): _FAMILIES and _AGE_HISTOGRAMS fix each key's kind.
+Families = dict[str, Any]
 
 
 class IndexCounts(Protocol):
@@ -130,7 +136,7 @@ class TierCollector:
         self._lock = threading.Lock()  # guards the two dicts below, never held while calling stats()
         self._pools: dict[str, PoolSource] = {}
         self._observers: dict[str, list[IndexCounts]] = {}
-        self.store_health: Callable[[], object] | None = None  # RedisStore.health of the node's T3, if any
+        self.store_health: Callable[[], StoreHealth] | None = None  # RedisStore.health of the node's T3, if any
 
     def add_pool(self, model_id: str, source: PoolSource) -> None:
         with self._lock:
@@ -167,8 +173,8 @@ class TierCollector:
         families = _new_families()
         for model, found in observers:
             families["query_tokens"].add_metric([model], sum(o.num_query_tokens for o in found))
-            families["hit_tokens"].add_metric([model, "t0"], sum(o.num_hit_tokens for o in found))
-            families["evictions"].add_metric([model, "t0"], sum(o.num_evictions for o in found))
+            families["hit_tokens"].add_metric([model, Tier.T0], sum(o.num_hit_tokens for o in found))
+            families["evictions"].add_metric([model, Tier.T0], sum(o.num_evictions for o in found))
             for attribute in _AGE_HISTOGRAMS:
                 histograms = [getattr(o, attribute) for o in found]
                 total = histograms[0].cumulative()
@@ -187,7 +193,7 @@ class TierCollector:
             yield from self._store_metrics()
 
 
-def _new_families() -> dict[str, Metric]:
+def _new_families() -> Families:
     families = {key: kind(name, help_text, labels=("model", *labels))
                 for key, (kind, name, help_text, labels) in _FAMILIES.items()}
     families.update({key: HistogramMetricFamily(name, help_text, labels=("model",))
@@ -195,8 +201,8 @@ def _new_families() -> dict[str, Metric]:
     return families
 
 
-def _add_pool(families: dict[str, Metric], model: str, source: PoolSource, stats: TieringStats) -> None:
-    def add(key: str, value, *labels: str) -> None:
+def _add_pool(families: Families, model: str, source: PoolSource, stats: TieringStats) -> None:
+    def add(key: str, value: float, *labels: str) -> None:
         families[key].add_metric([model, *labels], value)
 
     add("t0_free_blocks", stats.num_free_blocks)
@@ -206,7 +212,7 @@ def _add_pool(families: dict[str, Metric], model: str, source: PoolSource, stats
         add("used", usage.used_bytes, usage.tier)
         add("cached_blocks", usage.num_cached_blocks, usage.tier)
         add("hit_blocks", usage.num_hit_blocks, usage.tier)
-        if usage.tier != "t0":  # t0 hit tokens and evictions come from the index observer
+        if usage.tier != Tier.T0:  # t0 hit tokens and evictions come from the index observer
             add("hit_tokens", usage.num_hit_blocks * source.block_size_tokens, usage.tier)
             add("evictions", usage.num_evictions, usage.tier)
     if (ssd := stats.ssd) is not None:
@@ -220,8 +226,8 @@ def _add_pool(families: dict[str, Metric], model: str, source: PoolSource, stats
     for edge, num_blocks in stats.num_offloaded_blocks.items():
         add("offloaded_blocks", num_blocks, edge)
     if (t3 := stats.t3) is not None:
-        add("hit_blocks", t3.num_hit_blocks, "t3")
-        add("hit_tokens", t3.num_hit_blocks * source.block_size_tokens, "t3")
+        add("hit_blocks", t3.num_hit_blocks, Tier.T3)
+        add("hit_tokens", t3.num_hit_blocks * source.block_size_tokens, Tier.T3)
         for key, value in (("t3_hits", t3.num_hit_blocks), ("t3_misses", t3.num_miss_blocks),
                            ("t3_corrupt", t3.num_corrupt_blocks), ("t3_read_bytes", t3.read_bytes),
                            ("t3_written_bytes", t3.written_bytes), ("t3_written", t3.num_written_blocks),

@@ -15,8 +15,9 @@ from collections.abc import Callable, Iterator
 from prometheus_client.metrics_core import GaugeMetricFamily, Metric
 
 from kvtierd.node.quotas import Quota
+from kvtierd.tier import Tier
 
-_USED_FIELDS = {"t0": "num_t0_held_blocks", "t1": "num_t1_blocks", "t2": "num_t2_blocks"}
+_USED_FIELDS = {Tier.T0: "num_t0_held_blocks", Tier.T1: "num_t1_blocks", Tier.T2: "num_t2_blocks"}
 
 
 class TenantCollector:

@@ -46,12 +46,12 @@ class RawCodec(BlockCodec):
         """Rows `[n, slot_nbytes]` (contiguous) as blocks `[n, *block_shape]` of the layout's dtype."""
         return slot_rows.view(self.layout.torch_dtype).view(slot_rows.shape[0], *self.layout.block_shape)
 
-    def encode(self, pool, block_ids, slots, slot_ids):
+    def encode(self, pool: torch.Tensor, block_ids: list[int], slots: torch.Tensor, slot_ids: list[int]) -> None:
         for block_start, slot_start, n in _runs(block_ids, slot_ids, slots):
             self._as_blocks(slots[slot_start:slot_start + n]).copy_(pool[block_start:block_start + n],
                                                                     non_blocking=True)
 
-    def decode(self, slots, slot_ids, pool, block_ids):
+    def decode(self, slots: torch.Tensor, slot_ids: list[int], pool: torch.Tensor, block_ids: list[int]) -> None:
         for block_start, slot_start, n in _runs(block_ids, slot_ids, slots):
             pool[block_start:block_start + n].copy_(self._as_blocks(slots[slot_start:slot_start + n]),
                                                     non_blocking=True)
@@ -70,7 +70,7 @@ def _runs(block_ids: list[int], slot_ids: list[int], slots: torch.Tensor) -> lis
             run[2] += 1
         else:
             runs.append([block_id, slot_id, 1])
-    return [tuple(run) for run in runs]
+    return [(first_block, first_slot, length) for first_block, first_slot, length in runs]
 
 
 class Fp8Codec(BlockCodec):
@@ -87,7 +87,7 @@ class Fp8Codec(BlockCodec):
                                   f"opaque {layout.dtype} pages (use the raw codec for it)")
         self.slot_nbytes = fp8_slot_nbytes(layout)
 
-    def encode(self, pool, block_ids, slots, slot_ids):
+    def encode(self, pool: torch.Tensor, block_ids: list[int], slots: torch.Tensor, slot_ids: list[int]) -> None:
         from kvtierd.movers.fp8_codec import pack_fp8_slot, quantize_fp8
 
         index = torch.tensor(block_ids, dtype=torch.long, device=pool.device)
@@ -95,7 +95,7 @@ class Fp8Codec(BlockCodec):
         for row, slot_id in enumerate(slot_ids):
             slots[slot_id].copy_(packed[row], non_blocking=True)
 
-    def decode(self, slots, slot_ids, pool, block_ids):
+    def decode(self, slots: torch.Tensor, slot_ids: list[int], pool: torch.Tensor, block_ids: list[int]) -> None:
         from kvtierd.movers.fp8_codec import dequantize_fp8, unpack_fp8_slot
 
         staged = torch.empty((len(slot_ids), self.slot_nbytes), dtype=torch.uint8, device=pool.device)

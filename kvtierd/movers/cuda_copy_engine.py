@@ -27,7 +27,8 @@ class CudaCopyEngine(CopyEngine):
                                               Direction.HOST_TO_DEVICE: PCIE_BYTES_PER_S,
                                               Direction.HOST_TO_HOST: 5e9})
         self.device = torch.device(device)
-        least, greatest = torch.cuda.Stream.priority_range()  # larger number = lower priority
+        # larger number = lower priority; torch's stub types this static method of _CudaStreamBase as an instance's
+        least, greatest = torch.cuda.Stream.priority_range()  # pyright: ignore[reportCallIssue]
         self.streams = {
             Direction.DEVICE_TO_HOST: torch.cuda.Stream(self.device, priority=least),
             Direction.HOST_TO_DEVICE: torch.cuda.Stream(self.device, priority=greatest),

@@ -32,7 +32,7 @@ def kernel_source_path(filename: str) -> Path:
 def _cupy() -> Any | None:
     """CuPy, or None when it is not installed. Called only for CUDA tensors."""
     try:
-        import cupy
+        import cupy  # pyright: ignore[reportMissingImports]  # the optional [cuda] extra
     except ImportError:
         return None
     return cupy
@@ -45,7 +45,9 @@ def uses_cuda_kernel(tensor: torch.Tensor) -> bool:
 
 @functools.cache
 def _raw_module(filename: str) -> Any:  # one compile per source file (and device)
-    return _cupy().RawModule(code=kernel_source_path(filename).read_text())
+    cupy = _cupy()
+    assert cupy is not None, "kernels are loaded for CUDA tensors only (uses_cuda_kernel)"
+    return cupy.RawModule(code=kernel_source_path(filename).read_text())
 
 
 @functools.cache
@@ -71,6 +73,7 @@ def launch_kernel(kernel: Any, device: torch.device, grid: tuple[int, ...],
     torch's caching allocator reuses their memory only for later work on this same stream.
     """
     cupy = _cupy()
+    assert cupy is not None, "kernels are launched for CUDA tensors only (uses_cuda_kernel)"
     handle = torch.cuda.current_stream(device).cuda_stream
     if hasattr(cupy.cuda.Stream, "from_external"):  # CuPy >= 14
         stream = cupy.cuda.Stream.from_external(_StreamHandle(handle))

@@ -12,11 +12,11 @@ from kvtierd.movers.copy_engine import CopyEngine, ThreadCopyEngine
 from kvtierd.movers.cuda_copy_engine import CudaCopyEngine
 
 
-def create_copy_engine(device: str = "cpu", **kwargs) -> CopyEngine:
-    """ThreadCopyEngine for a CPU pool, CudaCopyEngine for a CUDA one."""
+def create_copy_engine(device: str = "cpu", num_cpu_threads: int = 2) -> CopyEngine:
+    """ThreadCopyEngine for a CPU pool (of `num_cpu_threads` threads), CudaCopyEngine for a CUDA one."""
     if device.startswith("cuda"):
-        return CudaCopyEngine(device, **kwargs)
-    return ThreadCopyEngine(**kwargs)
+        return CudaCopyEngine(device)
+    return ThreadCopyEngine(num_threads=num_cpu_threads)
 
 
 class CopyEngines:
@@ -38,8 +38,7 @@ class CopyEngines:
         with self._lock:
             engine, num_users = self._engines.get(device, (None, 0))
             if engine is None:
-                kwargs = {} if device.startswith("cuda") else {"num_threads": self.num_cpu_threads}
-                engine = create_copy_engine(device, **kwargs)
+                engine = create_copy_engine(device, self.num_cpu_threads)
             self._engines[device] = (engine, num_users + 1)
             return engine
 

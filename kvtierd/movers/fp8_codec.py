@@ -22,6 +22,7 @@ float32 (little-endian on every platform kvtierd runs on).
 from __future__ import annotations
 
 import math
+from collections.abc import Collection
 
 import numpy as np
 import torch
@@ -46,7 +47,7 @@ _MAX_GRID = 1 << 20  # the kernels grid-stride past this
 _SCALE_BYTES = 4  # float32
 
 
-def _check_blocks(blocks: torch.Tensor, name: str, dtypes) -> None:
+def _check_blocks(blocks: torch.Tensor, name: str, dtypes: Collection[torch.dtype]) -> None:
     if (not isinstance(blocks, torch.Tensor) or blocks.dim() != 6 or blocks.shape[2] != 2
             or min(blocks.shape[1:]) == 0):
         raise InvalidArgument(

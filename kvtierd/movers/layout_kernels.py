@@ -79,7 +79,8 @@ def _check_block_ids(block_ids: BlockIds, num_engine_blocks: int, *, unique: boo
     return ids
 
 
-def _prepare(layer_caches, block_ids, slots, name: str, *, is_scatter: bool):
+def _prepare(layer_caches: Sequence[torch.Tensor], block_ids: BlockIds, slots: torch.Tensor | None, name: str, *,
+             is_scatter: bool) -> tuple[list[torch.Tensor], torch.Tensor, torch.Tensor]:
     """Validate everything; allocate gather's `out` when it is None. Returns caches, ids, slots."""
     caches = _check_layer_caches(layer_caches)
     ids = _check_block_ids(block_ids, caches[0].shape[1], unique=is_scatter)

@@ -22,8 +22,8 @@ from kvtierd.errors import InvalidArgument, PermissionDenied
 from kvtierd.node.pools import LayoutPool, PoolRegistry
 from kvtierd.node.sessions import SessionTable
 from kvtierd.node.tenants import Tenant
+from kvtierd.tier import LOCAL_TIERS, Tier
 
-TIERS = ("t0", "t1", "t2")
 EVERY_TENANT = "*"
 
 
@@ -93,8 +93,8 @@ class Operations:
             seen = set(held) | set(sessions) | {tag for tier in counts.values() for tag in tier}
             for tag in seen if tags is None else seen & tags:
                 rows.append(dict(tenant=self.name_of(tag), model_id=pool.layout.model_id,
-                                 num_t0_held_blocks=held[tag], num_t0_cached_blocks=counts["t0"][tag],
-                                 num_t1_blocks=counts["t1"][tag], num_t2_blocks=counts["t2"][tag],
+                                 num_t0_held_blocks=held[tag], num_t0_cached_blocks=counts[Tier.T0][tag],
+                                 num_t1_blocks=counts[Tier.T1][tag], num_t2_blocks=counts[Tier.T2][tag],
                                  bytes_per_block=pool.layout.bytes_per_block, num_sessions=sessions[tag]))
         return sorted(rows, key=lambda row: (row["tenant"], row["model_id"]))
 
@@ -106,8 +106,8 @@ class Operations:
         are copied down first only when no lower tier is named (an evict of every tier leaves
         nothing behind). Blocking: T0 evictions may copy down, T2 removals write the index; run it
         off the event loop."""
-        tiers = list(tiers) or list(TIERS)
-        unknown = [t for t in tiers if t not in TIERS]
+        tiers = list(tiers) or list(LOCAL_TIERS)
+        unknown = [t for t in tiers if t not in LOCAL_TIERS]
         if unknown:
             raise InvalidArgument(f"unknown tier(s) {', '.join(map(repr, unknown))}; tiers are t0, t1, t2")
         tags = self._target_tags(caller, tenant, all_tenants, "evict")
@@ -118,15 +118,15 @@ class Operations:
         counts = EvictCounts()
         for pool in self.registry.pools() if pools is None else pools:
             tier_state = pool.manager.tiers
-            if "t0" in tiers:
+            if Tier.T0 in tiers:
                 keys = mine(tier_state.index.cached_hashes())
-                num_evicted = tier_state.index.evict(keys, copy_down=not {"t1", "t2"} & set(tiers))
+                num_evicted = tier_state.index.evict(keys, copy_down=not {Tier.T1, Tier.T2} & set(tiers))
                 counts.t0 += num_evicted
                 counts.t0_held += len(keys) - num_evicted
-            if "t1" in tiers and tier_state.host is not None:
+            if Tier.T1 in tiers and tier_state.host is not None:
                 counts.t1 += len(tier_state.host.index.remove(mine(e.block_hash
                                                                    for e in tier_state.host.index.entries())))
-            if "t2" in tiers and tier_state.ssd is not None:
+            if Tier.T2 in tiers and tier_state.ssd is not None:
                 counts.t2 += tier_state.ssd.remove(mine(tier_state.ssd.block_hashes()))
         return counts
 
@@ -138,13 +138,13 @@ class Operations:
         return self.draining
 
 
-def _pool_counts(pool: LayoutPool) -> dict[str, collections.Counter]:
+def _pool_counts(pool: LayoutPool) -> dict[Tier, collections.Counter]:
     """Blocks per tenant tag in each tier of one pool."""
     tiers = pool.manager.tiers
-    counts = {"t0": collections.Counter(map(tenant_tag_of, tiers.index.cached_hashes())),
-              "t1": collections.Counter(), "t2": collections.Counter()}
+    counts = {Tier.T0: collections.Counter(map(tenant_tag_of, tiers.index.cached_hashes())),
+              Tier.T1: collections.Counter(), Tier.T2: collections.Counter()}
     if tiers.host is not None:
-        counts["t1"].update(tenant_tag_of(e.block_hash) for e in tiers.host.index.entries())
+        counts[Tier.T1].update(tenant_tag_of(e.block_hash) for e in tiers.host.index.entries())
     if tiers.ssd is not None:
-        counts["t2"].update(map(tenant_tag_of, tiers.ssd.block_hashes()))
+        counts[Tier.T2].update(map(tenant_tag_of, tiers.ssd.block_hashes()))
     return counts

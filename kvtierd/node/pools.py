@@ -27,6 +27,8 @@ import hashlib
 import logging
 import os
 import threading
+from collections.abc import Callable
+from typing import TYPE_CHECKING
 
 from kvtierd.block_hash import HASH_FUNCTIONS, Namespace
 from kvtierd.daemon_key import daemon_key_size, tenant_tag_of
@@ -42,8 +44,13 @@ from kvtierd.t2.node_budget import BudgetShare, NodeBudget, truncating_shed
 from kvtierd.t2.ssd_config import SsdConfig
 from kvtierd.t2.ssd_space import SLOT_FILE_NAME, layout_slot_files
 from kvtierd.t3.remote_config import RemoteConfig
+from kvtierd.tier import Tier
 from kvtierd.tiering.tier_config import TierConfig
 from kvtierd.tiering.tier_manager import TierManager
+
+if TYPE_CHECKING:  # imported where T3 is on (PoolRegistry): redis loads only then
+    from kvtierd.index.index_metrics import IndexObserver
+    from kvtierd.t3.redis_store import RedisStore
 
 log = logging.getLogger(__name__)
 
@@ -68,8 +75,9 @@ class PoolSettings:
 class LayoutPool:
     """One layout's tiers, and what clients of that layout need to know."""
 
-    def __init__(self, layout: Layout, settings: PoolSettings, observer=None, quotas: QuotaBook | None = None,
-                 engines: CopyEngines | None = None, remote_store=None, host_budget: NodeBudget | None = None,
+    def __init__(self, layout: Layout, settings: PoolSettings, observer: IndexObserver | None = None,
+                 quotas: QuotaBook | None = None, engines: CopyEngines | None = None,
+                 remote_store: RedisStore | None = None, host_budget: NodeBudget | None = None,
                  ssd_budget: NodeBudget | None = None) -> None:
         """`host_budget`, `ssd_budget`: the node's (PoolRegistry's); None: this pool's own, of the
         settings' capacities."""
@@ -103,7 +111,7 @@ class LayoutPool:
             raise
         tiers = self.manager.tiers
         if quotas is not None and quotas.limits_lower_tiers:
-            for tier, store in (("t1", tiers.host), ("t2", tiers.ssd)):
+            for tier, store in ((Tier.T1, tiers.host), (Tier.T2, tiers.ssd)):
                 if store is not None:
                     store.set_owner_quota(tenant_tag_of, quotas.lower_tier_limit(tier))
 
@@ -121,13 +129,13 @@ class LayoutPool:
                 lines.append(PoolCapacity(self.layout, num_slots).lines(name, request_tokens)[0])
         return lines
 
-    def node_share(self, tier: str) -> BudgetShare | None:
+    def node_share(self, tier: Tier) -> BudgetShare | None:
         """This layout's part of the node's T1 or T2 budget (None: the tier is absent)."""
         tiers = self.manager.tiers
-        if tier == "t1" and tiers.host is not None:  # the slab is its share, fixed at attach
+        if tier == Tier.T1 and tiers.host is not None:  # the slab is its share, fixed at attach
             share = self.host_budget.share(self._key)
             return dataclasses.replace(share, share_bytes=share.held_bytes)
-        if tier == "t2" and tiers.ssd is not None:
+        if tier == Tier.T2 and tiers.ssd is not None:
             ssd = tiers.ssd.stats()
             return BudgetShare(ssd.file_bytes, ssd.share_bytes, ssd.node_capacity_bytes, ssd.node_used_bytes)
         return None
@@ -151,7 +159,8 @@ def layout_id(layout: Layout) -> str:
 class PoolRegistry:
     """layout → LayoutPool. `get_or_create` builds a pool once, even under concurrent attaches."""
 
-    def __init__(self, settings: PoolSettings, observer_for=None, quotas: QuotaBook | None = None) -> None:
+    def __init__(self, settings: PoolSettings, observer_for: Callable[[str], IndexObserver] | None = None,
+                 quotas: QuotaBook | None = None) -> None:
         self.settings = settings
         self.quotas = quotas
         self._observer_for = observer_for  # model_id → IndexObserver, or None

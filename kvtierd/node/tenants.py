@@ -24,7 +24,7 @@ import hashlib
 import logging
 import os
 import stat
-from collections.abc import Callable
+from collections.abc import Callable, Iterable, Mapping
 
 from kvtierd.daemon_key import TAG_BYTES, DaemonKey, TenantTag, make_daemon_key, make_daemon_keys
 from kvtierd.errors import InvalidArgument, Unauthenticated
@@ -48,7 +48,7 @@ class Tenant:
     def key(self, client_hash: bytes) -> DaemonKey:
         return make_daemon_key(self.tag, client_hash)
 
-    def keys(self, client_hashes) -> list[DaemonKey]:
+    def keys(self, client_hashes: Iterable[bytes]) -> list[bytes]:
         return make_daemon_keys(self.tag, client_hashes)
 
 
@@ -112,11 +112,12 @@ class Authenticator:
             return f"bearer tokens from {self.tokens.path} ({self.tokens.num_tokens} tokens)"
         return f"unix peer: the socket owner ({self.socket_tenant.name}); TCP: TLS client certificate"
 
-    def tenant(self, metadata, peer: str, auth_context: Callable[[], dict]) -> Tenant:
+    def tenant(self, metadata: Iterable[tuple[str, str | bytes]] | None, peer: str,
+               auth_context: Callable[[], Mapping[str, Iterable[bytes]]]) -> Tenant:
         """The caller's tenant; `auth_context()` (the TLS peer's properties) is read only for TCP."""
         if self.tokens is not None:
             for key, value in metadata or ():
-                if key == "authorization":
+                if key == "authorization" and isinstance(value, str):  # a str: its key does not end in -bin
                     scheme, _, token = value.partition(" ")
                     if scheme.lower() != "bearer" or not token:
                         raise Unauthenticated("authorization metadata must be 'Bearer <token>'")
@@ -126,5 +127,5 @@ class Authenticator:
             return self.socket_tenant
         names = auth_context().get("x509_common_name")
         if names:
-            return Tenant.named(names[0].decode())
+            return Tenant.named(next(iter(names)).decode())
         raise Unauthenticated("no credential: TCP callers need a bearer token or a TLS client certificate")

@@ -22,6 +22,7 @@ from collections.abc import Mapping, Sequence
 
 from kvtierd.errors import InvalidArgument
 from kvtierd.planning.fragmentation import Fragmentation, fragmentation
+from kvtierd.tier import LOCAL_TIERS, Tier
 from kvtierd.units import round_up
 
 DEFAULT_BLOCK_SIZES = (8, 16, 32)
@@ -77,7 +78,7 @@ class BlockSizePlan:
 
 @dataclasses.dataclass(frozen=True, slots=True)
 class TierPlan:
-    tier: str
+    tier: Tier
     budget_bytes: int
     usable_bytes: int
     num_tokens: int  # at block granularity of the first block size
@@ -93,44 +94,44 @@ class CapacityPlan:
     warnings: list[str]
 
 
-def plan(bytes_per_token: int, budgets: Mapping[str, int], lengths: Mapping[int, int], utilization: float = 1.0,
+def plan(bytes_per_token: int, budgets: Mapping[Tier, int], lengths: Mapping[int, int], utilization: float = 1.0,
          block_sizes: Sequence[int] = DEFAULT_BLOCK_SIZES) -> CapacityPlan:
-    """`budgets` by tier ("t0" required; "t1", "t2" optional); `utilization` of T0 is usable."""
+    """`budgets` by tier (T0 required; T1, T2 optional); `utilization` of T0 is usable."""
     if bytes_per_token <= 0:
         raise InvalidArgument(f"KV bytes per token must be positive, got {bytes_per_token}")
     if not 0 < utilization <= 1:
         raise InvalidArgument(f"utilization must be in (0, 1], got {utilization}")
-    if "t0" not in budgets:
+    if Tier.T0 not in budgets:
         raise InvalidArgument("a plan needs the T0 (device) budget")
-    usable = {tier: int(budget * (utilization if tier == "t0" else 1.0)) for tier, budget in budgets.items()}
+    usable = {tier: int(budget * (utilization if tier == Tier.T0 else 1.0)) for tier, budget in budgets.items()}
     tiers = [TierPlan(tier, budgets[tier], usable[tier], usable[tier] // bytes_per_token)
-             for tier in ("t0", "t1", "t2") if tier in budgets]
+             for tier in LOCAL_TIERS if tier in budgets]
     longest = max(lengths)
     rows = []
     for block_size in block_sizes:
         frag = fragmentation(lengths, block_size)
         slots = frag.num_allocated_slots / frag.num_requests
         longest_slots = round_up(longest, block_size)
-        rows.append(BlockSizePlan(block_size, frag, slots, usable["t0"] / (slots * bytes_per_token),
-                                  usable["t0"] / (longest_slots * bytes_per_token)))
+        rows.append(BlockSizePlan(block_size, frag, slots, usable[Tier.T0] / (slots * bytes_per_token),
+                                  usable[Tier.T0] / (longest_slots * bytes_per_token)))
     total = fragmentation(lengths, 1)
     return CapacityPlan(bytes_per_token, tiers, rows, longest, total.num_effective_tokens / total.num_requests,
                         _warnings(bytes_per_token, usable, longest))
 
 
-def _warnings(bytes_per_token: int, usable: Mapping[str, int], longest: int) -> list[str]:
+def _warnings(bytes_per_token: int, usable: Mapping[Tier, int], longest: int) -> list[str]:
     need = longest * bytes_per_token
     warnings = []
-    if need > usable["t0"]:
+    if need > usable[Tier.T0]:
         warnings.append(f"a {longest:,}-token request needs {need / 1e9:,.2f} GB of KV, more than T0's usable "
-                        f"{usable['t0'] / 1e9:,.2f} GB: it cannot run on this pool at all")
-    elif need > LONG_REQUEST_SHARE_OF_T0 * usable["t0"]:
-        warnings.append(f"one {longest:,}-token request takes {need / usable['t0']:.0%} of T0: long requests "
+                        f"{usable[Tier.T0] / 1e9:,.2f} GB: it cannot run on this pool at all")
+    elif need > LONG_REQUEST_SHARE_OF_T0 * usable[Tier.T0]:
+        warnings.append(f"one {longest:,}-token request takes {need / usable[Tier.T0]:.0%} of T0: long requests "
                         f"crowd short ones out (they queue or are preempted); serve long contexts from a "
                         f"separate long-context pool")
-    if "t1" in usable and need > usable["t1"]:
+    if Tier.T1 in usable and need > usable[Tier.T1]:
         warnings.append(f"a {longest:,}-token request's KV ({need / 1e9:,.2f} GB) exceeds the host tier "
-                        f"({usable['t1'] / 1e9:,.2f} GB): offloading it would thrash T1 (every block evicts one "
+                        f"({usable[Tier.T1] / 1e9:,.2f} GB): offloading it would thrash T1 (every block evicts one "
                         f"of its own); give long contexts a separate long-context pool, or a larger T1")
     return warnings
 

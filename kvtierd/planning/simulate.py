@@ -13,6 +13,7 @@ import dataclasses
 import heapq
 import itertools
 import math
+from collections.abc import Iterator
 
 import torch
 import xxhash
@@ -180,7 +181,8 @@ class ChatSimulator:
         stats.num_prompt_tokens += len(samples[0].turn.prompt)
         stats.num_hit_tokens += samples[0].num_hit_tokens
 
-    def _decode_step(self, samples: list[Sample], running: list[list[Sample]], pending: list, order) -> None:
+    def _decode_step(self, samples: list[Sample], running: list[list[Sample]], pending: list,
+                     order: Iterator[int]) -> None:
         """One token for each sample of a turn. When the pool has no block for a copy-on-write,
         the most recently admitted turn is preempted (released, requeued to recompute), as an
         engine does when KV memory runs out."""

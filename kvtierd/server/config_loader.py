@@ -23,6 +23,7 @@ import difflib
 import os
 import tomllib
 from collections.abc import Iterable, Iterator, Mapping
+from typing import cast
 
 from kvtierd.endpoints import default_socket_path
 from kvtierd.errors import InvalidArgument
@@ -101,11 +102,13 @@ def _convert(key: str, value_type: type, value: object, source: str) -> object:
     """`value` (a string from the environment or a flag, or a TOML value) as the key's type."""
     try:
         if key.endswith("_bytes"):
-            return parse_bytes(value)  # type: ignore[arg-type]
+            return parse_bytes(value)
         if isinstance(value, str) and value_type is not str:
             return _BOOLS[value.strip().lower()] if value_type is bool else value_type(value.strip())
-        if type(value) is value_type or (value_type is float and type(value) is int):
-            return value_type(value)
+        if type(value) is value_type:
+            return value
+        if value_type is float and type(value) is int:
+            return float(value)
     except InvalidArgument as e:
         raise InvalidArgument(f"{key} (from {source}): {e}") from None
     except (KeyError, ValueError):
@@ -121,11 +124,11 @@ def _suggest(name: str, known: Iterable[str]) -> str:
 
 def _build(settings: Mapping[str, object]) -> DaemonConfig:
     sections: dict[str, dict[str, object]] = {name: {} for name in SECTIONS}
-    quotas: dict[str, dict[str, object]] = {}
+    quotas: dict[str, dict[str, int]] = {}
     for key, value in settings.items():
         parts = key.split(".")
         if parts[0] == "quotas":
-            quotas.setdefault(".".join(parts[1:-1]), {})[parts[-1]] = value
+            quotas.setdefault(".".join(parts[1:-1]), {})[parts[-1]] = cast(int, value)  # _apply made it an int
         elif len(parts) == 2:
             sections[parts[0]][parts[1]] = value
     return DaemonConfig(**{name: SECTIONS[name](**values) for name, values in sections.items()},

@@ -56,7 +56,10 @@ SECTIONS = {"server": ServerConfig, "pool": PoolConfig, "host": HostConfig, "ssd
 def _file_type(field: dataclasses.Field) -> type:
     """The type a key's value has in the file: its default's, but a tuple is written as one
     comma-separated string (remote.endpoints) that its section parses."""
-    default = field.default if field.default is not dataclasses.MISSING else field.default_factory()
+    default = field.default
+    if default is dataclasses.MISSING:
+        assert field.default_factory is not dataclasses.MISSING, f"config key {field.name} has no default"
+        default = field.default_factory()
     return str if isinstance(default, tuple) else type(default)
 
 

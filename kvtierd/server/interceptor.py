@@ -14,9 +14,11 @@ from __future__ import annotations
 import contextvars
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
+from typing import Any
 
 import grpc
+from grpc.aio import ServicerContext
 
 from kvtierd.errors import KvtierError
 from kvtierd.node.tenants import Authenticator, Tenant
@@ -25,6 +27,10 @@ log = logging.getLogger(__name__)
 
 SERVICE_PREFIX = "/kvtierd.v1.KvTier/"
 _TENANT: contextvars.ContextVar[Tenant] = contextvars.ContextVar("kvtierd_tenant")
+
+# A handler: (request or request iterator, context) -> a response (a coroutine function), or a
+# response stream (an async generator). grpc's RpcMethodHandler types them as its sync API's.
+Behavior = Callable[..., Any]
 
 
 def current_tenant() -> Tenant:
@@ -39,7 +45,9 @@ class StatusInterceptor(grpc.aio.ServerInterceptor):
         self.observe = observe
         self._wrapped: dict[str, grpc.RpcMethodHandler] = {}  # method path → its wrapped handler, made once
 
-    async def intercept_service(self, continuation, handler_call_details):
+    async def intercept_service(
+            self, continuation: Callable[[grpc.HandlerCallDetails], Awaitable[grpc.RpcMethodHandler | None]],
+            handler_call_details: grpc.HandlerCallDetails) -> grpc.RpcMethodHandler | None:
         method_path = handler_call_details.method
         wrapped = self._wrapped.get(method_path)
         if wrapped is not None:
@@ -59,17 +67,18 @@ class StatusInterceptor(grpc.aio.ServerInterceptor):
                 self._streaming(handler.unary_stream, method), handler.request_deserializer,
                 handler.response_serializer)
         else:
+            assert handler.stream_stream is not None, "a method handler has one of the four kinds"
             wrapped = grpc.stream_stream_rpc_method_handler(
                 self._streaming(handler.stream_stream, method), handler.request_deserializer,
                 handler.response_serializer)
         self._wrapped[method_path] = wrapped
         return wrapped
 
-    def _authenticate(self, context) -> None:
+    def _authenticate(self, context: ServicerContext) -> None:
         _TENANT.set(self.authenticator.tenant(context.invocation_metadata(), context.peer(), context.auth_context))
 
-    def _unary(self, behavior, method: str):
-        async def handle(request, context):
+    def _unary(self, behavior: Behavior, method: str) -> Callable[[Any, ServicerContext], Awaitable[Any]]:
+        async def handle(request: Any, context: ServicerContext) -> Any:
             start = time.perf_counter()
             code = "OK"
             try:
@@ -82,8 +91,8 @@ class StatusInterceptor(grpc.aio.ServerInterceptor):
                 self._observe(method, code, start)
         return handle
 
-    def _streaming(self, behavior, method: str):
-        async def handle(request, context):
+    def _streaming(self, behavior: Behavior, method: str) -> Callable[[Any, ServicerContext], AsyncIterator[Any]]:
+        async def handle(request: Any, context: ServicerContext) -> AsyncIterator[Any]:
             start = time.perf_counter()
             code = "OK"
             try:
@@ -113,7 +122,7 @@ def code_of(error: BaseException) -> str:
     return "INTERNAL"
 
 
-async def _abort(error: BaseException, code: str, context, method: str) -> None:
+async def _abort(error: BaseException, code: str, context: ServicerContext, method: str) -> None:
     """End the call with `code`: our errors with their message, the unexpected as INTERNAL
     (logged with the traceback). Cancellation and grpc's own aborts pass through."""
     if code in ("CANCELLED", "ABORTED") or not isinstance(error, Exception):

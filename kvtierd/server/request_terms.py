@@ -5,15 +5,18 @@ InvalidArgument or FailedPrecondition before anything is changed."""
 
 from __future__ import annotations
 
+from collections.abc import Iterable
+
 from kvtierd.block_hash import pack_token_ids
 from kvtierd.errors import FailedPrecondition, InvalidArgument
 from kvtierd.index.prefix_match import check_hashes
 from kvtierd.node.pools import LayoutPool
 from kvtierd.node.tenants import Tenant
-from kvtierd.tiering.promotion import TierHits
+from kvtierd.tier import TierCounts
+from kvtierd.wire.conversions import hits_to_proto_fields
 
 
-def client_keys(tenant: Tenant, pool: LayoutPool, client_hashes) -> list[bytes]:
+def client_keys(tenant: Tenant, pool: LayoutPool, client_hashes: Iterable[bytes]) -> list[bytes]:
     client_hashes = list(client_hashes)  # a protobuf repeated field makes new bytes on every read: read once
     check_hashes(client_hashes, pool.digest_size)
     return tenant.keys(client_hashes)
@@ -23,10 +26,9 @@ def packed_tokens(token_ids: bytes) -> bytes | None:
     return pack_token_ids(token_ids) if token_ids else None
 
 
-def hit_counts(hits: TierHits) -> dict[str, int]:
+def hit_counts(hits: TierCounts) -> dict[str, int]:
     """The fields of a LookupResponse or ChainHits."""
-    return dict(num_hit_blocks=hits.num_blocks, num_t0_blocks=hits.t0, num_t1_blocks=hits.t1,
-                num_t2_blocks=hits.t2, num_t3_blocks=hits.t3)
+    return hits_to_proto_fields(hits)
 
 
 def lookup_chains(keys: list[bytes], token_bytes: bytes | None, chain_lengths: list[int],

@@ -25,6 +25,8 @@ import asyncio
 import logging
 import os
 import signal
+from collections.abc import Callable
+from typing import TYPE_CHECKING
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
@@ -49,7 +51,7 @@ from kvtierd.server.directory_lock import DirectoryLock
 from kvtierd.server.fd_listener import FdListener
 from kvtierd.server.interceptor import StatusInterceptor
 from kvtierd.server.listeners import SocketFile, add_port, apply_socket_access, bind_fd_socket, bind_unix_socket
-from kvtierd.server.server_config import admin_tenant_names
+from kvtierd.server.server_config import ServerConfig, admin_tenant_names
 from kvtierd.server.servicer import KvTierServicer
 from kvtierd.server.startup_checks import check_machine, socket_group_id
 from kvtierd.t0.shm_segment import remove_orphaned_segments
@@ -57,6 +59,9 @@ from kvtierd.tiering.tier_config import TierConfig
 from kvtierd.v1 import kvtier_pb2
 from kvtierd.wire.conversions import READ_CHUNK_OPTIONS
 from kvtierd.wire.fd_passing import fd_socket_path
+
+if TYPE_CHECKING:  # the registry imports the store's client only where T3 is on
+    from kvtierd.t3.redis_store import RedisStore
 
 log = logging.getLogger("kvtierd")
 
@@ -116,7 +121,8 @@ class Daemon:
         self.feed = EventFeed(self.registry, publisher=self.publisher, lower_tiers=config.events.lower_tiers)
         self.registry.on_created.append(self.feed.enable_lower_tiers)
         self.metrics.add_tenant_source(self.operations.usage_rows, quotas.limits)
-        self.health = health.aio.HealthServicer()
+        # health.py imports its asyncio servicer as `aio`, an alias pyright does not take for an export
+        self.health = health.aio.HealthServicer()  # pyright: ignore[reportAttributeAccessIssue]
         self.server: grpc.aio.Server | None = None
         self.health_server: grpc.aio.Server | None = None  # plaintext, health only (server.health_tcp)
         self.health_address: str | None = None
@@ -139,17 +145,17 @@ class Daemon:
             except OSError as e:
                 raise FailedPrecondition(f"cannot publish KV events: {e.strerror}; see the [events] section") from None
         limit = server_config.max_message_bytes
-        self.server = grpc.aio.server(
+        self.server = server = grpc.aio.server(
             interceptors=[StatusInterceptor(self.authenticator, self.metrics.observe_rpc)],
             options=[("grpc.max_receive_message_length", limit), ("grpc.max_send_message_length", limit),
                      ("grpc.so_reuseport", 0), *READ_CHUNK_OPTIONS])
         self.servicer = KvTierServicer(self.registry, self.sessions, self.feed, operations=self.operations,
                                        on_drain=self._set_serving)
-        self.server.add_generic_rpc_handlers((kvtier_handlers(self.servicer),))
-        health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
-        reflection.enable_server_reflection([SERVICE_NAME, health.SERVICE_NAME, reflection.SERVICE_NAME], self.server)
+        server.add_generic_rpc_handlers((kvtier_handlers(self.servicer),))
+        health_pb2_grpc.add_HealthServicer_to_server(self.health, server)
+        reflection.enable_server_reflection([SERVICE_NAME, health.SERVICE_NAME, reflection.SERVICE_NAME], server)
         if server_config.tcp:
-            port = self._add_tcp_port(server_config)
+            port = self._add_tcp_port(server, server_config)
             host = server_config.tcp.rsplit(":", 1)[0]
             self.addresses.append(f"{host}:{port}")
         if server_config.health_tcp:
@@ -157,7 +163,7 @@ class Daemon:
         if server_config.metrics_port >= 0:
             self._serve_metrics(server_config.metrics_host, server_config.metrics_port)
         if server_config.socket:  # last: a refused port leaves no socket file behind
-            self.socket_file = bind_unix_socket(self.server, server_config.socket, setting_name("server.socket"))
+            self.socket_file = bind_unix_socket(server, server_config.socket, setting_name("server.socket"))
             self.addresses.append("unix://" + server_config.socket)
             listening, self.fd_socket_file = bind_fd_socket(fd_socket_path(server_config.socket),
                                                             setting_name("server.socket"))
@@ -170,11 +176,12 @@ class Daemon:
         if num_orphans:
             log.warning("removed %d shared-memory segments (%s) that killed kvtierd processes left in /dev/shm",
                         num_orphans, format_bytes(orphan_bytes))
-        await self.server.start()
+        await server.start()
         if self.health_server is not None:
             await self.health_server.start()
         if server_config.socket:
             self._apply_socket_access(server_config)
+        if self.fd_listener is not None:  # bound with the unix socket
             self.fd_listener.start()
         await self._set_serving(False)
         self._tasks = [asyncio.create_task(self.sessions.run_reaper(min(1.0, server_config.lease_s / 4))),
@@ -184,9 +191,10 @@ class Daemon:
             await asyncio.to_thread(store.start_probing, store.config.probe_interval_s)
             self._tasks.append(asyncio.create_task(self._follow_store(store)))
 
-    def _apply_socket_access(self, server_config) -> None:
+    def _apply_socket_access(self, server_config: ServerConfig) -> None:
         """server.socket_group and socket_mode on both sockets; directories made for them get the
         group and the search bit of whom the mode lets connect."""
+        assert self.socket_file is not None and self.fd_socket_file is not None, "bound by start"
         group_id = socket_group_id(server_config.socket_group) if server_config.socket_group else None
         mode = int(server_config.socket_mode, 8)
         for path in (server_config.socket, self.fd_socket_file.path):
@@ -218,14 +226,14 @@ class Daemon:
         await self.health.set(SERVICE_NAME, not_serving if draining or stopping else serving)
         await self.health.set("", not_serving if stopping else serving)
 
-    async def _follow_store(self, store) -> None:
+    async def _follow_store(self, store: RedisStore) -> None:
         """Health of STORE_HEALTH_NAME from the store's probes (health() only reads their results)."""
         serving, not_serving = health_pb2.HealthCheckResponse.SERVING, health_pb2.HealthCheckResponse.NOT_SERVING
         while True:
             await self.health.set(STORE_HEALTH_NAME, serving if store.health().serving else not_serving)
             await asyncio.sleep(store.config.probe_interval_s / 2)
 
-    def _add_tcp_port(self, server_config) -> int:
+    def _add_tcp_port(self, server: grpc.aio.Server, server_config: ServerConfig) -> int:
         if server_config.tls_cert:
             with open(server_config.tls_cert, "rb") as f:
                 cert = f.read()
@@ -237,8 +245,8 @@ class Daemon:
                     client_ca = f.read()
             credentials = grpc.ssl_server_credentials([(key, cert)], root_certificates=client_ca,
                                                       require_client_auth=client_ca is not None)
-            return add_port(self.server, server_config.tcp, setting_name("server.tcp"), credentials)
-        return add_port(self.server, server_config.tcp, setting_name("server.tcp"))
+            return add_port(server, server_config.tcp, setting_name("server.tcp"), credentials)
+        return add_port(server, server_config.tcp, setting_name("server.tcp"))
 
     def startup_lines(self) -> list[str]:
         lines = [f"kvtierd: listening on {address}" for address in self.addresses]
@@ -294,7 +302,7 @@ class Daemon:
             self.ssd_lock = None
 
 
-def kv_event_publisher(config: DaemonConfig, tenant_name) -> ZmqEventPublisher | None:
+def kv_event_publisher(config: DaemonConfig, tenant_name: Callable[[bytes], str]) -> ZmqEventPublisher | None:
     """The [events] section's ZMQ publisher (not started), or None when it is off."""
     events = config.events
     if not events.zmq_endpoint:
@@ -326,7 +334,7 @@ _HANDLER_KINDS = {(False, False): grpc.unary_unary_rpc_method_handler,
                   (True, True): grpc.stream_stream_rpc_method_handler}
 
 
-async def serve(config: DaemonConfig, print_line=print) -> int:
+async def serve(config: DaemonConfig, print_line: Callable[[str], object] = print) -> int:
     daemon = Daemon(config)
     loop = asyncio.get_running_loop()
     for signum in (signal.SIGTERM, signal.SIGINT):

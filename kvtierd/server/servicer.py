@@ -5,18 +5,21 @@ codes and resolves the caller's tenant (`current_tenant()`). Every handler valid
 request before the first change, so a bad request changes nothing. Client hashes become the
 daemon's keys by the tenant's prefix in request_terms.py, and only there.
 
-Each handler decodes, authorizes, calls the tier manager (or the session table), encodes. The
-loop waits on no copy and no disk: the core's blocking steps (Put's writes, a copy-on-write,
-Get's serialization of block bytes) run on the default executor, and a handler that hands out
-blocks still being written back (tiering/write_backs.py) answers once their `writable` resolves.
+Each handler decodes, authorizes, calls the tier manager (or the session table, or the node's
+Put and Get: node/block_transfers.py), encodes. The loop waits on no copy and no disk: the core's
+blocking steps (Put's writes, a copy-on-write, Get's serialization of block bytes) run on the
+default executor, a call that may wait on the shared store runs there too (node/off_loop.py), and
+a handler that hands out blocks still being written back (tiering/write_backs.py) answers once
+their `writable` resolves.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import functools
-import itertools
-from collections.abc import Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
+from typing import TYPE_CHECKING, TypeVar
 
 from kvtierd import __version__
 from kvtierd.block_hash import pack_token_ids
@@ -24,6 +27,8 @@ from kvtierd.errors import DRAINING_DETAILS, DeadlineExceeded, FailedPreconditio
 from kvtierd.events.event_feed import EventFeed
 from kvtierd.index.query_counting import QueryCounting
 from kvtierd.layout import Layout
+from kvtierd.node.block_transfers import BlockTransfers
+from kvtierd.node.off_loop import call_blocking_if
 from kvtierd.node.operations import Operations
 from kvtierd.node.pools import LayoutPool, PoolRegistry
 from kvtierd.node.sessions import SessionLease, SessionTable
@@ -42,15 +47,17 @@ from kvtierd.server.request_terms import (
 from kvtierd.server.stream_items import items_until
 from kvtierd.t0.factory import shareable_fd
 from kvtierd.t0.pool_handle import FD_KINDS
-from kvtierd.tiering.block_io import BlockGet, PutBlock
+from kvtierd.tiering.block_io import PutBlock
 from kvtierd.tiering.promotion import TierHits
 from kvtierd.v1 import kvtier_pb2 as pb
 from kvtierd.v1 import kvtier_pb2_grpc
 from kvtierd.wire.block_frames import PutFrame, encode_get_response
 from kvtierd.wire.conversions import handle_to_proto, layout_from_proto
 
-PUT_BATCH_BLOCKS = 16  # blocks written together by Put (off the loop)
-GET_BATCH_BLOCKS = 8  # blocks serialized together by Get (off the loop)
+if TYPE_CHECKING:
+    from grpc.aio import ServicerContext as Context
+
+T = TypeVar("T")
 
 
 class KvTierServicer(kvtier_pb2_grpc.KvTierServicer):
@@ -63,7 +70,7 @@ class KvTierServicer(kvtier_pb2_grpc.KvTierServicer):
         self.operations = operations or Operations(registry, sessions, admin_tenants=())
         self._on_drain = on_drain  # the daemon's health status follows a drain
         self.default_wait_s = default_wait_s
-        self._put_ids = itertools.count()
+        self.transfers = BlockTransfers(sessions.quotas)  # Put and Get
         self._shutdown = asyncio.Event()  # set at SIGTERM: long-lived streams end at once
         self.fd_listener: FdListener | None = None  # the fd socket's server (serve.py sets it)
 
@@ -72,12 +79,12 @@ class KvTierServicer(kvtier_pb2_grpc.KvTierServicer):
         server's grace period is spent on calls that finish, not on streams that never do."""
         self._shutdown.set()
 
-    def _until_shutdown(self, next_item):
+    def _until_shutdown(self, next_item: Callable[[], Awaitable[T]]) -> AsyncIterator[T]:
         return items_until(next_item, self._shutdown)
 
     # ----------------------------------------------------------------------------- sessions
 
-    async def Attach(self, request: pb.AttachRequest, context) -> pb.AttachResponse:
+    async def Attach(self, request: pb.AttachRequest, context: Context) -> pb.AttachResponse:
         tenant = current_tenant()
         if self.operations.draining:
             raise Unavailable(f"{DRAINING_DETAILS} for maintenance and admits no new sessions "
@@ -93,6 +100,7 @@ class KvTierServicer(kvtier_pb2_grpc.KvTierServicer):
         session = self.sessions.open(tenant, pool)
         handle = handle_to_proto(pool.manager.device_pool.handle)
         if peer_uid is not None and handle.kind in FD_KINDS:
+            assert self.fd_listener is not None, "the peer was found on it"
             handle.fd_ticket = self.fd_listener.issue(
                 peer_uid, session.session_id, functools.partial(shareable_fd, pool.manager.device_pool),
                 lambda: not session.closed)
@@ -111,7 +119,8 @@ class KvTierServicer(kvtier_pb2_grpc.KvTierServicer):
                                      "(connect to <socket>.fds first and keep it open during Attach)")
         return uid
 
-    async def KeepAlive(self, request_iterator, context):
+    async def KeepAlive(self, request_iterator: AsyncIterator[pb.KeepAliveRequest],
+                        context: Context) -> AsyncIterator[pb.KeepAliveResponse]:
         tenant = current_tenant()
         session = None
         try:
@@ -128,7 +137,7 @@ class KvTierServicer(kvtier_pb2_grpc.KvTierServicer):
 
     # ----------------------------------------------------------------------------- blocks
 
-    async def Lookup(self, request: pb.LookupRequest, context) -> pb.LookupResponse:
+    async def Lookup(self, request: pb.LookupRequest, context: Context) -> pb.LookupResponse:
         session = self._session(request.session_id)
         keys = client_keys(session.tenant, session.pool, request.block_hashes)
         manager = session.pool.manager
@@ -139,17 +148,17 @@ class KvTierServicer(kvtier_pb2_grpc.KvTierServicer):
         hits = [manager.lookup(chain_keys, chain_tokens, prefetch=request.prefetch and not manager.has_remote,
                                ask_remote=False) for chain_keys, chain_tokens in chains]
         if manager.has_remote:  # the shared store, for what the local tiers lack: a round trip, on a thread
-            if any(h.num_blocks < len(chain_keys) for (chain_keys, _), h in zip(chains, hits)):
-                hits = await asyncio.to_thread(manager.lookup_remote, chains, hits, request.prefetch,
-                                               request.num_query_blocks > 0)  # a query: T3's misses count
-            elif request.prefetch and any(h.t2 for h in hits):
-                manager.lookup_remote(chains, hits, prefetch=True)  # no round trip: nothing left to ask
+            asks_store = any(h.num_blocks < len(chain_keys) for (chain_keys, _), h in zip(chains, hits))
+            if asks_store or (request.prefetch and any(h.t2 for h in hits)):  # else nothing to ask nor prefetch
+                lookup_remote = functools.partial(manager.lookup_remote, chains, hits, request.prefetch,
+                                                  asks_store and request.num_query_blocks > 0)  # T3's misses count
+                hits = await call_blocking_if(asks_store, lookup_remote)
         total = TierHits(*(sum(counts) for counts in zip(*((h.t0, h.t1, h.t2, h.t3) for h in hits))))
         per_chain = [pb.ChainHits(**hit_counts(h)) for h in hits] if request.chain_lengths else []
         manager.count_query_blocks(request.num_query_blocks)  # once the lookup has been answered
         return pb.LookupResponse(**hit_counts(total), chains=per_chain)
 
-    async def Acquire(self, request: pb.AcquireRequest, context) -> pb.AcquireResponse:
+    async def Acquire(self, request: pb.AcquireRequest, context: Context) -> pb.AcquireResponse:
         session = self._session(request.session_id)
         session.check_new(request.request_id)
         keys = client_keys(session.tenant, session.pool, request.block_hashes)
@@ -160,8 +169,7 @@ class KvTierServicer(kvtier_pb2_grpc.KvTierServicer):
                     QueryCounting.HITS_ONLY if request.query_counted else QueryCounting.QUERY_AND_HITS)
         acquire = functools.partial(manager.acquire, request_key, keys, request.num_extra_blocks,
                                     packed_tokens(request.token_ids), counting=counting)
-        acquired = (await _off_loop_owned(acquire, lambda _: manager.release(request_key)) if manager.has_remote
-                    else acquire())
+        acquired = await call_blocking_if(manager.has_remote, acquire, lambda _: manager.release(request_key))
         pending = acquired.num_t1_blocks + acquired.num_t2_blocks + acquired.num_t3_blocks > 0
         self.sessions.hold(session, request.request_id, len(acquired.block_ids), acquired.ticket if pending else None,
                            first_parent)
@@ -171,7 +179,7 @@ class KvTierServicer(kvtier_pb2_grpc.KvTierServicer):
                                   num_t1_blocks=acquired.num_t1_blocks, num_t2_blocks=acquired.num_t2_blocks,
                                   num_t3_blocks=acquired.num_t3_blocks, pending=pending)
 
-    async def Wait(self, request: pb.WaitRequest, context) -> pb.WaitResponse:
+    async def Wait(self, request: pb.WaitRequest, context: Context) -> pb.WaitResponse:
         if request.timeout_s < 0:
             raise InvalidArgument(f"timeout_s must be >= 0, got {request.timeout_s}")
         session = self._session(request.session_id)
@@ -187,7 +195,7 @@ class KvTierServicer(kvtier_pb2_grpc.KvTierServicer):
                 from None
         return pb.WaitResponse(num_ready_blocks=ready)
 
-    async def Commit(self, request: pb.CommitRequest, context) -> pb.CommitResponse:
+    async def Commit(self, request: pb.CommitRequest, context: Context) -> pb.CommitResponse:
         session = self._session(request.session_id)
         held = session.held(request.request_id)
         pool = session.pool
@@ -201,11 +209,11 @@ class KvTierServicer(kvtier_pb2_grpc.KvTierServicer):
         num_held = pool.manager.commit(key, position, keys, pack_token_ids(request.token_ids), parent)
         return pb.CommitResponse(num_committed_blocks=num_held)
 
-    async def Release(self, request: pb.ReleaseRequest, context) -> pb.ReleaseResponse:
+    async def Release(self, request: pb.ReleaseRequest, context: Context) -> pb.ReleaseResponse:
         session = self._session(request.session_id)
         return pb.ReleaseResponse(num_released_blocks=await self.sessions.release(session, request.request_id))
 
-    async def Fork(self, request: pb.ForkRequest, context) -> pb.ForkResponse:
+    async def Fork(self, request: pb.ForkRequest, context: Context) -> pb.ForkResponse:
         session = self._session(request.session_id)
         held = session.held(request.request_id)
         session.check_new(request.child_request_id)
@@ -216,7 +224,7 @@ class KvTierServicer(kvtier_pb2_grpc.KvTierServicer):
         self.sessions.hold(session, request.child_request_id, len(block_ids), first_parent=held.first_parent)
         return pb.ForkResponse(block_ids=block_ids)
 
-    async def AppendBlocks(self, request: pb.AppendBlocksRequest, context) -> pb.AppendBlocksResponse:
+    async def AppendBlocks(self, request: pb.AppendBlocksRequest, context: Context) -> pb.AppendBlocksResponse:
         session = self._session(request.session_id)
         session.held(request.request_id)
         self.sessions.check_quota(session, request.num_blocks)
@@ -226,7 +234,7 @@ class KvTierServicer(kvtier_pb2_grpc.KvTierServicer):
             await asyncio.wrap_future(writable)
         return pb.AppendBlocksResponse(block_ids=block_ids)
 
-    async def PrepareWrite(self, request: pb.PrepareWriteRequest, context) -> pb.PrepareWriteResponse:
+    async def PrepareWrite(self, request: pb.PrepareWriteRequest, context: Context) -> pb.PrepareWriteResponse:
         session = self._session(request.session_id)
         session.held(request.request_id)
         # a copy-on-write into a block just evicted waits for its write-back: off the loop
@@ -236,101 +244,49 @@ class KvTierServicer(kvtier_pb2_grpc.KvTierServicer):
 
     # ----------------------------------------------------------------------------- bytes
 
-    async def Put(self, request_iterator, context) -> pb.PutResponse:
+    async def Put(self, request_iterator: AsyncIterator[bytes], context: Context) -> pb.PutResponse:
         tenant = current_tenant()
         self.operations.remember(tenant)
-        quotas, loop = self.sessions.quotas, asyncio.get_running_loop()
-        put = pool = writing = None
-        batch: list[PutBlock] = []
-        num_admitted_blocks = 0
+        frames = (PutFrame.decode(raw) async for raw in request_iterator)  # serialized: the bytes are not copied
+        first = await anext(frames, None)
+        if first is None:
+            raise InvalidArgument("Put needs at least one block")
+        if first.layout is None:
+            raise InvalidArgument("the first message of a Put must name the layout")
+        pool = await self._pool(layout_from_proto(first.layout))
+        parent = parent_key(tenant, pool, 1, first.parent_hash) if first.parent_hash else tenant.key(pool.client_root)
 
-        async def write(blocks: list[PutBlock]) -> None:  # the bytes are copied off the loop
-            nonlocal writing, num_admitted_blocks
-            quotas.check(tenant.name, len(blocks) * pool.layout.bytes_per_block)
-            writing = loop.run_in_executor(None, put.write, blocks)
-            num_taken = await asyncio.shield(writing)
-            writing = None
-            quotas.add(tenant.name, num_taken * pool.layout.bytes_per_block)
-            num_admitted_blocks += num_taken
+        def block_of(frame: PutFrame) -> PutBlock:
+            return PutBlock(client_keys(tenant, pool, [frame.block_hash])[0], frame.token_ids, frame.data)
 
-        try:
-            async for raw in request_iterator:  # serialized PutRequests: the block bytes are not copied
-                frame = PutFrame.decode(raw)
-                if put is None:
-                    if frame.layout is None:
-                        raise InvalidArgument("the first message of a Put must name the layout")
-                    pool = await self._pool(layout_from_proto(frame.layout))
-                    parent = (parent_key(tenant, pool, 1, frame.parent_hash) if frame.parent_hash
-                              else tenant.key(pool.client_root))
-                    put = pool.manager.start_put(("put", next(self._put_ids)), parent)
-                block = PutBlock(client_keys(tenant, pool, [frame.block_hash])[0], frame.token_ids, frame.data)
-                put.check(block)
-                batch.append(block)
-                if len(batch) == PUT_BATCH_BLOCKS:
-                    await write(batch)
-                    batch = []
-            if put is None:
-                raise InvalidArgument("Put needs at least one block")
-            await write(batch)
-            put.commit()
-            return pb.PutResponse(num_blocks=put.num_blocks, num_already_cached_blocks=put.num_already_cached)
-        finally:
-            if put is not None:
-                def close(_=None) -> None:  # once no write is in flight into the request's blocks
-                    put.close()
-                    quotas.remove(tenant.name, num_admitted_blocks * pool.layout.bytes_per_block)
+        async def blocks() -> AsyncIterator[PutBlock]:
+            yield block_of(first)
+            async for frame in frames:
+                yield block_of(frame)
 
-                if writing is not None and not writing.done():
-                    writing.add_done_callback(close)
-                else:
-                    close()
+        put = await self.transfers.put(tenant, pool, parent, blocks())
+        return pb.PutResponse(num_blocks=put.num_blocks, num_already_cached_blocks=put.num_already_cached)
 
-    async def Get(self, request: pb.GetRequest, context):
+    async def Get(self, request: pb.GetRequest, context: Context) -> AsyncIterator[bytes]:
         tenant = current_tenant()
         layout = layout_from_proto(request.layout)
         pool = self.registry.get(layout) or await asyncio.to_thread(self.registry.get_stored, layout)
         if pool is None:
             return
-        quotas, bytes_per_block = self.sessions.quotas, pool.layout.bytes_per_block
-        start_get = functools.partial(pool.manager.start_get, ("get", next(self._put_ids)),
-                                      client_keys(tenant, pool, request.block_hashes), packed_tokens(request.token_ids),
-                                      lambda num_blocks: quotas.check(tenant.name, num_blocks * bytes_per_block))
-        get = await _off_loop_owned(start_get, BlockGet.close) if pool.manager.has_remote else start_get()
-        if get.num_blocks == 0:
-            return
-        nbytes = get.num_blocks * bytes_per_block
-        quotas.add(tenant.name, nbytes)
-        loop, encoding = asyncio.get_running_loop(), None
-        try:
-            num_ready = await asyncio.shield(asyncio.wrap_future(get.future))
-            hashes = list(request.block_hashes[:get.num_blocks])
-            for start in range(0, num_ready, GET_BATCH_BLOCKS):  # serialized off the loop, in one copy
-                encoding = loop.run_in_executor(None, _encode_blocks, get, hashes, start, num_ready)
-                for frame in await asyncio.shield(encoding):
-                    yield frame
-            if get.remote is not None and num_ready == get.num_local_blocks:  # T3's part, as it lands
-                for chunk in get.remote.chunks():
-                    payloads = await asyncio.shield(asyncio.wrap_future(chunk))
-                    encoding = loop.run_in_executor(None, _encode_payloads, hashes, num_ready, payloads)
-                    for frame in await asyncio.shield(encoding):
-                        yield frame
-                    num_ready += len(payloads)
-        finally:  # no await here: a cancelled stream must still release, once nothing reads its blocks
-            def release(_=None) -> None:
-                if get.future.done():
-                    get.close()
-                else:  # waits for the promotion
-                    loop.run_in_executor(None, get.close)
-                quotas.remove(tenant.name, nbytes)
+        hashes = list(request.block_hashes)
 
-            if encoding is not None and not encoding.done():
-                encoding.add_done_callback(release)
-            else:
-                release()
+        def encode(position: int, data: memoryview) -> bytes:  # a serialized GetResponse (block_frames.py)
+            return encode_get_response(hashes[position], data)
+
+        frames = self.transfers.get(tenant, pool, client_keys(tenant, pool, hashes), packed_tokens(request.token_ids),
+                                    encode)
+        async with contextlib.aclosing(frames):  # a stream closed early releases the blocks now, not at collection
+            async for frame in frames:
+                yield frame
 
     # ----------------------------------------------------------------------------- observing
 
-    async def Stats(self, request: pb.StatsRequest, context) -> pb.StatsResponse:
+    async def Stats(self, request: pb.StatsRequest, context: Context) -> pb.StatsResponse:
         return pb.StatsResponse(pools=[pool_stats(pool) for pool in self.registry.pools()],
                                 num_sessions=len(self.sessions), num_reclaimed_refs=self.sessions.num_reclaimed_refs,
                                 version=__version__, remote=remote_store_message(self.registry.remote_store),
@@ -338,11 +294,11 @@ class KvTierServicer(kvtier_pb2_grpc.KvTierServicer):
 
     # ----------------------------------------------------------------------------- operations
 
-    async def TenantStats(self, request: pb.TenantStatsRequest, context) -> pb.TenantStatsResponse:
+    async def TenantStats(self, request: pb.TenantStatsRequest, context: Context) -> pb.TenantStatsResponse:
         rows = await asyncio.to_thread(self.operations.tenant_usage, current_tenant(), request.tenant)
         return pb.TenantStatsResponse(usage=[pb.TenantUsage(**row) for row in rows])
 
-    async def Evict(self, request: pb.EvictRequest, context) -> pb.EvictResponse:
+    async def Evict(self, request: pb.EvictRequest, context: Context) -> pb.EvictResponse:
         pools = None
         if request.HasField("layout"):
             pool = self.registry.get(layout_from_proto(request.layout))
@@ -352,13 +308,13 @@ class KvTierServicer(kvtier_pb2_grpc.KvTierServicer):
         return pb.EvictResponse(num_t0_blocks=counts.t0, num_t1_blocks=counts.t1, num_t2_blocks=counts.t2,
                                 num_t0_held_blocks=counts.t0_held)
 
-    async def Drain(self, request: pb.DrainRequest, context) -> pb.DrainResponse:
+    async def Drain(self, request: pb.DrainRequest, context: Context) -> pb.DrainResponse:
         draining = self.operations.drain(current_tenant(), request.resume)
         if self._on_drain is not None:
             await self._on_drain(draining)
         return pb.DrainResponse(draining=draining, num_sessions=len(self.sessions))
 
-    async def Events(self, request: pb.EventsRequest, context):
+    async def Events(self, request: pb.EventsRequest, context: Context) -> AsyncIterator[pb.Event]:
         layout = layout_from_proto(request.layout) if request.HasField("layout") else None
         resume = request.resume_after_seq if request.HasField("resume_after_seq") else None
         subscription = self.feed.subscribe(current_tenant(), layout, resume, request.feed_id)
@@ -373,30 +329,3 @@ class KvTierServicer(kvtier_pb2_grpc.KvTierServicer):
     async def _pool(self, layout: Layout) -> LayoutPool:
         pool = self.registry.get(layout)
         return pool if pool is not None else await asyncio.to_thread(self.registry.get_or_create, layout)
-
-
-async def _off_loop_owned(work: Callable[[], object], undo: Callable[[object], None]):
-    """`work()` on a thread (it may wait on the shared store). When the call is cancelled while
-    it runs, `undo(result)` gives back what it took once it returns, on that thread."""
-    future = asyncio.get_running_loop().run_in_executor(None, work)
-    try:
-        return await asyncio.shield(future)
-    except asyncio.CancelledError:
-        def give_back(done: asyncio.Future) -> None:
-            if not done.cancelled() and done.exception() is None:
-                asyncio.get_running_loop().run_in_executor(None, undo, done.result())
-
-        future.add_done_callback(give_back)
-        raise
-
-
-def _encode_payloads(hashes: list[bytes], start: int, payloads: list[memoryview]) -> list[bytes]:
-    """GetResponses of blocks `start`, `start + 1`, ... from their bytes (block_frames.py)."""
-    return [encode_get_response(hashes[start + i], payload) for i, payload in enumerate(payloads)]
-
-
-def _encode_blocks(get: BlockGet, hashes: list[bytes], start: int, stop: int) -> list[bytes]:
-    """GetResponses of the request's blocks from `start` on, a batch of them, before `stop`
-    (block_frames.py)."""
-    return [encode_get_response(hashes[i], get.block_bytes(i))
-            for i in range(start, min(start + GET_BATCH_BLOCKS, stop))]

@@ -3,10 +3,13 @@
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
+from typing import TypeVar
+
+T = TypeVar("T")
 
 
-async def items_until(next_item: Callable[[], Awaitable], stop: asyncio.Event):
+async def items_until(next_item: Callable[[], Awaitable[T]], stop: asyncio.Event) -> AsyncIterator[T]:
     """The items `await next_item()` gives, until it raises StopAsyncIteration or `stop` is set.
 
     Each `next_item()` runs as a task beside `stop.wait()`. A task left behind (stop set, or this

@@ -27,7 +27,7 @@ _CUDA_ERROR_MEMORY_ALLOCATION = 2  # cudaErrorMemoryAllocation in the CUDA runti
 
 def _import_cupy() -> Any:
     try:
-        import cupy
+        import cupy  # pyright: ignore[reportMissingImports]  # the optional [cuda] extra
     except ImportError as e:
         raise FailedPrecondition(
             "the CUDA device pool needs CuPy: pip install 'kvtierd[cuda]' "
@@ -121,13 +121,13 @@ class CudaDevicePool(DevicePool):
     def attach(cls, handle: PoolHandle) -> CudaDevicePool:
         if handle.kind != "cuda_ipc":
             raise InvalidArgument(f"CudaDevicePool cannot attach a {handle.kind!r} handle")
-        _check_attachable(handle)
+        device_index = _check_attachable(handle)
         cupy = _import_cupy()
         runtime = cupy.cuda.runtime
-        with cupy.cuda.Device(handle.device_index):
+        with cupy.cuda.Device(device_index):
             ptr = runtime.ipcOpenMemHandle(handle.ipc_handle,
                                            runtime.cudaIpcMemLazyEnablePeerAccess)
-            memory = _DeviceMemory(ptr, handle.nbytes, handle.device_index,
+            memory = _DeviceMemory(ptr, handle.nbytes, device_index,
                                    runtime.ipcCloseMemHandle)
             tensor = _as_pool_tensor(cupy, memory, handle.layout, handle.num_blocks)
         return cls(handle.layout, handle.num_blocks, tensor, handle, memory, is_creator=False)
@@ -157,12 +157,12 @@ class CudaDevicePool(DevicePool):
 
         if handle.kind != "cuda_fd":
             raise InvalidArgument(f"CudaDevicePool.attach_fd cannot map a {handle.kind!r} handle")
-        _check_attachable(handle)
+        device_index = _check_attachable(handle)
         cupy = _import_cupy()
-        with cupy.cuda.Device(handle.device_index), torch.cuda.device(handle.device_index):
-            torch.cuda.synchronize(handle.device_index)
-            mapping = cuda_vmm.import_fd(fd, handle.nbytes, handle.device_index)
-            memory = _DeviceMemory(mapping.ptr, handle.nbytes, handle.device_index, lambda _ptr: mapping.release())
+        with cupy.cuda.Device(device_index), torch.cuda.device(device_index):
+            torch.cuda.synchronize(device_index)
+            mapping = cuda_vmm.import_fd(fd, handle.nbytes, device_index)
+            memory = _DeviceMemory(mapping.ptr, handle.nbytes, device_index, lambda _ptr: mapping.release())
             tensor = _as_pool_tensor(cupy, memory, handle.layout, handle.num_blocks)
         return cls(handle.layout, handle.num_blocks, tensor, handle, memory, is_creator=False)
 
@@ -181,10 +181,13 @@ class CudaDevicePool(DevicePool):
         self._memory = None  # released once the last view of it is gone
 
 
-def _check_attachable(handle: PoolHandle) -> None:
+def _check_attachable(handle: PoolHandle) -> int:
+    """The device index of a CUDA pool handle, if this process can map it there."""
+    assert handle.device_index is not None, "PoolHandle checks that a CUDA handle names its device"
     if not torch.cuda.is_available():
         raise FailedPrecondition(f"a {handle.kind} pool handle needs CUDA in this process")
     if handle.device_index >= torch.cuda.device_count():
         raise FailedPrecondition(
             f"the pool is on cuda:{handle.device_index}; this process sees "
             f"{torch.cuda.device_count()} device(s) (CUDA_VISIBLE_DEVICES differs?)")
+    return handle.device_index

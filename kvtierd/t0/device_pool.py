@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import abc
 import operator
+from typing import SupportsIndex, cast
 
 import numpy as np
 import torch
@@ -30,7 +31,7 @@ def _check_index(value: object, limit: int, what: str) -> int:
     if isinstance(value, bool):
         raise InvalidArgument(f"{what} must be an integer, got {value!r}")
     try:
-        index = operator.index(value)
+        index = operator.index(cast(SupportsIndex, value))  # TypeError, caught, where it has no __index__
     except TypeError:
         raise InvalidArgument(f"{what} must be an integer, got {value!r}") from None
     if not 0 <= index < limit:

@@ -18,6 +18,7 @@ class ShmDevicePool(DevicePool):
     """
 
     def __init__(self, layout: Layout, num_blocks: int, segment: ShmSegment, handle: PoolHandle) -> None:
+        assert segment.flat is not None, "a segment just created or attached is open"
         tensor = segment.flat.view(layout.torch_dtype).view(num_blocks, *layout.block_shape)
         super().__init__(layout, num_blocks, tensor, handle)
         self.segment = segment
@@ -36,6 +37,7 @@ class ShmDevicePool(DevicePool):
     def attach(cls, handle: PoolHandle) -> ShmDevicePool:
         if handle.kind != "shm":
             raise InvalidArgument(f"ShmDevicePool cannot attach a {handle.kind!r} handle")
+        assert handle.name is not None, "PoolHandle checks that an shm handle names its segment"
         return cls(handle.layout, handle.num_blocks, ShmSegment.attach(handle.name, handle.nbytes), handle)
 
     @classmethod
@@ -44,6 +46,7 @@ class ShmDevicePool(DevicePool):
         opened, so this works for another uid than the creator's. `fd` stays the caller's to close."""
         if handle.kind != "shm":
             raise InvalidArgument(f"ShmDevicePool cannot attach a {handle.kind!r} handle")
+        assert handle.name is not None, "PoolHandle checks that an shm handle names its segment"
         return cls(handle.layout, handle.num_blocks, ShmSegment.from_fd(fd, handle.nbytes, handle.name), handle)
 
     @property

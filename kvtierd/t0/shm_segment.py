@@ -69,7 +69,10 @@ class ShmSegment:
         self.flat: torch.Tensor | None = flat  # None once closed
         self.is_creator = is_creator
         self.fd = fd  # the creator's descriptor, passed to attachers; None for attachers and once closed
-        self._unlinker = weakref.finalize(self, _unlink, self.path, fd, os.getpid()) if is_creator else None
+        self._unlinker: weakref.finalize | None = None
+        if is_creator:
+            assert fd is not None, "the creator holds its segment's descriptor"
+            self._unlinker = weakref.finalize(self, _unlink, self.path, fd, os.getpid())
 
     @classmethod
     def create(cls, nbytes: int, name: str | None = None, what: str = "segment") -> ShmSegment:

@@ -44,11 +44,12 @@ class HostSlab:
         nbytes = max(num_slots * self.stride, ALIGNMENT_BYTES)  # an empty tier still maps one page
         self.segment = ShmSegment.create(nbytes, name or default_segment_name("host"), what="host tier")
         flat = self.segment.flat
+        assert flat is not None, "just created"
         self.pinned = torch.cuda.is_available() if pin is None else pin
         if self.pinned:
             _first_touch(flat, num_touch_threads)
             _cuda_host_register(flat)
-        self.slots = flat[:num_slots * self.stride].view(num_slots, self.stride)[:, :slot_nbytes]
+        self.slots: torch.Tensor | None = flat[:num_slots * self.stride].view(num_slots, self.stride)[:, :slot_nbytes]
 
     @property
     def nbytes(self) -> int:
@@ -72,10 +73,13 @@ def _first_touch(flat: torch.Tensor, num_threads: int) -> None:
 
 def _cuda_host_register(flat: torch.Tensor) -> None:
     cudart = torch.cuda.cudart()
+    assert cudart is not None, "pinned only where CUDA is available"
     error = cudart.cudaHostRegister(flat.data_ptr(), flat.numel(), 0)
     if int(error) != 0:
         raise RuntimeError(f"cudaHostRegister of {flat.numel()} bytes failed with CUDA error {int(error)}")
 
 
 def _cuda_host_unregister(flat: torch.Tensor) -> None:
-    torch.cuda.cudart().cudaHostUnregister(flat.data_ptr())
+    cudart = torch.cuda.cudart()
+    assert cudart is not None, "pinned only where CUDA is available"
+    cudart.cudaHostUnregister(flat.data_ptr())

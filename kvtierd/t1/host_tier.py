@@ -30,7 +30,9 @@ class HostTier:
     @property
     def slots(self) -> torch.Tensor:
         """uint8 `[num_slots, slot_nbytes]`, one row a block."""
-        return self.slab.slots
+        slots = self.slab.slots
+        assert slots is not None, "the host tier is closed"
+        return slots
 
     @property
     def capacity_bytes(self) -> int:
@@ -47,7 +49,7 @@ class HostTier:
     def take_events(self) -> list[IndexEvent]:
         return self.index.take_events()
 
-    def set_owner_quota(self, owner_of, limit_bytes) -> None:
+    def set_owner_quota(self, owner_of: Callable[[bytes], bytes], limit_bytes: Callable[[bytes], int | None]) -> None:
         """Per-owner byte limits (None = none), enforced in slots; see SlotIndex.set_owner_quota."""
         self.index.set_owner_quota(owner_of, lambda owner: slots_within(limit_bytes(owner), self.slab.stride))
 

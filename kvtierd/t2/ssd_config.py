@@ -11,6 +11,7 @@ import fcntl
 import os
 import resource
 from collections.abc import Mapping
+from typing import TYPE_CHECKING
 
 import lmdb
 
@@ -18,6 +19,9 @@ from kvtierd.config_checks import require_choice
 from kvtierd.errors import FailedPrecondition, InvalidArgument
 from kvtierd.movers.codec_names import CODEC_NAMES
 from kvtierd.t2.ssd_files import DISK_FULL_ERRNOS
+
+if TYPE_CHECKING:
+    from kvtierd.t2.node_budget import NodeBudget
 from kvtierd.units import GiB
 
 LOCK_FILE_NAME = "kvtierd-ssd.lock"
@@ -53,7 +57,7 @@ class SsdConfig:
         """T2 is on: a directory and a budget."""
         return bool(self.directory and self.capacity_bytes)
 
-    def tier_config(self, layout_key: str, node_budget: object | None = None) -> SsdTierConfig:
+    def tier_config(self, layout_key: str, node_budget: NodeBudget | None = None) -> SsdTierConfig:
         """One layout's tier: its own directory under this one, the node's budget shared."""
         return SsdTierConfig([os.path.join(self.directory, layout_key)], self.capacity_bytes,
                              durability=self.durability, o_direct=self.o_direct, node_budget=node_budget)
@@ -71,9 +75,9 @@ class SsdTierConfig:
     high_watermark: float = 0.95  # after a store, used bytes above high * capacity are evicted ...
     low_watermark: float = 0.85  # ... down to low * capacity, least recently used first
     lmdb_map_bytes: int = 1 << 30
-    # The node's disk budget (kvtierd.t2.node_budget.NodeBudget) shared with other layouts' tiers:
-    # the files grow only by what it grants. None: the tier's own budget of capacity_bytes.
-    node_budget: object | None = None
+    # The node's disk budget shared with other layouts' tiers: the files grow only by what it
+    # grants. None: the tier's own budget of capacity_bytes.
+    node_budget: NodeBudget | None = None
 
     def __post_init__(self) -> None:
         if not self.directories:

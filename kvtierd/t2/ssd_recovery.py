@@ -34,7 +34,9 @@ def recover_records(db: SsdIndex, files: SlotFiles, layout_id: int, slot_nbytes:
     records, dropped = db.scan(keep)
     by_slot: dict[int, list[Record]] = {}
     for record in records:
-        by_slot.setdefault(files.global_slot(record.file_index, record.local_slot), []).append(record)
+        slot = files.global_slot(record.file_index, record.local_slot)
+        assert slot is not None, "keep() took only records on a slot of the files"
+        by_slot.setdefault(slot, []).append(record)
     dropped += [r.block_hash for group in by_slot.values() if len(group) > 1 for r in group]
     alone = {slot: group[0] for slot, group in by_slot.items() if len(group) == 1}
     return RecoveredRecords([(BlockMeta(r.block_hash, r.parent_hash, r.token_ids), slot, r.last_use_s)

@@ -31,7 +31,8 @@ import logging
 import os
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from typing import Literal, TypeVar, cast
 
 import lmdb
 import numpy as np
@@ -46,13 +47,15 @@ from kvtierd.layout import Layout
 from kvtierd.t2.node_budget import NodeBudget, truncating_shed
 from kvtierd.t2.ssd_config import SsdTierConfig, describe_error, lock_directory
 from kvtierd.t2.ssd_extent import ExtentSlotIndex
-from kvtierd.t2.ssd_files import SlotFiles
+from kvtierd.t2.ssd_files import Run, SlotFiles
 from kvtierd.t2.ssd_growth import SsdGrowth, take_budget
 from kvtierd.t2.ssd_index import Record, SsdIndex
 from kvtierd.t2.ssd_recovery import recover_records
 from kvtierd.t2.ssd_stats import SsdStats
 
 log = logging.getLogger(__name__)
+T = TypeVar("T")
+BlockBytes = torch.Tensor | bytes | bytearray | memoryview  # a block's bytes as `store` takes them
 
 INDEX_RESERVE_BYTES = 1 << 20  # left free beside the index when the disk cannot hold the capacity
 
@@ -117,22 +120,22 @@ class SsdTier:
             self._reason = "disk: no slots (capacity below one slot)"
         self._pool = concurrent.futures.ThreadPoolExecutor(config.num_io_threads, thread_name_prefix="kvtierd-ssd-io")
         if self._db is not None:
-            self._recover()
+            self._recover(self._db)
         self._budget.register(self._budget_key, self._shed)  # from now on others may ask it to give back
 
     # ------------------------------------------------------------------------------ open
 
-    def _recover(self) -> None:
+    def _recover(self, db: SsdIndex) -> None:
         paths = [f.path for f in self._files.files]
-        stored_paths = self._db.files()
-        found = recover_records(self._db, self._files, self._layout_id, self.slot_nbytes,
+        stored_paths = db.files()
+        found = recover_records(db, self._files, self._layout_id, self.slot_nbytes,
                                 paths if stored_paths is None else stored_paths)
         self.num_dropped_on_open = len(found.dropped)
         with self._write_lock:
             self._commit_index("recovery", deletes=found.dropped)  # on failure: pending, not admitting
         if stored_paths != paths:  # after the deletes: records left name the same files in both lists
             try:
-                self._db.set_files(paths)
+                db.set_files(paths)
             except lmdb.Error as error:
                 self._stop_admitting(error, "recovery")
         self._index.restore(found.restored)
@@ -164,7 +167,7 @@ class SsdTier:
     def take_events(self) -> list[IndexEvent]:
         return self._index.take_events()
 
-    def set_owner_quota(self, owner_of, limit_bytes) -> None:
+    def set_owner_quota(self, owner_of: Callable[[bytes], bytes], limit_bytes: Callable[[bytes], int | None]) -> None:
         """Per-owner byte limits (None = none), enforced in slots; see SlotIndex.set_owner_quota."""
         self._index.set_owner_quota(owner_of, lambda owner: slots_within(limit_bytes(owner), self.stride))
 
@@ -189,7 +192,7 @@ class SsdTier:
 
     # ------------------------------------------------------------------------------ stores
 
-    def store(self, items: Sequence[tuple[BlockMeta, object]]) -> int:
+    def store(self, items: Sequence[tuple[BlockMeta, BlockBytes]]) -> int:
         """Store blocks not already here; returns how many were stored (0 when not admitting or
         on a write error, which stops admission). Raises only for malformed items. The slot
         index's two phases run inside this call, each committing LMDB in the order (a)-(e) above
@@ -247,7 +250,7 @@ class SsdTier:
         except FailedPrecondition:  # closed (_operation); nothing inside raises it
             return 0
 
-    def _write_run(self, run, entries, sources) -> list[tuple[int, int]]:
+    def _write_run(self, run: Run, entries: list[SlotEntry], sources: list[memoryview]) -> list[tuple[int, int]]:
         self._files.write_run(run, sources)
         return [(p, xxhash.xxh3_64_intdigest(sources[p])) for p in run.positions]
 
@@ -280,7 +283,7 @@ class SsdTier:
             if not entries:
                 return 0
             try:
-                destinations = [memoryview(rows[i].numpy()) for i in range(len(entries))]
+                destinations = [rows[i].numpy().data for i in range(len(entries))]
                 results = self._run_all(self._load_run, entries, destinations)
             finally:
                 self._index.unpin(entries)
@@ -292,7 +295,8 @@ class SsdTier:
                     self._touched[entry.block_hash] = entry.last_use_s
             return num_loaded
 
-    def _load_run(self, run, entries, destinations) -> list[tuple[int, bool | str]]:
+    def _load_run(self, run: Run, entries: list[SlotEntry],
+                  destinations: list[memoryview]) -> list[tuple[int, Literal[True] | str]]:
         try:
             views = self._files.read_run(run, destinations)
             failure = "corrupt"  # a short read (view None) or a checksum mismatch
@@ -371,19 +375,21 @@ class SsdTier:
                 self._num_in_flight -= 1
                 self._state.notify_all()
 
-    def _run_all(self, task, entries: list[SlotEntry], buffers: list[memoryview]) -> list:
+    def _run_all(self, task: Callable[[Run, list[SlotEntry], list[memoryview]], list[tuple[int, T]]],
+                 entries: list[SlotEntry], buffers: list[memoryview]) -> list[T]:
         """Run `task(run, entries, buffers)` per run on the I/O threads; wait for every one before
         returning or raising (a slot must not be freed while a write to it is in flight)."""
         runs = self._files.plan_runs([e.slot for e in entries])
         futures = [self._pool.submit(task, run, entries, buffers) for run in runs]
         concurrent.futures.wait(futures)
-        results: list = [None] * len(entries)
+        results = cast("list[T]", [None] * len(entries))  # each position is set below, or this raises
         for future in futures:
             for position, value in future.result():  # re-raises the first failure
                 results[position] = value
         return results
 
-    def _commit_index(self, where: str, deletes=(), puts=(), last_uses=None) -> bool:
+    def _commit_index(self, where: str, deletes: Iterable[bytes] = (), puts: Sequence[Record] = (),
+                      last_uses: Mapping[bytes, float] | None = None) -> bool:
         """One LMDB transaction, pending deletes included; the caller holds _write_lock."""
         deletes = self._pending_deletes.union(deletes)
         if not deletes and not puts and not last_uses:
@@ -408,7 +414,8 @@ class SsdTier:
         if was_admitting:
             log.error("SSD tier: %s", self._reason)
 
-    def _check_items(self, items) -> tuple[list[BlockMeta], dict[bytes, memoryview]]:
+    def _check_items(self,
+                     items: Sequence[tuple[BlockMeta, BlockBytes]]) -> tuple[list[BlockMeta], dict[bytes, memoryview]]:
         metas, sources = [], {}
         for meta, data in items:
             if not isinstance(meta, BlockMeta):
@@ -416,7 +423,7 @@ class SsdTier:
             if isinstance(data, torch.Tensor):
                 if data.dtype != torch.uint8 or data.device.type != "cpu":
                     raise InvalidArgument("a block tensor must be a CPU uint8 tensor")
-                view = memoryview(data.contiguous().view(-1).numpy())
+                view = data.contiguous().view(-1).numpy().data
             else:
                 try:
                     view = memoryview(data).cast("B")

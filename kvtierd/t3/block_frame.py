@@ -97,7 +97,7 @@ class Frame:
     payload: memoryview
 
 
-def read_frame(value: bytes | None, digest: bytes, block_hash: bytes, parent_hash: bytes | None,
+def read_frame(value: bytes | memoryview | None, digest: bytes, block_hash: bytes, parent_hash: bytes | None,
                payload_nbytes: int, token_ids: bytes | None = None) -> Frame:
     """Verify `value` as the block `block_hash` after `parent_hash` in the layout `digest`, with
     `payload_nbytes` of payload (and `parent_hash`, `token_ids`, when the caller knows them).

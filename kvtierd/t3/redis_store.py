@@ -26,20 +26,23 @@ import logging
 import threading
 from binascii import crc_hqx
 from collections.abc import Callable, Sequence
+from typing import Any
 
 import redis
 from redis.backoff import NoBackoff
 from redis.crc import REDIS_CLUSTER_HASH_SLOTS
+from redis.exceptions import AskError, ClusterDownError, NoPermissionError
 from redis.retry import Retry
 
 from kvtierd.t3.block_frame import FrameValue
 from kvtierd.t3.circuit_breaker import BreakerState, CircuitBreaker
-from kvtierd.t3.redis_connections import CONNECTION, HIREDIS, TLS_CONNECTION, read_replies
+from kvtierd.t3.redis_connections import CONNECTION, HIREDIS, TLS_CONNECTION, BulkReader, read_replies
 from kvtierd.t3.remote_config import RemoteConfig
 
 log = logging.getLogger(__name__)
 Address = tuple[str, int]
 _EXISTS = b"*2\r\n$6\r\nEXISTS\r\n$%d\r\n%s\r\n"  # one EXISTS in RESP, packed by hand
+_GET = b"*2\r\n$3\r\nGET\r\n$%d\r\n%s\r\n"
 _SMALL = 1 << 14  # a value below this is joined into the write before it
 
 
@@ -91,10 +94,31 @@ class RedisStore:
 
     # ----------------------------------------------------------------------------- the three calls
 
-    def get(self, keys: Sequence[bytes]) -> list[bytes | None]:
-        """Each key's value, None for a miss (absent, or its node failed or is open)."""
-        return self._each_node(keys, lambda pipe, key: pipe.get(key), lambda reply: reply
-                               if isinstance(reply, bytes) else None, None)
+    def get(self, keys: Sequence[bytes]) -> list[memoryview | None]:
+        """Each key's value (a view of a buffer it was received straight into: BulkReader), None for a
+        miss (absent, or its node failed or is open). Each node's GETs go out in one write, the
+        nodes in parallel."""
+        values: list[memoryview | None] = [None] * len(keys)
+
+        def run(node: StoreNode, positions: list[int]) -> None:
+            connection = self._send(node, [b"".join(_GET % (len(keys[i]), keys[i]) for i in positions)])
+            if connection is None:
+                return
+            try:
+                replies = BulkReader(connection).read(len(positions))
+            except (redis.RedisError, OSError) as e:
+                connection.disconnect()
+                self._node_failed(node, e)
+                return
+            finally:
+                node.client.connection_pool.release(connection)
+            for i, reply in zip(positions, replies):
+                if isinstance(reply, memoryview):
+                    values[i] = reply
+            self._replied(node, [reply for reply in replies if isinstance(reply, redis.RedisError)])
+
+        self._on_each_node(self._group(keys), run)
+        return values
 
     def exists(self, keys: Sequence[bytes]) -> list[bool]:
         """Is each key present? Every node's EXISTS go out packed in one write before any reply
@@ -238,32 +262,6 @@ class RedisStore:
 
     # ----------------------------------------------------------------------------- routing
 
-    def _each_node(self, keys: Sequence[bytes], command: Callable, parse: Callable, failed):
-        """Run `command(pipe, key)` for every key, one pipeline per owning node; `parse` each
-        reply; a key whose node gave no reply gets `failed`."""
-        results = [failed] * len(keys)
-        groups = self._group(keys)
-
-        def run(node: StoreNode, positions: list[int]) -> None:
-            pipe = node.client.pipeline(transaction=False)
-            for position in positions:
-                command(pipe, keys[position])
-            try:
-                replies = pipe.execute(raise_on_error=False)
-            except (redis.RedisError, OSError) as e:
-                self._node_failed(node, e)
-                return
-            errors = []
-            for position, reply in zip(positions, replies):
-                if isinstance(reply, (redis.ResponseError, redis.AuthenticationError)):
-                    errors.append(reply)
-                else:
-                    results[position] = parse(reply)
-            self._replied(node, errors)
-
-        self._on_each_node(groups, run)
-        return results
-
     def _on_each_node(self, groups: dict[StoreNode, list[int]], run: Callable) -> None:
         """`run(node, positions)` for every node whose breaker allows a call, the nodes in parallel."""
         groups = {node: positions for node, positions in groups.items() if node.breaker.allow()}
@@ -279,7 +277,8 @@ class RedisStore:
         if slot_nodes is None:
             return {}
         if self.mode == "single":
-            return {slot_nodes[0]: list(range(len(keys)))}
+            node = slot_nodes[0]
+            return {node: list(range(len(keys)))} if node is not None else {}
         groups: dict[StoreNode, list[int]] = {}
         # key_slot(key) without its hash-tag search: our keys have none (RemoteConfig, RemoteTier.key)
         owners = [slot_nodes[crc_hqx(key, 0) & (REDIS_CLUSTER_HASH_SLOTS - 1)] for key in keys]
@@ -342,7 +341,7 @@ class RedisStore:
                 continue
             self.mode = "cluster"
             table: list[StoreNode | None] = [None] * REDIS_CLUSTER_HASH_SLOTS
-            for first, last, master, *_ in ranges:
+            for first, last, master, *_ in ranges or ():
                 host = master[0].decode() if isinstance(master[0], bytes) else master[0]
                 owner = self._node((host or address[0], int(master[1])))
                 table[first:last + 1] = [owner] * (last - first + 1)
@@ -359,7 +358,7 @@ class RedisStore:
 
     def _client(self, address: Address) -> redis.Redis:
         config = self.config
-        options = dict(host=address[0], port=address[1], username=config.username or None,
+        options: dict[str, Any] = dict(host=address[0], port=address[1], username=config.username or None,
                        password=config.password or None, socket_timeout=config.timeout_s,
                        socket_connect_timeout=config.timeout_s, retry=Retry(NoBackoff(), 0),
                        socket_read_size=1 << 20)
@@ -371,7 +370,7 @@ class RedisStore:
 
     def _failed(self, where: str, error: BaseException) -> tuple[str, bool]:
         """Count a failed call; (why it failed, whether the store refused the credentials)."""
-        refused = isinstance(error, (redis.AuthenticationError, redis.exceptions.NoPermissionError))
+        refused = isinstance(error, (redis.AuthenticationError, NoPermissionError))
         why = f"credentials refused ({error})" if refused else (str(error) or type(error).__name__)
         failure = (f"{where}: {why}", refused)
         with self._lock:
@@ -392,10 +391,10 @@ class RedisStore:
         """A pipeline came back; `errors` are its error replies. One call is one success or one
         failure for the node's breaker, however many keys it carried."""
         # By class: redis-py strips the reply's code ("MOVED 3999 host:port" is MovedError("3999 host:port")).
-        if any(isinstance(e, (redis.exceptions.AskError, redis.exceptions.ClusterDownError)) for e in errors):
+        if any(isinstance(e, (AskError, ClusterDownError)) for e in errors):
             with self._lock:  # MOVED is an AskError
                 self._slot_nodes = None  # read the slot table again on the next call
-        denied = [e for e in errors if isinstance(e, (redis.exceptions.NoPermissionError, redis.AuthenticationError))]
+        denied = [e for e in errors if isinstance(e, (NoPermissionError, redis.AuthenticationError))]
         if denied:  # NOPERM, NOAUTH: a credential problem fails the node like a dead one
             self._node_failed(node, denied[0])
         else:

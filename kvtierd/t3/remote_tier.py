@@ -158,7 +158,8 @@ class RemoteTier:
             for key in keys[:len(metas)]:
                 self._remember(key)
         if counted:
-            self.count_reads(len(metas), len(block_hashes) - len(metas), sum(len(v) for v in values[:len(metas)]))
+            self.count_reads(len(metas), len(block_hashes) - len(metas),
+                             sum(len(v) for v in values[:len(metas)] if v is not None))
         return metas, payloads
 
     def count_reads(self, num_hit_blocks: int, num_miss_blocks: int, num_read_bytes: int) -> None:
@@ -184,10 +185,11 @@ class RemoteTier:
                 self._remember(key)
         items = []
         for i, meta, key in fresh:
-            payload = rows[i].numpy() if isinstance(rows[i], torch.Tensor) else rows[i]
-            assert memoryview(payload).nbytes == self.slot_nbytes
+            row = rows[i]
+            payload = row.numpy().data if isinstance(row, torch.Tensor) else memoryview(row).cast("B")
+            assert payload.nbytes == self.slot_nbytes
             items.append((key, frame_value(self.digest, meta.block_hash, meta.parent_hash, meta.token_ids,
-                                           bytes(memoryview(payload).cast("B")) if copy else payload)))
+                                           bytes(payload) if copy else payload)))
         return self.writes.offer(items)
 
     def _write(self, items: list[tuple[bytes, FrameValue]]) -> list[bool]:

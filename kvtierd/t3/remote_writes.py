@@ -12,14 +12,16 @@ from __future__ import annotations
 import collections
 import logging
 import threading
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Sequence, Sized
+from typing import Generic, TypeVar
 
 log = logging.getLogger(__name__)
+FrameT = TypeVar("FrameT", bound=Sized)  # what is written under a key: its len() is its bytes
 
 
-class RemoteWrites:
-    def __init__(self, write: Callable[[list[tuple[bytes, bytes]]], list[bool]], max_backlog_bytes: int,
-                 on_written: Callable[[list[tuple[bytes, bytes]], list[bool]], None],
+class RemoteWrites(Generic[FrameT]):
+    def __init__(self, write: Callable[[list[tuple[bytes, FrameT]]], list[bool]], max_backlog_bytes: int,
+                 on_written: Callable[[list[tuple[bytes, FrameT]], list[bool]], None],
                  batch_bytes: int = 64 << 20, on_dropped: Callable[[list[bytes]], None] = lambda keys: None) -> None:
         """`on_dropped(keys)`: told (on the offering thread) which keys `offer` dropped."""
         self.max_backlog_bytes = max_backlog_bytes
@@ -27,7 +29,7 @@ class RemoteWrites:
         self.batch_bytes = batch_bytes
         self._write = write
         self._on_written = on_written
-        self._queue: collections.deque[tuple[bytes, bytes]] = collections.deque()
+        self._queue: collections.deque[tuple[bytes, FrameT]] = collections.deque()
         self._cond = threading.Condition()
         self.backlog_bytes = 0  # queued + in flight; guarded by _cond
         self._num_in_flight = 0
@@ -36,7 +38,7 @@ class RemoteWrites:
         self._thread = threading.Thread(target=self._run, name="kvtierd-t3-writer", daemon=True)
         self._thread.start()
 
-    def offer(self, items: Sequence[tuple[bytes, bytes]]) -> int:
+    def offer(self, items: Sequence[tuple[bytes, FrameT]]) -> int:
         """Queue (key, frame) pairs (a frame: anything with a len(), in bytes); returns how many were
         queued (the rest were dropped)."""
         num_queued = 0

@@ -5,7 +5,8 @@ Both run on a private request of the tier manager's block index, so the blocks t
 held (neither evicted nor reused) while they write or read. Both are blocking — they write
 bytes, wait for write-backs and promotions — so the daemon calls them off its event loop. Keys
 are the daemon's keys (tenant tag + client hash, node/tenants.py); the caller checks quotas
-through `admit(num_blocks)`, which raises to refuse.
+through `admit(num_blocks)`, which raises to refuse. Neither knows the tier manager: it hands them
+the tiers and movers they use, and the steps of its own they take (commit, release).
 
 Both count in the hit-rate counters as Acquire does: every block asked for is a query block,
 and a block served by T0, T1 or T2 a hit of that tier (a Put's block already in T0 is a T0 hit).
@@ -18,11 +19,18 @@ import dataclasses
 from collections.abc import Callable, Sequence
 
 from kvtierd.errors import InvalidArgument
+from kvtierd.index.block_index import RequestId
 from kvtierd.index.slot_entry import BlockMeta
-from kvtierd.tiering.promotion import AcquiredBlocks
+from kvtierd.tier import Tier
+from kvtierd.tiering.offload import Offloader
+from kvtierd.tiering.promotion import AcquiredBlocks, Promoter
 from kvtierd.tiering.remote_stream import RemoteStream
+from kvtierd.tiering.tiers import Tiers
 
 Admit = Callable[[int], None]  # called with a number of T0 blocks before they are taken; raises to refuse
+# (request, start position, keys, packed token ids, parent key) -> how many of the blocks the request holds
+CommitBlocks = Callable[[RequestId, int, list[bytes], bytes, bytes], int]
+Release = Callable[[RequestId], None]  # free a request's blocks, after any promotion into them
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -39,16 +47,19 @@ class BlockPut:
     stream has ended well (`commit`), then released (`close`): cached, and offloaded by policy like
     any block. A Put that fails midway commits nothing.
 
-    `parent` is the key before the first block (the tenant's root, or the given parent's key)."""
+    `parent` is the key before the first block (the tenant's root, or the given parent's key);
+    `commit_blocks` commits written blocks and starts them down by policy (TierManager.commit)."""
 
-    def __init__(self, manager, request_id, parent: bytes) -> None:
-        self.manager, self.request_id, self.parent = manager, request_id, parent
+    def __init__(self, tiers: Tiers, offloader: Offloader, request_id: RequestId, parent: bytes,
+                 commit_blocks: CommitBlocks) -> None:
+        self.tiers, self.offloader, self.request_id, self.parent = tiers, offloader, request_id, parent
+        self._commit_blocks = commit_blocks
         self.commits: list[tuple[int, list[bytes], bytes, bytes]] = []  # (position, keys, tokens, parent)
         self.num_blocks = self.num_already_cached = self.num_held_blocks = 0
 
     def check(self, block: PutBlock) -> None:
         """InvalidArgument for a block of the wrong size, before anything is written."""
-        layout = self.manager.tiers.layout
+        layout = self.tiers.layout
         if len(block.token_ids) != 4 * layout.block_size:
             raise InvalidArgument(f"a block holds {layout.block_size} tokens (u32), got {len(block.token_ids)} bytes")
         if block.data.nbytes != layout.bytes_per_block:
@@ -59,7 +70,7 @@ class BlockPut:
         Returns how many blocks the request took for it."""
         if not batch:
             return 0
-        tiers = self.manager.tiers
+        tiers = self.tiers
         keys = [block.key for block in batch]
         tokens = b"".join(block.token_ids for block in batch)
         admit(len(batch))
@@ -69,10 +80,10 @@ class BlockPut:
             block_ids, num_hits = allocation.block_ids, allocation.num_hit_blocks
         else:
             block_ids, num_hits = tiers.index.append_blocks(self.request_id, len(batch)), 0
-            self.manager.count_query(len(batch) * tiers.layout.block_size)
+            tiers.index.count_query(len(batch) * tiers.layout.block_size)
         self.num_held_blocks += len(block_ids)
-        tiers.counters.add("num_query_blocks", len(batch))
-        tiers.counters.add("num_hit_blocks", num_hits, "t0")
+        tiers.counters.count_queries(len(batch))
+        tiers.counters.count_hits(Tier.T0, num_hits)
         landed = tiers.write_backs.when_landed(block_ids[num_hits:])
         if landed is not None:  # blocks just evicted: their old bytes are still being copied down
             landed.result()
@@ -83,7 +94,7 @@ class BlockPut:
             parent = keys[num_hits - 1] if num_hits else self.parent
             self.commits.append((start + num_hits, keys[num_hits:], tokens[num_hits * stride:], parent))
             parents = [parent, *keys[num_hits:-1]]
-            self.manager.offloader.offer_received_to_t3(
+            self.offloader.offer_received_to_t3(
                 [BlockMeta(b.key, p, b.token_ids) for b, p in zip(batch[num_hits:], parents)],
                 [b.data for b in batch[num_hits:]])
         self.num_already_cached += num_hits
@@ -95,14 +106,14 @@ class BlockPut:
         """Make every written block shareable; a block another request committed meanwhile counts
         as already cached."""
         for position, keys, tokens, parent in self.commits:
-            num_held = self.manager.commit(self.request_id, position, keys, tokens, parent)
+            num_held = self._commit_blocks(self.request_id, position, keys, tokens, parent)
             self.num_already_cached += len(keys) - num_held
         self.commits = []
 
     def close(self) -> None:
-        """Release the request's blocks (idempotent)."""
+        """Release the request's blocks (idempotent; a Put's request has no promotion to wait for)."""
         if self.num_held_blocks:
-            self.manager.release(self.request_id)
+            self.tiers.index.free(self.request_id)
             self.num_held_blocks = 0
 
 
@@ -110,41 +121,43 @@ class BlockGet:
     """One Get: the leading blocks of a chain found in any tier. The blocks in T0, T1 or T2 are
     promoted into T0 blocks of the request, read (`block_bytes`) while it holds them, released
     by `close`; the blocks after them that only T3 holds are streamed from the store as they
-    land (`remote`, remote_stream.py) when T3 keeps raw blocks, else promoted with the rest."""
+    land (`remote`, remote_stream.py) when T3 keeps raw blocks, else promoted with the rest.
+    `release` frees the request's blocks after any promotion into them (TierManager.release)."""
 
-    def __init__(self, manager, request_id, acquisition: AcquiredBlocks | None, num_admitted_blocks: int = 0,
-                 remote: RemoteStream | None = None) -> None:
-        self.manager, self.request_id, self.acquisition = manager, request_id, acquisition
+    def __init__(self, tiers: Tiers, release: Release, request_id: RequestId, acquisition: AcquiredBlocks | None,
+                 num_admitted_blocks: int = 0, remote: RemoteStream | None = None) -> None:
+        self.tiers, self.request_id, self.acquisition = tiers, request_id, acquisition
+        self._release = release
         self.num_local_blocks = len(acquisition.block_ids) if acquisition is not None else 0
         self.num_admitted_blocks = num_admitted_blocks
         self.remote = remote
 
     @classmethod
-    def start(cls, manager, request_id, keys: Sequence[bytes], token_ids: bytes | None,
-              admit: Admit = lambda num_blocks: None) -> BlockGet:
+    def start(cls, tiers: Tiers, promoter: Promoter, release: Release, request_id: RequestId, keys: list[bytes],
+              token_ids: bytes | None, admit: Admit = lambda num_blocks: None) -> BlockGet:
         """Find the chain's prefix in the tiers and start promoting what lies below T0."""
-        tiers = manager.tiers
-        hits = manager.lookup(keys, token_ids, count_misses=True)  # T3's misses: here, its acquire asks no more
-        num_hits = hits.t0 + hits.t1 + hits.t2 + hits.t3
+        hits = promoter.lookup(keys, token_ids, count_misses=True)  # T3's misses: here, its acquire asks no more
+        num_hits = hits.num_blocks
         num_misses = len(keys) - num_hits  # the hits are counted by acquire (the streamed ones here)
-        tiers.counters.add("num_query_blocks", num_misses)
-        manager.count_query(num_misses * tiers.layout.block_size)
+        tiers.counters.count_queries(num_misses)
+        tiers.index.count_query(num_misses * tiers.layout.block_size)
         if num_hits == 0:
-            return cls(manager, request_id, None)
+            return cls(tiers, release, request_id, None)
         admit(num_hits)
-        stream = bool(hits.t3) and tiers.remote_codec.name == "raw"
+        stream = bool(hits.t3) and tiers.remote_codec is not None and tiers.remote_codec.name == "raw"
         num_promoted = num_hits - hits.t3 if stream else num_hits
         acquisition = None
         if num_promoted:
-            acquisition = manager.acquire(request_id, list(keys[:num_promoted]), 0, token_ids,
-                                          num_t3_present=0 if stream else hits.t3)
+            acquisition = promoter.acquire(request_id, keys[:num_promoted], 0, token_ids,
+                                           num_t3_present=0 if stream else hits.t3)
         remote = None
         if stream:
-            manager.count_query_blocks(hits.t3)
-            remote = RemoteStream(tiers, manager.promoter.reads,
+            tiers.counters.count_queries(hits.t3)  # a query the acquire above did not make
+            tiers.index.count_query(hits.t3 * tiers.layout.block_size)
+            remote = RemoteStream(tiers, promoter.reads,
                                   chain_metas(keys, token_ids, num_promoted, num_hits, tiers.index.root,
                                               tiers.layout.block_size))
-        return cls(manager, request_id, acquisition, num_hits, remote)
+        return cls(tiers, release, request_id, acquisition, num_hits, remote)
 
     @property
     def future(self) -> concurrent.futures.Future[int]:
@@ -160,15 +173,16 @@ class BlockGet:
         """Blocks the Get admitted (the quota the caller holds for it)."""
         return self.num_admitted_blocks
 
-    def block_bytes(self, position: int):
+    def block_bytes(self, position: int) -> memoryview:
         """The bytes of the request's block at `position`, on the host (a view on CPU pools)."""
-        return self.manager.tiers.pool.block_bytes(self.acquisition.block_ids[position]).cpu().numpy()
+        assert self.acquisition is not None, "a Get reads only the blocks it holds"
+        return self.tiers.pool.block_bytes(self.acquisition.block_ids[position]).cpu().numpy().data
 
     def close(self) -> None:
         """Release the blocks, after any promotion into them has finished (may wait: idempotent)."""
         if self.acquisition is not None:
             self.acquisition = None
-            self.manager.release(self.request_id)
+            self._release(self.request_id)
 
 
 def chain_metas(keys: Sequence[bytes], token_ids: bytes | None, start: int, stop: int, root: bytes | None,

@@ -14,19 +14,30 @@
   write_through): the rows are framed (copied) on the thread that has them and queued for the
   store's writer (t3/remote_writes.py: bounded, dropped beyond its backlog), never waited for.
   A Put's blocks go to T3 batch by batch as they arrive when T0 → T1 → T3 is write-through.
-A failed copy completes its store with success=False: no entry points at bytes that did not land.
+The edges out of T1 and T2 loop over the tiers below that take offers (T2 and T3, the
+StoringTier adapters of lower_tiers.py), farthest first: T3's offer only queues, T2's waits on
+the disk, so T3 is never held up behind it. What a tier took goes on down its own write-through
+edges (T2 → T3). A failed copy completes its store with success=False: no entry points at bytes
+that did not land.
 """
 
 from __future__ import annotations
 
+import functools
 import itertools
 import logging
+from collections.abc import Sequence
 
 import torch
 
+from kvtierd.index.block_index import RequestId
 from kvtierd.index.kv_block import KVBlock
 from kvtierd.index.slot_entry import BlockMeta, SlotEntry, StorePlan
-from kvtierd.movers.copy_engine import Direction
+from kvtierd.movers.block_codec import BlockCodec
+from kvtierd.movers.copy_engine import Direction, Job
+from kvtierd.t1.host_tier import HostTier
+from kvtierd.tier import Edge, Tier
+from kvtierd.tiering.lower_tier import LowerTier, Rows, StoringTier
 from kvtierd.tiering.spills import Spills
 from kvtierd.tiering.tier_config import EdgePolicy
 from kvtierd.tiering.tiers import Tiers, recoded
@@ -38,7 +49,20 @@ class Offloader:
     def __init__(self, tiers: Tiers) -> None:
         self.tiers = tiers
         self._holder_ids = itertools.count()
-        self.spills = Spills(lambda work: tiers.dispatch(work, tiers.spiller), self._store_t2)
+        self.spills = Spills(lambda work: tiers.dispatch(work, tiers.spiller))
+        self._stores: list[StoringTier] = []  # the tiers below T1 that take offers, farthest first
+
+    @property
+    def _host(self) -> HostTier:
+        """T1, on the paths that run only with one (each way in checks `tiers.host`)."""
+        host = self.tiers.host
+        assert host is not None, "T1 is on"
+        return host
+
+    def connect(self, levels: Sequence[LowerTier]) -> None:
+        """The lower tiers (lower_tiers.py): the edges out of T1 and T2 offer to those that store."""
+        stores = [level for level in levels if isinstance(level, StoringTier)]
+        self._stores = sorted(stores, key=lambda store: store.tier.level, reverse=True)
 
     # ----------------------------------------------------------------------------- T0 → T1
 
@@ -48,7 +72,7 @@ class Offloader:
         tiers = self.tiers
         if tiers.host is None or tiers.config.t0_to_t1 is not EdgePolicy.ON_EVICT:
             return
-        metas = [BlockMeta(b.block_hash, b.parent_hash, b.token_ids) for b in victims]
+        metas = [b.meta() for b in victims]
         plan = self.prepare_t1_store(metas)
         if not plan.stores:
             return
@@ -64,19 +88,19 @@ class Offloader:
         try:
             self.spill_t1_victims(plan)
             tiers.run(Direction.DEVICE_TO_HOST, self._encode_job(block_ids, plan.stores),
-                      len(plan.stores) * tiers.host.codec.slot_nbytes)
+                      len(plan.stores) * self._host.codec.slot_nbytes)
         except Exception:
             log.exception("offloading %d evicted blocks to the host tier failed", len(plan.stores))
-            tiers.host.index.complete_store(plan.stores, success=False)
-            tiers.counters.add("num_failed_offload_blocks", len(plan.stores))
+            self._host.index.complete_store(plan.stores, success=False)
+            tiers.counters.count_failed_offloads(len(plan.stores))
             return
         finally:
             tiers.write_backs.end(in_flight)
-        tiers.host.index.complete_store(plan.stores, success=True)
-        tiers.counters.add("num_offloaded_blocks", len(plan.stores), "t0_t1")
+        self._host.index.complete_store(plan.stores, success=True)
+        tiers.counters.count_offloaded(Edge.T0_T1, len(plan.stores))
         self._after_t1_store(plan.stores)
 
-    def after_commit(self, request_id, start_position: int, block_hashes: list[bytes], token_bytes: bytes,
+    def after_commit(self, request_id: RequestId, start_position: int, block_hashes: list[bytes], token_bytes: bytes,
                      parent_hash: bytes) -> None:
         """Write-through T0 → T1 of blocks just committed (a no-op under other policies)."""
         tiers = self.tiers
@@ -99,18 +123,18 @@ class Offloader:
 
         def finalize(error: BaseException | None) -> None:
             tiers.index.free(holder)
-            tiers.host.index.complete_store(plan.stores, success=error is None)
+            self._host.index.complete_store(plan.stores, success=error is None)
             if error is not None:
-                tiers.counters.add("num_failed_offload_blocks", len(plan.stores))
+                tiers.counters.count_failed_offloads(len(plan.stores))
                 return
-            tiers.counters.add("num_offloaded_blocks", len(plan.stores), "t0_t1")
+            tiers.counters.count_offloaded(Edge.T0_T1, len(plan.stores))
             self._after_t1_store(plan.stores)
 
         def copy_down() -> None:  # on a mover thread: submit may wait for the engine's budget
             try:
                 self.spill_t1_victims(plan)
                 transfer = tiers.submit(Direction.DEVICE_TO_HOST, self._encode_job(stored_ids, plan.stores),
-                                        len(plan.stores) * tiers.host.codec.slot_nbytes)
+                                        len(plan.stores) * self._host.codec.slot_nbytes)
             except Exception:
                 log.exception("copying %d committed blocks to the host tier failed", len(plan.stores))
                 finalize(RuntimeError("not submitted"))
@@ -119,76 +143,74 @@ class Offloader:
 
         tiers.dispatch(copy_down)
 
-    def _encode_job(self, block_ids: list[int], entries: list[SlotEntry]):
+    def _encode_job(self, block_ids: list[int], entries: list[SlotEntry]) -> Job:
         tiers = self.tiers
         slot_ids = [e.slot for e in entries]
-        return lambda: tiers.host.codec.encode(tiers.pool.tensor, block_ids, tiers.host.slots, slot_ids)
+        return lambda: self._host.codec.encode(tiers.pool.tensor, block_ids, self._host.slots, slot_ids)
 
     def prepare_t1_store(self, metas: list[BlockMeta]) -> StorePlan:
         """Reserve T1 slots (in memory only). Every store into T1 (offload or promotion) reserves
         through here, and calls `spill_t1_victims(plan)` before it writes the slots."""
-        return self.tiers.host.index.prepare_store(metas)
+        return self._host.index.prepare_store(metas)
 
     def spill_t1_victims(self, plan: StorePlan) -> None:
-        """When T1 → T2 is on_evict: copy the rows of the entries T1 evicted for `plan` out of
-        their slots (about to be overwritten) and queue their T2 write (spills.py). Call it off
-        the event loop and without the index lock, before writing the plan's slots: it waits
-        while the spill backlog is full."""
-        tiers = self.tiers
+        """Offer the entries T1 evicted for `plan` down each on_evict edge out of T1, before their
+        slots are overwritten: T3 frames (copies) them at once; for T2 their rows are copied out
+        and written on the spill thread (spills.py). Call it off the event loop and without the
+        index lock, before writing the plan's slots: it waits while the spill backlog is full."""
         if not plan.evicted:
             return
-        if tiers.remote is not None and tiers.config.t1_to_t3 is EdgePolicy.ON_EVICT:
-            self._offer_t3(plan.evicted, tiers.host.codec, self._t1_rows(plan.evicted), "t1_t3")
-        if tiers.ssd is not None and tiers.config.t1_to_t2 is EdgePolicy.ON_EVICT:
-            self.spills.queue(plan.evicted, tiers.t1_rows_for_t2([e.slot for e in plan.evicted]))  # indexing copies
+        codec, rows = self._host.codec, self._t1_rows(plan.evicted)
+        for store, edge in self._stores_below(Tier.T1, EdgePolicy.ON_EVICT):
+            store_rows = _in_codec(codec, rows, store.codec)
+            if store.offer_waits:
+                copied = torch.stack(store_rows) if isinstance(store_rows, list) else store_rows
+                self.spills.queue(plan.evicted, copied, functools.partial(self._offer, store, edge))
+            else:
+                self._offer(store, edge, plan.evicted, store_rows)
 
-    # ----------------------------------------------------------------------------- T1 → T2
+    # ----------------------------------------------------------------------------- T1 → T2, T3
 
     def _after_t1_store(self, entries: list[SlotEntry]) -> None:
-        """Write-through T1 → T2 and T1 → T3 of entries just stored in T1, pinned until written
+        """Write-through out of T1 (to T2, T3) of entries just stored in T1, pinned until written
         (T2) or framed (T3)."""
         tiers = self.tiers
-        to_t2 = tiers.ssd is not None and tiers.config.t1_to_t2 is EdgePolicy.WRITE_THROUGH
-        to_t3 = tiers.remote is not None and tiers.config.t1_to_t3 is EdgePolicy.WRITE_THROUGH
-        if not (to_t2 or to_t3):
+        stores = self._stores_below(Tier.T1, EdgePolicy.WRITE_THROUGH)
+        if not stores:
             return
-        pinned = tiers.host.index.pin_present([e.block_hash for e in entries])
+        pinned = self._host.index.pin_present([e.block_hash for e in entries])
         if not pinned:
             return
 
         def write() -> None:
-            if to_t3:
-                self._offer_t3(pinned, tiers.host.codec, self._t1_rows(pinned), "t1_t3")
-            if to_t2:
-                self._write_t2(pinned)
+            rows = self._t1_rows(pinned)
+            for store, edge in stores:
+                self._offer(store, edge, pinned, _in_codec(self._host.codec, rows, store.codec))
 
-        transfer = tiers.submit(Direction.HOST_TO_HOST, write, len(pinned) * tiers.host.codec.slot_nbytes)
-        tiers.after(transfer, lambda error: tiers.host.index.unpin(pinned))
+        transfer = tiers.submit(Direction.HOST_TO_HOST, write, len(pinned) * self._host.codec.slot_nbytes)
+        tiers.after(transfer, lambda error: self._host.index.unpin(pinned))
 
-    def _write_t2(self, entries: list[SlotEntry]) -> int:
-        """Store T1 entries (their slots' current bytes) in T2; returns how many it took."""
-        return self._store_t2(entries, self.tiers.t1_rows_for_t2([e.slot for e in entries]))
+    def _stores_below(self, tier: Tier, policy: EdgePolicy) -> list[tuple[StoringTier, Edge]]:
+        """The tiers below `tier` that take offers and whose edge from it has `policy`, with that
+        edge; farthest first."""
+        config = self.tiers.config
+        return [(store, edge) for store in self._stores
+                if store.tier.level > tier.level and config.policy(edge := Edge.between(tier, store.tier)) is policy]
 
-    def _store_t2(self, entries: list[SlotEntry], rows) -> int:
-        """Store `rows` (in T2's codec) under the entries' keys in T2; returns how many it took."""
-        tiers = self.tiers
-        try:
-            with tiers.ssd_write.measure(rows.numel()):
-                num_stored = tiers.ssd.store([(e.meta, rows[i]) for i, e in enumerate(entries)])
-        except Exception:  # the SSD tier reports its own errors; the host tier keeps serving
-            log.exception("writing %d blocks to the SSD tier failed", len(entries))
-            tiers.counters.add("num_failed_offload_blocks", len(entries))
-            return 0
-        tiers.counters.add("num_offloaded_blocks", num_stored, "t1_t2")
-        if num_stored and tiers.remote is not None and tiers.config.t2_to_t3 is EdgePolicy.WRITE_THROUGH:
-            self._offer_t3(entries, tiers.ssd_codec, rows, "t2_t3")
-        return num_stored
+    def _offer(self, store: StoringTier, edge: Edge, entries: list[SlotEntry], rows: Rows) -> int:
+        """Offer blocks to `store` (`rows` in its codec); what it took goes on down its
+        write-through edges (T2 → T3). How many it took."""
+        num_taken = store.offer(entries, rows, edge)
+        if num_taken:
+            for lower, lower_edge in self._stores_below(store.tier, EdgePolicy.WRITE_THROUGH):
+                self._offer(lower, lower_edge, entries, _in_codec(store.codec, rows, lower.codec))
+        return num_taken
 
     # ----------------------------------------------------------------------------- into T3
 
-    def _t1_rows(self, entries: list[SlotEntry]) -> list:
+    def _t1_rows(self, entries: list[SlotEntry]) -> list[torch.Tensor]:
         """Views of the entries' T1 slots (no copy: framing copies them)."""
-        slots = self.tiers.host.slots
+        slots = self._host.slots
         return [slots[e.slot] for e in entries]
 
     def offer_received_to_t3(self, metas: list[BlockMeta], payloads: list[memoryview]) -> None:
@@ -199,22 +221,15 @@ class Offloader:
         The T1 → T3 write-through that follows finds them queued and skips them."""
         tiers = self.tiers
         config = tiers.config
-        if (tiers.remote is None or tiers.host is None or tiers.remote_codec.name != "raw"
+        if (tiers.remote is None or tiers.host is None or tiers.remote_codec is None or tiers.remote_codec.name != "raw"
                 or config.t0_to_t1 is not EdgePolicy.WRITE_THROUGH or config.t1_to_t3 is not EdgePolicy.WRITE_THROUGH):
             return
-        tiers.counters.add("num_offloaded_blocks", tiers.remote.offer(metas, payloads, copy=False), "t1_t3")
+        tiers.counters.count_offloaded(Edge.T1_T3, tiers.remote.offer(metas, payloads, copy=False))
 
-    def _offer_t3(self, entries: list[SlotEntry], codec, rows, edge: str) -> None:
-        """Queue the entries' blocks (`rows` in `codec`: a tensor, or one view per block) for the
-        shared store; never waits."""
-        tiers = self.tiers
-        if codec.name != tiers.remote_codec.name:
-            rows = recoded(codec, torch.stack(list(rows)) if isinstance(rows, list) else rows, tiers.remote_codec)
-        try:
-            num_queued = tiers.remote.offer([e.meta for e in entries], rows)
-        except Exception:
-            log.exception("framing %d blocks for the T3 store failed", len(entries))
-            tiers.counters.add("num_failed_offload_blocks", len(entries))
-            return
-        tiers.counters.add("num_offloaded_blocks", num_queued, edge)
 
+def _in_codec(codec: BlockCodec, rows: Rows, target: BlockCodec) -> Rows:
+    """`rows` of `codec` (a tensor, or one view per block) in `target`'s codec: the same rows when
+    the codecs agree, else converted on the host (a new tensor)."""
+    if codec.name == target.name:
+        return rows
+    return recoded(codec, torch.stack(list(rows)) if isinstance(rows, list) else rows, target)

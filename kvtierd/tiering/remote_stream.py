@@ -23,10 +23,15 @@ import collections
 import concurrent.futures
 import logging
 from collections.abc import Iterator
+from typing import TYPE_CHECKING
 
 from kvtierd.index.slot_entry import BlockMeta
+from kvtierd.tier import Tier
 from kvtierd.tiering.lower_reads import LowerReads, known_token_bytes
 from kvtierd.tiering.tiers import Tiers
+
+if TYPE_CHECKING:  # the store's client loads where T3 is on
+    from kvtierd.t3.remote_tier import RemoteTier
 
 log = logging.getLogger(__name__)
 CHUNK_BLOCKS = 8
@@ -37,8 +42,10 @@ class RemoteStream:
     """Thread-compatible: `chunks()` is iterated by one caller; the reads run on T3's readers."""
 
     def __init__(self, tiers: Tiers, reads: LowerReads, metas: list[BlockMeta]) -> None:
-        assert tiers.remote is not None and tiers.remote_codec.name == "raw" and metas
+        assert tiers.remote is not None and tiers.remote_codec is not None and tiers.remote_codec.name == "raw" \
+            and metas
         self.tiers, self.reads, self.metas = tiers, reads, metas
+        self.remote: RemoteTier = tiers.remote
         self.num_taken_blocks = 0
         self._stopped = False
 
@@ -59,12 +66,12 @@ class RemoteStream:
                 yield future
                 payloads = future.result() if future.done() and future.exception() is None else []
                 self.num_taken_blocks += len(payloads)
-                self.tiers.counters.add("num_hit_blocks", len(payloads), "t3")
+                self.tiers.counters.count_hits(Tier.T3, len(payloads))
                 short = len(payloads) < num_blocks  # claimed by the probe, not there or refused
                 num_missed = len(self.metas) - self.num_taken_blocks if short else 0
-                self.tiers.remote.count_reads(len(payloads), num_missed, sum(len(p.obj) for p in payloads))
+                self.remote.count_reads(len(payloads), num_missed, sum(len(p.obj) for p in payloads))
                 if short:
-                    self.tiers.counters.add("num_failed_load_blocks", num_missed)
+                    self.tiers.counters.count_failed_loads(num_missed)
                     return
         finally:
             self._stopped = True
@@ -77,9 +84,9 @@ class RemoteStream:
 
         def read() -> None:
             try:
-                loaded, payloads = tiers.remote.load([m.block_hash for m in metas], metas[0].parent_hash,
-                                                     known_token_bytes(metas, tiers.layout.block_size),
-                                                     tiers.layout.block_size, counted=False)
+                loaded, payloads = self.remote.load([m.block_hash for m in metas], metas[0].parent_hash,
+                                                    known_token_bytes(metas, tiers.layout.block_size),
+                                                    tiers.layout.block_size, counted=False)
             except BaseException as error:
                 future.set_exception(error)
                 return
@@ -90,5 +97,5 @@ class RemoteStream:
                 except Exception:  # T1 is a copy on the way; the caller has the bytes
                     log.exception("storing %d blocks read from T3 in T1 failed", len(loaded))
 
-        tiers.remote.readers.submit(read)
+        self.remote.readers.submit(read)
         return future

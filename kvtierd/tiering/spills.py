@@ -12,6 +12,10 @@ from __future__ import annotations
 import threading
 from collections.abc import Callable
 
+import torch
+
+from kvtierd.index.slot_entry import SlotEntry
+
 MAX_PENDING_BATCHES = 2
 MAX_PENDING_BYTES = 256 << 20
 
@@ -20,16 +24,17 @@ class Spills:
     """Invariant: at most `max_pending_batches` batches and `max_pending_bytes` bytes are queued
     or being written, except a single batch larger than the byte bound, which goes alone."""
 
-    def __init__(self, dispatch: Callable[[Callable[[], None]], None], store: Callable[[list, object], int],
-                 max_pending_batches: int = MAX_PENDING_BATCHES, max_pending_bytes: int = MAX_PENDING_BYTES) -> None:
+    def __init__(self, dispatch: Callable[[Callable[[], None]], None], max_pending_batches: int = MAX_PENDING_BATCHES,
+                 max_pending_bytes: int = MAX_PENDING_BYTES) -> None:
         self._dispatch = dispatch  # runs work on the spill thread
-        self._store = store  # (T1 entries, their rows in T2's codec) → blocks stored
         self.max_pending_batches, self.max_pending_bytes = max_pending_batches, max_pending_bytes
         self._room = threading.Condition()
         self.num_pending_batches = self.num_pending_bytes = 0  # under _room
 
-    def queue(self, entries: list, rows) -> None:
-        """Write `rows` under the entries' keys in T2, in the background; blocks while the backlog is full."""
+    def queue(self, entries: list[SlotEntry], rows: torch.Tensor,
+              store: Callable[[list[SlotEntry], torch.Tensor], int]) -> None:
+        """`store(entries, rows)` (T1 entries, a copy of their rows in T2's codec) in the background;
+        blocks while the backlog is full."""
         nbytes = rows.numel()
         with self._room:
             self._room.wait_for(lambda: self.num_pending_batches == 0 or (
@@ -40,7 +45,7 @@ class Spills:
 
         def write() -> None:
             try:
-                self._store(entries, rows)
+                store(entries, rows)
             finally:
                 with self._room:
                     self.num_pending_batches -= 1

@@ -22,11 +22,21 @@ from kvtierd.config_checks import require, require_choice
 from kvtierd.errors import InvalidArgument
 from kvtierd.layout import FLOAT_DTYPES, Layout
 from kvtierd.movers.copy_engine import Bandwidth
+from kvtierd.tier import Edge
 
 if TYPE_CHECKING:
     from kvtierd.t1.host_config import HostConfig
     from kvtierd.t2.ssd_config import SsdConfig
     from kvtierd.t3.remote_config import RemoteConfig
+
+
+class FromConfig(enum.Enum):
+    """The default of a per-call `recompute_s_per_token`: the TierConfig's."""
+
+    FROM_CONFIG = "from config"
+
+
+FROM_CONFIG = FromConfig.FROM_CONFIG
 
 
 class EdgePolicy(str, enum.Enum):
@@ -76,8 +86,9 @@ class TierConfig:
         """The daemon file's sections as a layout's tiers take them; `host.capacity_bytes` is the
         node's T1 budget here (each pool gets its share, node/pools.py)."""
         return cls(host_capacity_bytes=host.capacity_bytes, host_codec=host.codec, ssd_codec=ssd.codec,
-                   t0_to_t1=policy.t0_to_t1, t1_to_t2=policy.t1_to_t2, t1_to_t3=policy.t1_to_t3,
-                   t2_to_t3=policy.t2_to_t3, remote_codec=remote.codec,
+                   t0_to_t1=EdgePolicy(policy.t0_to_t1), t1_to_t2=EdgePolicy(policy.t1_to_t2),
+                   t1_to_t3=EdgePolicy(policy.t1_to_t3), t2_to_t3=EdgePolicy(policy.t2_to_t3),
+                   remote_codec=remote.codec,
                    recompute_s_per_token=policy.recompute_s_per_token or None)
 
     def __post_init__(self) -> None:
@@ -90,6 +101,11 @@ class TierConfig:
                                   "overwritten in place), or t1_to_t3")
         if self.recompute_s_per_token is not None and self.recompute_s_per_token <= 0:
             raise InvalidArgument("recompute_s_per_token must be positive")
+
+    def policy(self, edge: Edge) -> EdgePolicy:
+        """The policy of one edge."""
+        return {Edge.T0_T1: self.t0_to_t1, Edge.T1_T2: self.t1_to_t2, Edge.T1_T3: self.t1_to_t3,
+                Edge.T2_T3: self.t2_to_t3}[edge]
 
     def for_layout(self, layout: Layout) -> TierConfig:
         """This config as `layout`'s tiers apply it: fp8 quantizes K and V values, so a layout of

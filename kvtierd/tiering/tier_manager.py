@@ -17,26 +17,33 @@ a `writable` future, and the caller lets nobody write the blocks before it resol
 from __future__ import annotations
 
 import concurrent.futures
-import dataclasses
 import logging
 from collections.abc import Sequence
+from typing import TYPE_CHECKING
 
-from kvtierd.block_hash import BlockHash, pack_token_ids
-from kvtierd.index.block_index import BlockIndex
+from kvtierd.block_hash import BlockHash, PackableTokenIds, pack_token_ids
+from kvtierd.index.allocation import WriteTarget
+from kvtierd.index.block_index import BlockIndex, RequestId
 from kvtierd.index.index_metrics import IndexObserver
+from kvtierd.index.query_counting import QueryCounting
 from kvtierd.layout import Layout
 from kvtierd.movers.block_codec import make_codec
 from kvtierd.movers.factory import CopyEngines
 from kvtierd.t0.device_pool import DevicePool
 from kvtierd.t0.factory import create_device_pool
 from kvtierd.t1.host_tier import HostTier
+from kvtierd.tier import Tier, TierCounts
 from kvtierd.tiering.block_io import Admit, BlockGet, BlockPut
 from kvtierd.tiering.offload import Offloader
-from kvtierd.tiering.promotion import AcquiredBlocks, Promoter, TierHits
-from kvtierd.tiering.tier_config import TierConfig
+from kvtierd.tiering.promotion import AcquiredBlocks, Promoter
+from kvtierd.tiering.tier_config import FROM_CONFIG, FromConfig, TierConfig
 from kvtierd.tiering.tiering_stats import TieringStats, tiering_stats
 from kvtierd.tiering.tiers import Tiers
 from kvtierd.tiering.write_backs import WriteBacks
+
+if TYPE_CHECKING:  # imported when built (below): lmdb and redis load only for a pool that has T2 or T3
+    from kvtierd.t2.ssd_config import SsdTierConfig
+    from kvtierd.t3.redis_store import RedisStore
 
 log = logging.getLogger(__name__)
 
@@ -45,12 +52,13 @@ class TierManager:
     """One namespace's tiers. Thread-safe: the index and slot indexes take their own locks."""
 
     def __init__(self, layout: Layout, num_device_blocks: int, config: TierConfig = TierConfig(), *,
-                 ssd_config=None, device: str = "auto", root: BlockHash | None = None, hash_size: int = 32,
-                 observer: IndexObserver | None = None, copy_threads: int = 2,
-                 max_pending_events: int = 0, engines: CopyEngines | None = None, remote_store=None) -> None:
+                 ssd_config: SsdTierConfig | None = None, device: str = "auto", root: BlockHash | None = None,
+                 hash_size: int = 32, observer: IndexObserver | None = None, copy_threads: int = 2,
+                 max_pending_events: int = 0, engines: CopyEngines | None = None,
+                 remote_store: RedisStore | None = None) -> None:
         """`engines`: the node's copy engines, one per device, shared with the other layouts on it
         (None: a private set, of `copy_threads` threads without CUDA). `remote_store`: the node's
-        kvtierd.t3.redis_store.RedisStore (None: no T3)."""
+        shared store (None: no T3)."""
         config = config.for_layout(layout)
         pool = create_device_pool(layout, num_device_blocks, device)
         write_backs = WriteBacks()
@@ -66,7 +74,6 @@ class TierManager:
         index = BlockIndex(num_device_blocks, layout.block_size, hash_size=hash_size, root=root,
                            copy_block=copy_block, observer=observer,
                            max_pending_events=max_pending_events)
-        self._observer = observer
         host = HostTier(layout, config.host_capacity_bytes, config.host_codec) if config.host_capacity_bytes else None
         ssd = None
         if ssd_config is not None:
@@ -85,6 +92,7 @@ class TierManager:
         self.tiers = Tiers(layout, index, pool, host, ssd, engine, config, write_backs=write_backs, remote=remote)
         self.offloader = Offloader(self.tiers)
         self.promoter = Promoter(self.tiers, self.offloader)
+        self.offloader.connect(self.promoter.levels)  # the edges out of T1 and T2 offer to the tiers below
         index.on_evict = self.offloader.on_t0_evict
 
     @property
@@ -100,20 +108,26 @@ class TierManager:
         """Does this layout have T3 (so `lookup` and `acquire` may wait on the network)?"""
         return self.tiers.remote is not None
 
-    def acquire(self, request_id, block_hashes: list[bytes], num_extra_blocks: int = 0, token_ids=None,
-                **kwargs) -> AcquiredBlocks:
-        """T0 blocks for a request: hits first (promoting T1/T2 hits into them), then fresh ones."""
-        return self.promoter.acquire(request_id, block_hashes, num_extra_blocks, token_ids, **kwargs)
+    def acquire(self, request_id: RequestId, block_hashes: list[bytes], num_extra_blocks: int = 0,
+                token_ids: PackableTokenIds | None = None,
+                recompute_s_per_token: float | None | FromConfig = FROM_CONFIG, num_t3_present: int | None = None,
+                counting: QueryCounting = QueryCounting.QUERY_AND_HITS) -> AcquiredBlocks:
+        """T0 blocks for a request: hits first (promoting T1/T2/T3 hits into them), then fresh ones.
+        `recompute_s_per_token`: the cost a lower-tier hit must beat to be loaded (tier_config.py);
+        `num_t3_present` and `counting`: Promoter.acquire's."""
+        return self.promoter.acquire(request_id, block_hashes, num_extra_blocks, token_ids,
+                                     recompute_s_per_token=recompute_s_per_token, num_t3_present=num_t3_present,
+                                     counting=counting)
 
-    def commit(self, request_id, start_position: int, block_hashes: list[bytes], token_ids,
-               parent_hash: bytes) -> int:
+    def commit(self, request_id: RequestId, start_position: int, block_hashes: list[bytes],
+               token_ids: PackableTokenIds, parent_hash: bytes) -> int:
         """Commit computed full blocks; under write_through they start their way down at once."""
         token_bytes = pack_token_ids(token_ids)
         num_held = self.tiers.index.commit_blocks(request_id, start_position, block_hashes, token_bytes, parent_hash)
         self.offloader.after_commit(request_id, start_position, block_hashes, token_bytes, parent_hash)
         return num_held
 
-    def release(self, request_id, timeout_s: float = 60.0) -> None:
+    def release(self, request_id: RequestId, timeout_s: float = 60.0) -> None:
         """Free a request's blocks, after any promotion into them has finished."""
         ticket = self.promoter.pending(request_id)
         if ticket is not None:
@@ -123,50 +137,46 @@ class TierManager:
                 log.warning("releasing %r with a promotion still in flight after %.0f s", request_id, timeout_s)
         self.tiers.index.free(request_id)
 
-    def fork(self, parent_id, child_id) -> list[int]:
+    def fork(self, parent_id: RequestId, child_id: RequestId) -> list[int]:
         return self.tiers.index.fork(parent_id, child_id)
 
-    def block_table(self, request_id) -> list[int]:
+    def block_table(self, request_id: RequestId) -> list[int]:
         return self.tiers.index.block_table(request_id)
 
-    def num_committed_blocks(self, request_id) -> int:
+    def num_committed_blocks(self, request_id: RequestId) -> int:
         """How many leading blocks of the request's table are committed (ready to read)."""
         blocks = self.tiers.index.blocks
         table = self.tiers.index.block_table(request_id)
         return next((i for i, block_id in enumerate(table) if blocks[block_id].block_hash is None), len(table))
 
-    def append_blocks(self, request_id, num_blocks: int) -> tuple[list[int], concurrent.futures.Future | None]:
+    def append_blocks(self, request_id: RequestId,
+                      num_blocks: int) -> tuple[list[int], concurrent.futures.Future[None] | None]:
         """Fresh blocks at the end of a request's table, and when they may be written (None: now)."""
         block_ids = self.tiers.index.append_blocks(request_id, num_blocks)
         return block_ids, self.tiers.write_backs.when_landed(block_ids)
 
-    def prepare_write(self, request_id, position: int):
+    def prepare_write(self, request_id: RequestId, position: int) -> WriteTarget:
         """The block a request may write at `position` (copy-on-write; may wait for a write-back)."""
         return self.tiers.index.prepare_write(request_id, position)
 
-    def start_put(self, request_id, parent: bytes) -> BlockPut:
+    def start_put(self, request_id: RequestId, parent: bytes) -> BlockPut:
         """A Put of blocks after `parent` (the key before the first), into a private request."""
-        return BlockPut(self, request_id, parent)
+        return BlockPut(self.tiers, self.offloader, request_id, parent, self.commit)
 
-    def start_get(self, request_id, keys: list[bytes], token_ids=None,
+    def start_get(self, request_id: RequestId, keys: list[bytes], token_ids: PackableTokenIds | None = None,
                   admit: Admit = lambda num_blocks: None) -> BlockGet:
         """A Get of the chain's leading blocks from any tier, promoted into a private request."""
-        return BlockGet.start(self, request_id, keys, pack_token_ids(token_ids) if token_ids is not None else None,
-                              admit)
+        return BlockGet.start(self.tiers, self.promoter, self.release, request_id, keys,
+                              pack_token_ids(token_ids) if token_ids is not None else None, admit)
 
     def count_query_blocks(self, num_blocks: int) -> None:
         """Blocks a Lookup names as a query (the Acquires that load its hits count only their hits)."""
         if num_blocks:
-            self.tiers.counters.add("num_query_blocks", num_blocks)
-            self.count_query(num_blocks * self.tiers.index.block_size)
+            self.tiers.counters.count_queries(num_blocks)
+            self.tiers.index.count_query(num_blocks * self.tiers.index.block_size)
 
-    def count_query(self, num_tokens: int) -> None:
-        """Tokens asked for that the block index did not see as a query (Put's later batches, Get's misses)."""
-        if self._observer is not None and num_tokens:
-            self._observer.on_query(num_tokens, 0)
-
-    def lookup(self, block_hashes: list[bytes], token_ids=None, prefetch: bool = False,
-               ask_remote: bool = True, count_misses: bool = False) -> TierHits:
+    def lookup(self, block_hashes: list[bytes], token_ids: PackableTokenIds | None = None, prefetch: bool = False,
+               ask_remote: bool = True, count_misses: bool = False) -> TierCounts:
         """Where the chain's prefix lives. With `ask_remote` False, the local tiers only (never
         waits on the network); with `prefetch`, T2 and T3 hits start their way into T1; with
         `count_misses` (the chain is a query), what T3 lacks counts as its misses."""
@@ -175,8 +185,8 @@ class TierManager:
             self.promoter.prefetch(block_hashes, token_ids, hits)
         return hits
 
-    def lookup_remote(self, chains: Sequence[tuple[list[bytes], bytes | None]], hits: Sequence[TierHits],
-                      prefetch: bool = False, count_misses: bool = False) -> list[TierHits]:
+    def lookup_remote(self, chains: Sequence[tuple[list[bytes], bytes | None]], hits: Sequence[TierCounts],
+                      prefetch: bool = False, count_misses: bool = False) -> list[TierCounts]:
         """Each chain's `hits` (a local lookup's, of its (block hashes, token bytes)) with T3's
         part: the store's keys present after them, for every chain in one network round trip
         (call it off the event loop). `count_misses`: the chains are a query (a Lookup with
@@ -185,7 +195,7 @@ class TierManager:
         if self.tiers.remote is not None:
             rests = [block_hashes[h.num_blocks:] for (block_hashes, _), h in zip(chains, hits)]
             found = self.tiers.remote.probe_chains(rests, count_misses)
-            hits = [dataclasses.replace(h, t3=n) if n else h for h, n in zip(hits, found)]
+            hits = [h.replace(Tier.T3, n) if n else h for h, n in zip(hits, found)]
         if prefetch:
             for (block_hashes, token_bytes), h in zip(chains, hits):
                 if h.t2 or h.t3:

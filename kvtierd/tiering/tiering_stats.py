@@ -16,6 +16,7 @@ from collections.abc import Mapping
 
 from kvtierd.t2.ssd_stats import SsdStats
 from kvtierd.t3.remote_tier import RemoteTierStats
+from kvtierd.tier import Edge, Tier
 from kvtierd.tiering.tiers import Tiers
 
 
@@ -23,7 +24,7 @@ from kvtierd.tiering.tiers import Tiers
 class TierUsage:
     """One tier's occupancy and traffic: the same fields for T0, T1 and T2."""
 
-    tier: str  # "t0", "t1" or "t2"
+    tier: Tier  # T0, T1 or T2
     capacity_bytes: int
     used_bytes: int
     num_cached_blocks: int  # blocks a lookup can hit
@@ -48,7 +49,7 @@ class TieringStats:
     num_skipped_slow_blocks: int  # lower-tier hits recomputed because loading was slower
     num_failed_load_blocks: int
     num_failed_offload_blocks: int
-    num_offloaded_blocks: Mapping[str, int]  # by edge: "t0_t1", "t1_t2", ...
+    num_offloaded_blocks: Mapping[Edge, int]  # by edge
     bytes_moved: Mapping[str, int]  # by copy direction (Direction values): this layout's copies only
     bandwidth_bytes_per_s: Mapping[str, float]  # by copy direction: the device's engine's, shared by its layouts
 
@@ -61,17 +62,19 @@ class TieringStats:
 def tiering_stats(tiers: Tiers) -> TieringStats:
     counters, index = tiers.counters, tiers.index
     hits = counters.num_hit_blocks
-    t0 = TierUsage("t0", tiers.pool.nbytes, (index.num_blocks - index.num_free_blocks) * tiers.layout.bytes_per_block,
-                   index.num_cached_blocks, hits["t0"], index.num_evictions, "raw")
+    t0_used_bytes = (index.num_blocks - index.num_free_blocks) * tiers.layout.bytes_per_block
+    t0 = TierUsage(Tier.T0, tiers.pool.nbytes, t0_used_bytes, index.num_cached_blocks, hits.t0, index.num_evictions,
+                   "raw")
     t1 = None
     if tiers.host is not None:
         host = tiers.host
-        t1 = TierUsage("t1", host.capacity_bytes, host.used_bytes, host.index.num_ready, hits["t1"],
+        t1 = TierUsage(Tier.T1, host.capacity_bytes, host.used_bytes, host.index.num_ready, hits.t1,
                        host.index.num_evictions, host.codec.name, host.index.num_quota_skips)
     ssd = tiers.ssd.stats() if tiers.ssd is not None else None
     t2 = None
     if ssd is not None:
-        t2 = TierUsage("t2", ssd.capacity_bytes, ssd.used_bytes, ssd.num_cached_blocks, hits["t2"], ssd.num_evictions,
+        assert tiers.ssd_codec is not None, "made with T2"
+        t2 = TierUsage(Tier.T2, ssd.capacity_bytes, ssd.used_bytes, ssd.num_cached_blocks, hits.t2, ssd.num_evictions,
                        tiers.ssd_codec.name, ssd.num_quota_skips)
     bandwidth = tiers.engine.bandwidth
     return TieringStats(

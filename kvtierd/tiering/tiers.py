@@ -20,6 +20,7 @@ import dataclasses
 import logging
 import threading
 from collections.abc import Callable
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -30,34 +31,14 @@ from kvtierd.movers.copy_engine import Bandwidth, CopyEngine, Direction, Job, Tr
 from kvtierd.t0.device_pool import DevicePool
 from kvtierd.t1.host_tier import HostTier
 from kvtierd.tiering.tier_config import TierConfig
+from kvtierd.tiering.tier_counters import TierCounters
 from kvtierd.tiering.write_backs import WriteBacks
 
+if TYPE_CHECKING:  # imported where a tier is built (tier_manager.py): lmdb and redis load only when used
+    from kvtierd.t2.ssd_tier import SsdTier
+    from kvtierd.t3.remote_tier import RemoteTier
+
 log = logging.getLogger(__name__)
-
-TIER_NAMES = ("t0", "t1", "t2", "t3")
-
-
-@dataclasses.dataclass
-class TierCounters:
-    """Monotonic counters an operator reads (per tier: t0 device, t1 host, t2 ssd, t3 shared store)."""
-
-    num_query_blocks: int = 0  # asked for by Acquire, Put and Get or named by a Lookup: the hit rate's denominator
-    num_hit_blocks: dict[str, int] = dataclasses.field(default_factory=lambda: dict.fromkeys(TIER_NAMES, 0))
-    num_skipped_slow_blocks: int = 0  # lower-tier hits not loaded: recompute was expected faster
-    num_failed_load_blocks: int = 0  # promotions that failed: a miss, never a hit
-    num_offloaded_blocks: dict[str, int] = dataclasses.field(  # by edge; into T3: queued for the store's writer
-        default_factory=lambda: dict.fromkeys(("t0_t1", "t1_t2", "t1_t3", "t2_t3"), 0))
-    num_failed_offload_blocks: int = 0
-    bytes_moved: dict[str, int] = dataclasses.field(  # by copy direction: this layout's copies that landed
-        default_factory=lambda: dict.fromkeys((d.value for d in Direction), 0))
-    lock: threading.Lock = dataclasses.field(default_factory=threading.Lock, repr=False)
-
-    def add(self, name: str, count: int, key: str | None = None) -> None:
-        with self.lock:
-            if key is None:
-                setattr(self, name, getattr(self, name) + count)
-            else:
-                getattr(self, name)[key] += count
 
 
 @dataclasses.dataclass
@@ -69,11 +50,11 @@ class Tiers:
     index: BlockIndex
     pool: DevicePool
     host: HostTier | None
-    ssd: object | None  # kvtierd.t2.ssd_tier.SsdTier
+    ssd: SsdTier | None
     engine: CopyEngine
     config: TierConfig
     ssd_codec: BlockCodec | None = None
-    remote: object | None = None  # kvtierd.t3.remote_tier.RemoteTier
+    remote: RemoteTier | None = None
     remote_codec: BlockCodec | None = None
     ssd_read: Bandwidth = dataclasses.field(default_factory=lambda: Bandwidth(2e9))
     ssd_write: Bandwidth = dataclasses.field(default_factory=lambda: Bandwidth(1e9))
@@ -113,6 +94,7 @@ class Tiers:
                 self._count_moved(transfer)
                 transfer.future.set_result(None)
 
+        assert self.remote is not None, "a T3 read: T3 is on"
         self.remote.readers.submit(run)
         return transfer
 
@@ -121,7 +103,7 @@ class Tiers:
         self.submit(direction, job, nbytes).wait()
 
     def _count_moved(self, transfer: Transfer) -> None:
-        self.counters.add("bytes_moved", transfer.nbytes, transfer.direction.value)
+        self.counters.count_moved(transfer.direction, transfer.nbytes)
 
     def after(self, transfer: Transfer, finalize: Callable[[BaseException | None], None]) -> None:
         """Run `finalize(error)` on the finalizer thread once `transfer` has landed or failed."""
@@ -136,7 +118,10 @@ class Tiers:
                     self._num_unfinished -= 1
                     self._unfinished.notify_all()
 
-        transfer.add_done_callback(lambda done: self.finalizer.submit(run, done.future.exception()))
+        def finalize_later(done: Transfer) -> None:
+            self.finalizer.submit(run, done.future.exception())
+
+        transfer.add_done_callback(finalize_later)
 
     def dispatch(self, work: Callable[[], None], executor: concurrent.futures.Executor | None = None) -> None:
         """Run `work()` on a mover thread (or `executor`), counted until it returns (wait_quiet).
@@ -168,12 +153,9 @@ class Tiers:
             self._unfinished.wait_for(lambda: self._num_unfinished == 0)
         self.engine.wait_idle()
 
-    def t1_rows_for_t2(self, slot_ids: list[int]) -> torch.Tensor:
-        """T1 slot rows in the SSD tier's codec (converted on the host when the codecs differ)."""
-        return recoded(self.host.codec, self.host.slots[slot_ids], self.ssd_codec)
-
     def recoded_for_t1(self, codec: BlockCodec, rows: torch.Tensor) -> torch.Tensor:
         """Rows of a lower tier's `codec` in T1's."""
+        assert self.host is not None, "T1 is on"
         return recoded(codec, rows, self.host.codec)
 
 

@@ -9,6 +9,7 @@ from collections.abc import Iterable
 from kvtierd.errors import InvalidArgument
 from kvtierd.layout import Layout
 from kvtierd.t0.pool_handle import PoolHandle
+from kvtierd.tier import TierCounts
 from kvtierd.v1 import kvtier_pb2 as pb
 
 
@@ -39,6 +40,22 @@ def handle_from_proto(message: pb.PoolHandle, layout: Layout) -> PoolHandle:
         return PoolHandle("cuda_ipc", layout, message.num_blocks, message.nbytes,
                           ipc_handle=message.cuda_ipc_handle, device_index=message.device_index)
     raise InvalidArgument(f"unknown pool handle kind {message.kind!r}")
+
+
+def hits_to_proto_fields(hits: TierCounts) -> dict[str, int]:
+    """The fields of a LookupResponse or ChainHits: the leading blocks found in each tier, and all."""
+    return dict(num_hit_blocks=hits.num_blocks, num_t0_blocks=hits.t0, num_t1_blocks=hits.t1,
+                num_t2_blocks=hits.t2, num_t3_blocks=hits.t3)
+
+
+def hits_from_proto(message: pb.LookupResponse | pb.ChainHits) -> TierCounts:
+    """The leading blocks a Lookup (or one of its chains) found in each tier."""
+    return TierCounts(message.num_t0_blocks, message.num_t1_blocks, message.num_t2_blocks, message.num_t3_blocks)
+
+
+def acquired_from_proto(message: pb.AcquireResponse) -> TierCounts:
+    """An Acquire's hits in T0, then the blocks being loaded from each lower tier."""
+    return TierCounts(message.num_t0_hit_blocks, message.num_t1_blocks, message.num_t2_blocks, message.num_t3_blocks)
 
 
 # Socket reads of up to 4 MiB instead of gRPC's 8 KiB default, so a 2 MiB block arrives in a few

@@ -31,7 +31,7 @@ def install_redis_server() -> None:
                                               pytest.param("bench_put_get.py", 4, marks=pytest.mark.cluster),
                                               pytest.param("bench_ttft.py", 2, marks=pytest.mark.weights),
                                               ("bench_chat_throughput.py", 1),
-                                              pytest.param("bench_t3.py", 5, marks=pytest.mark.cluster),
+                                              pytest.param("bench_t3.py", 6, marks=pytest.mark.cluster),
                                               pytest.param("bench_vllm.py", 4,
                                                            marks=[pytest.mark.vllm, pytest.mark.timeout(1800)])])
 @pytest.mark.slow  # a quick round of a benchmark is still tens of seconds

@@ -86,13 +86,13 @@ def test_a_t1_load_that_lands_before_acquire_returns_still_resolves_the_ticket(m
     ticket must resolve anyway (it once waited forever, and SIGTERM then hung on the release)."""
     chain = only_in_t1(manager)
     promoter = manager.promoter
-    load_t1 = promoter._load_t1
+    load = promoter._load
 
-    def load_and_land(entries, targets, segment, done):  # on a mover thread
-        load_t1(entries, targets, segment, done)
+    def load_and_land(level, targets, segment, done):  # on a mover thread
+        load(level, targets, segment, done)
         assert wait_until(lambda: segment.num_loaded is not None)  # the copy and its finalizer have run
 
-    monkeypatch.setattr(promoter, "_load_t1", load_and_land)
+    monkeypatch.setattr(promoter, "_load", load_and_land)
     acquisition = manager.acquire("b", chain, 0, PROMPT)
     assert acquisition.num_t1_blocks == 4
     assert acquisition.ticket.wait(10) == 4

@@ -143,3 +143,29 @@ def test_on_evict_from_t1_spills_to_t2(tmp_path):
         manager.release("c")
     finally:
         manager.close()
+
+
+def test_on_evict_spills_to_an_fp8_ssd_below_a_raw_host_tier(tmp_path):
+    """T1's victims are converted to T2's codec on the way to the spill thread, and load back within fp8's error."""
+    manager = make_manager(host_blocks=4, ssd_config=ssd_config(tmp_path), t1_to_t2=EdgePolicy.ON_EVICT,
+                           ssd_codec="fp8")
+    try:
+        prefill(manager, "a", PROMPT)
+        manager.release("a")
+        manager.index.evict(CHAIN)
+        other = tokens(7000, 4 * BLOCK_SIZE)
+        prefill(manager, "b", other)
+        manager.release("b")
+        manager.index.evict(NAMESPACE.hash_blocks(other))  # T1 evicts PROMPT's blocks: they go to T2
+        manager.drain()
+        assert manager.stats().num_offloaded_blocks["t1_t2"] == 4
+        acquisition = manager.acquire("c", CHAIN, 0, PROMPT)
+        assert (acquisition.num_t1_blocks, acquisition.num_t2_blocks) == (0, 4)
+        assert acquisition.ticket.wait(10) == 4
+        for block_id, block_hash in zip(acquisition.block_ids, CHAIN):
+            expected = content_for(block_hash).float()
+            error = (manager.device_pool.tensor[block_id].float() - expected).abs()
+            assert float(error.max()) <= float(expected.abs().max()) / 16
+        manager.release("c")
+    finally:
+        manager.close()

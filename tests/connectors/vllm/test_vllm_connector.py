@@ -15,6 +15,7 @@ from kvtierd.connectors.vllm.group_hits import RequestHit
 from kvtierd.connectors.vllm.kv_groups import engine_groups
 from kvtierd.connectors.vllm.scheduler import SchedulerSide
 from kvtierd.launch.daemon_process import DaemonProcess, small_daemon_args, wait_until
+from kvtierd.tier import TierCounts
 from tests.connectors.vllm.vllm_fakes import (
     BLOCK_SIZE,
     KV_LAYOUTS,
@@ -109,7 +110,7 @@ def gated_side(hit: RequestHit, **settings) -> tuple[SchedulerSide, threading.Ev
 
 def test_get_num_new_matched_tokens_is_none_while_the_lookup_is_pending_and_sends_one_rpc():
     """None until the lookup answers; repeated calls send no new lookup; then the hit count."""
-    side, gate, calls = gated_side(RequestHit(3, (1, 0, 2, 0), all_in_t0=False), lookup_timeout_s=60.0)
+    side, gate, calls = gated_side(RequestHit(3, TierCounts(1, 0, 2, 0), all_in_t0=False), lookup_timeout_s=60.0)
     request = Request("pending", prompt(3, 30))  # 7 full blocks, 7 = (30 - 1) // 4 lookable
     assert side.get_num_new_matched_tokens(request, 0) == (None, False)
     assert side.get_num_new_matched_tokens(request, 0) == (None, False)
@@ -302,7 +303,7 @@ def test_cuda_engine_caches_share_a_prefix_through_the_daemon(daemon, engines):
 def test_blocks_vllm_computes_again_after_a_failed_load_are_offered_again():
     """A planned load of 4 blocks fails on some rank and vLLM recomputes from block 0: the step that
     computes them offers all 5 full blocks (the ranks holding them answer hits), not just the fifth."""
-    side = SchedulerSide(lambda query: RequestHit(4, (4, 0, 0, 0), all_in_t0=True),
+    side = SchedulerSide(lambda query: RequestHit(4, TierCounts(4, 0, 0, 0), all_in_t0=True),
                          engine_groups(KVCacheConfig(), prefix_caching=False), lookup_wait_s=5.0,
                          lookup_timeout_s=30.0)
     request = Request("reloaded", prompt(9, 22))  # 5 full blocks and 2 tokens
@@ -321,7 +322,7 @@ def test_blocks_vllm_computes_again_after_a_failed_load_are_offered_again():
 def test_a_lookup_slower_than_lookup_timeout_s_counts_no_hit_and_the_request_goes_on():
     """A daemon that hangs (or an Attach that builds a pool on a loaded node): None while the lookup is
     young, then 0 tokens, not a request that waits for the cache."""
-    side, gate, _ = gated_side(RequestHit(3, (3, 0, 0, 0), all_in_t0=True), lookup_timeout_s=0.2)
+    side, gate, _ = gated_side(RequestHit(3, TierCounts(3, 0, 0, 0), all_in_t0=True), lookup_timeout_s=0.2)
     request = Request("hanging", prompt(4, 30))
     assert side.get_num_new_matched_tokens(request, 0) == (None, False)
     deadline = time.monotonic() + 10
@@ -335,7 +336,7 @@ def test_a_lookup_slower_than_lookup_timeout_s_counts_no_hit_and_the_request_goe
 def test_a_lookup_slower_than_lookup_ttl_s_is_used_once_it_answers():
     """The answer's lifetime starts when it arrives: a lookup that took longer than lookup_ttl_s (an
     Attach on a loaded node before it) is the hit, not thrown away for a new lookup."""
-    side, gate, calls = gated_side(RequestHit(2, (2, 0, 0, 0), all_in_t0=True), lookup_ttl_s=0.05,
+    side, gate, calls = gated_side(RequestHit(2, TierCounts(2, 0, 0, 0), all_in_t0=True), lookup_ttl_s=0.05,
                                    lookup_timeout_s=60.0)
     request = Request("slow", prompt(5, 30))
     assert side.get_num_new_matched_tokens(request, 0) == (None, False)

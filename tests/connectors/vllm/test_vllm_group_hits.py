@@ -16,6 +16,7 @@ from kvtierd.connectors.vllm.group_hits import (
 )
 from kvtierd.connectors.vllm.kv_groups import EngineGroups, GroupKind, ServedGroup
 from kvtierd.connectors.vllm.scheduler import LookupQuery
+from kvtierd.tier import TierCounts
 from kvtierd.v1 import kvtier_pb2 as pb
 
 FULL = ServedGroup(1, GroupKind.FULL, ("a",), 64, 4)
@@ -25,7 +26,7 @@ T0, T1, T2 = 1, 2, 3
 
 
 def test_presence_from_a_chains_tier_counts_and_across_ranks():
-    assert leading_presence((2, 1, 0, 0), 5) == [T0, T0, T1, ABSENT, ABSENT]
+    assert leading_presence(TierCounts(2, 1, 0, 0), 5) == [T0, T0, T1, ABSENT, ABSENT]
     assert across_ranks([[T0, T0, T1, ABSENT], [T0, T2, ABSENT, T0]]) == [T0, T2, ABSENT, ABSENT]
 
 
@@ -37,7 +38,7 @@ def test_the_positions_each_kind_needs():
 
 def test_full_attention_alone_is_its_leading_run_with_its_tiers():
     hit = request_hit([FULL], [[T0, T0, T1, ABSENT, T0]])
-    assert (hit.num_blocks, hit.tier_blocks, hit.all_in_t0) == (3, (2, 1, 0, 0), False)
+    assert (hit.num_blocks, hit.tier_blocks, hit.all_in_t0) == (3, TierCounts(2, 1, 0, 0), False)
     assert request_hit([FULL], [[ABSENT, T0]]) == NO_HIT
 
 
@@ -52,7 +53,7 @@ def test_a_sliding_window_hole_before_the_window_does_not_matter_inside_it_does(
 def test_a_mamba_hit_ends_where_a_state_is_and_full_attention_reaches():
     """States at 2 and 5 (positions 1 and 4); full holds 4 blocks: the hit is 2 blocks."""
     hit = request_hit([MAMBA, FULL], [[ABSENT, T1, ABSENT, ABSENT, T0, ABSENT], [T0] * 4 + [ABSENT] * 2])
-    assert (hit.num_blocks, hit.tier_blocks, hit.all_in_t0) == (2, (2, 0, 0, 0), False)  # the state is in T1
+    assert (hit.num_blocks, hit.tier_blocks, hit.all_in_t0) == (2, TierCounts(2, 0, 0, 0), False)  # the state is in T1
     assert request_hit([MAMBA, FULL], [[ABSENT] * 3, [T0] * 3]) == NO_HIT
 
 

@@ -1,0 +1,60 @@
+"""The monotonic counters of one layout's tiers, as an operator reads them (tiering_stats.py).
+
+One method per counter, each typed by what it counts (a Tier, an Edge, a copy Direction); any
+thread may call them (each takes the lock). The rules of what counts as a query, a hit or a miss
+are in the callers' module docstrings (promotion.py, block_io.py, remote_stream.py,
+index/query_counting.py); the fields are read without the lock (each a whole value).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import threading
+
+from kvtierd.movers.copy_engine import Direction
+from kvtierd.tier import Edge, Tier, TierCounts
+
+
+@dataclasses.dataclass
+class TierCounters:
+    """Counts since start; written only through the `count_*` methods."""
+
+    num_query_blocks: int = 0  # asked for by Acquire, Put and Get or named by a Lookup: the hit rate's denominator
+    num_hit_blocks: TierCounts = TierCounts()  # prefix hits served, by the tier that held them
+    num_skipped_slow_blocks: int = 0  # lower-tier hits not loaded: recompute was expected faster
+    num_failed_load_blocks: int = 0  # promotions that failed: a miss, never a hit
+    num_offloaded_blocks: dict[Edge, int] = dataclasses.field(  # by edge; into T3: queued for the store's writer
+        default_factory=lambda: dict.fromkeys(Edge, 0))
+    num_failed_offload_blocks: int = 0
+    bytes_moved: dict[str, int] = dataclasses.field(  # by copy direction (its value): this layout's copies that landed
+        default_factory=lambda: dict.fromkeys((d.value for d in Direction), 0))
+    lock: threading.Lock = dataclasses.field(default_factory=threading.Lock, repr=False)
+
+    def count_queries(self, num_blocks: int) -> None:
+        with self.lock:
+            self.num_query_blocks += num_blocks
+
+    def count_hits(self, tier: Tier, num_blocks: int) -> None:
+        if num_blocks:
+            with self.lock:
+                self.num_hit_blocks += TierCounts.of(tier, num_blocks)
+
+    def count_skipped_slow(self, num_blocks: int) -> None:
+        with self.lock:
+            self.num_skipped_slow_blocks += num_blocks
+
+    def count_failed_loads(self, num_blocks: int) -> None:
+        with self.lock:
+            self.num_failed_load_blocks += num_blocks
+
+    def count_offloaded(self, edge: Edge, num_blocks: int) -> None:
+        with self.lock:
+            self.num_offloaded_blocks[edge] += num_blocks
+
+    def count_failed_offloads(self, num_blocks: int) -> None:
+        with self.lock:
+            self.num_failed_offload_blocks += num_blocks
+
+    def count_moved(self, direction: Direction, nbytes: int) -> None:
+        with self.lock:
+            self.bytes_moved[direction.value] += nbytes
