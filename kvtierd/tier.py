@@ -109,3 +109,27 @@ class TierCounts:
         if other == 0:
             return self
         return NotImplemented
+
+
+class AcquiredTierFields:
+    """An Acquire's `tier_blocks` by the AcquireResponse's field names, for the classes that carry
+    one (the daemon's AcquiredBlocks, the client's AcquireResult)."""
+
+    __slots__ = ()
+    tier_blocks: TierCounts
+
+    @property
+    def num_t0_hit_blocks(self) -> int:
+        return self.tier_blocks.t0
+
+    @property
+    def num_t1_blocks(self) -> int:
+        return self.tier_blocks.t1
+
+    @property
+    def num_t2_blocks(self) -> int:
+        return self.tier_blocks.t2
+
+    @property
+    def num_t3_blocks(self) -> int:
+        return self.tier_blocks.t3

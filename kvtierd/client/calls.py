@@ -15,7 +15,7 @@ from kvtierd.client.block_data import TokenIds, hash_list, optional_tokens
 from kvtierd.client.fd_channel import FdChannel
 from kvtierd.errors import FailedPrecondition
 from kvtierd.layout import Layout
-from kvtierd.tier import TierCounts
+from kvtierd.tier import AcquiredTierFields, TierCounts
 from kvtierd.v1 import kvtier_pb2 as pb
 from kvtierd.wire.conversions import acquired_from_proto, handle_from_proto, layout_to_proto
 
@@ -78,7 +78,7 @@ def drain_call(resume: bool) -> Call:
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
-class AcquireResult:
+class AcquireResult(AcquiredTierFields):
     """A request's block table from Acquire: hits first (loads pending if `pending`), then fresh."""
 
     block_ids: list[int]
@@ -86,22 +86,6 @@ class AcquireResult:
     # (T3's: Wait says how many landed)
     tier_blocks: TierCounts
     pending: bool
-
-    @property
-    def num_t0_hit_blocks(self) -> int:
-        return self.tier_blocks.t0
-
-    @property
-    def num_t1_blocks(self) -> int:
-        return self.tier_blocks.t1
-
-    @property
-    def num_t2_blocks(self) -> int:
-        return self.tier_blocks.t2
-
-    @property
-    def num_t3_blocks(self) -> int:
-        return self.tier_blocks.t3
 
     @property
     def num_loading_blocks(self) -> int:

@@ -47,12 +47,12 @@ from kvtierd.server.request_terms import (
 from kvtierd.server.stream_items import items_until
 from kvtierd.t0.factory import shareable_fd
 from kvtierd.t0.pool_handle import FD_KINDS
+from kvtierd.tier import TierCounts
 from kvtierd.tiering.block_io import PutBlock
-from kvtierd.tiering.promotion import TierHits
 from kvtierd.v1 import kvtier_pb2 as pb
 from kvtierd.v1 import kvtier_pb2_grpc
 from kvtierd.wire.block_frames import PutFrame, encode_get_response
-from kvtierd.wire.conversions import handle_to_proto, layout_from_proto
+from kvtierd.wire.conversions import acquired_to_proto_fields, handle_to_proto, layout_from_proto
 
 if TYPE_CHECKING:
     from grpc.aio import ServicerContext as Context
@@ -153,7 +153,7 @@ class KvTierServicer(kvtier_pb2_grpc.KvTierServicer):
                 lookup_remote = functools.partial(manager.lookup_remote, chains, hits, request.prefetch,
                                                   asks_store and request.num_query_blocks > 0)  # T3's misses count
                 hits = await call_blocking_if(asks_store, lookup_remote)
-        total = TierHits(*(sum(counts) for counts in zip(*((h.t0, h.t1, h.t2, h.t3) for h in hits))))
+        total = sum(hits, TierCounts())
         per_chain = [pb.ChainHits(**hit_counts(h)) for h in hits] if request.chain_lengths else []
         manager.count_query_blocks(request.num_query_blocks)  # once the lookup has been answered
         return pb.LookupResponse(**hit_counts(total), chains=per_chain)
@@ -170,14 +170,13 @@ class KvTierServicer(kvtier_pb2_grpc.KvTierServicer):
         acquire = functools.partial(manager.acquire, request_key, keys, request.num_extra_blocks,
                                     packed_tokens(request.token_ids), counting=counting)
         acquired = await call_blocking_if(manager.has_remote, acquire, lambda _: manager.release(request_key))
-        pending = acquired.num_t1_blocks + acquired.num_t2_blocks + acquired.num_t3_blocks > 0
+        pending = acquired.tier_blocks.num_lower_blocks > 0
         self.sessions.hold(session, request.request_id, len(acquired.block_ids), acquired.ticket if pending else None,
                            first_parent)
         if acquired.writable is not None:  # evicted bytes still being copied down: the client writes after
             await asyncio.wrap_future(acquired.writable)
-        return pb.AcquireResponse(block_ids=acquired.block_ids, num_t0_hit_blocks=acquired.num_t0_hit_blocks,
-                                  num_t1_blocks=acquired.num_t1_blocks, num_t2_blocks=acquired.num_t2_blocks,
-                                  num_t3_blocks=acquired.num_t3_blocks, pending=pending)
+        return pb.AcquireResponse(block_ids=acquired.block_ids, pending=pending,
+                                  **acquired_to_proto_fields(acquired.tier_blocks))
 
     async def Wait(self, request: pb.WaitRequest, context: Context) -> pb.WaitResponse:
         if request.timeout_s < 0:

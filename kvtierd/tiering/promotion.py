@@ -33,7 +33,7 @@ from kvtierd.index.block_index import RequestId
 from kvtierd.index.query_counting import QueryCounting
 from kvtierd.index.slot_entry import BlockMeta
 from kvtierd.movers.copy_engine import Direction
-from kvtierd.tier import Tier, TierCounts
+from kvtierd.tier import AcquiredTierFields, Tier, TierCounts
 from kvtierd.tiering.lower_reads import LowerReads
 from kvtierd.tiering.lower_tier import ChainRest, LowerTier, Segment
 from kvtierd.tiering.lower_tiers import lower_tiers
@@ -60,11 +60,8 @@ class Ticket:
         return self.future.done()
 
 
-TierHits = TierCounts  # a lookup's answer: the leading blocks of a chain found in each tier, T0's first
-
-
 @dataclasses.dataclass(frozen=True)
-class AcquiredBlocks:
+class AcquiredBlocks(AcquiredTierFields):
     block_ids: list[int]
     # T0's hits, then the blocks being loaded from each lower tier, in the table's order (T3's:
     # present when asked; the ticket says what landed)
@@ -72,23 +69,6 @@ class AcquiredBlocks:
     ticket: Ticket
     # resolves once every block may be written (evicted contents copied down); None: at once
     writable: concurrent.futures.Future[None] | None = None
-
-    # tier_blocks by the AcquireResponse's field names
-    @property
-    def num_t0_hit_blocks(self) -> int:
-        return self.tier_blocks.t0
-
-    @property
-    def num_t1_blocks(self) -> int:
-        return self.tier_blocks.t1
-
-    @property
-    def num_t2_blocks(self) -> int:
-        return self.tier_blocks.t2
-
-    @property
-    def num_t3_blocks(self) -> int:
-        return self.tier_blocks.t3
 
 
 class Promoter:

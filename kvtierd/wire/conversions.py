@@ -53,6 +53,12 @@ def hits_from_proto(message: pb.LookupResponse | pb.ChainHits) -> TierCounts:
     return TierCounts(message.num_t0_blocks, message.num_t1_blocks, message.num_t2_blocks, message.num_t3_blocks)
 
 
+def acquired_to_proto_fields(acquired: TierCounts) -> dict[str, int]:
+    """The fields of an AcquireResponse: the hits in T0, then the blocks loading from each lower tier."""
+    return dict(num_t0_hit_blocks=acquired.t0, num_t1_blocks=acquired.t1, num_t2_blocks=acquired.t2,
+                num_t3_blocks=acquired.t3)
+
+
 def acquired_from_proto(message: pb.AcquireResponse) -> TierCounts:
     """An Acquire's hits in T0, then the blocks being loaded from each lower tier."""
     return TierCounts(message.num_t0_hit_blocks, message.num_t1_blocks, message.num_t2_blocks, message.num_t3_blocks)

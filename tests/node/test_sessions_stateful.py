@@ -95,7 +95,7 @@ class SessionMachine(RuleBasedStateMachine):
             return
         self.sessions.hold(session, request_id, len(acquired.block_ids))
         self.num_acquired_refs += len(acquired.block_ids)
-        n0 = acquired.num_t0_hit_blocks
+        n0 = acquired.tier_blocks.t0
         if n0 < len(keys):  # compute and commit the misses, as a runner does
             parent = keys[n0 - 1] if n0 else session.tenant.key(self.pool.client_root)
             self.pool.manager.commit(session.key(request_id), n0, keys[n0:],
