@@ -25,7 +25,7 @@ from kvtierd.metrics.metrics_collector import PoolSource, TierCollector
 
 if TYPE_CHECKING:
     from kvtierd.node.quotas import Quota
-    from kvtierd.t3.redis_store import StoreHealth
+    from kvtierd.t3.store_node import StoreHealth
     from kvtierd.tiering.tiering_stats import TieringStats
 
 # Block ages: 1 ms (a block reused within one batch) to 1 h; older ones land in +Inf.

@@ -22,7 +22,7 @@ from kvtierd.metrics.bucket_histogram import BucketHistogram
 from kvtierd.tier import Tier
 
 if TYPE_CHECKING:
-    from kvtierd.t3.redis_store import StoreHealth
+    from kvtierd.t3.store_node import StoreHealth
     from kvtierd.tiering.tiering_stats import TieringStats
 
 log = logging.getLogger(__name__)

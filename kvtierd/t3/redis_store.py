@@ -21,7 +21,6 @@ to the socket timeout per node.
 from __future__ import annotations
 
 import concurrent.futures
-import dataclasses
 import logging
 import threading
 from binascii import crc_hqx
@@ -38,41 +37,12 @@ from kvtierd.t3.block_frame import FrameValue
 from kvtierd.t3.circuit_breaker import BreakerState, CircuitBreaker
 from kvtierd.t3.redis_connections import CONNECTION, HIREDIS, TLS_CONNECTION, BulkReader, read_replies
 from kvtierd.t3.remote_config import RemoteConfig
+from kvtierd.t3.store_node import Address, StoreHealth, StoreNode, endpoint_names
 
 log = logging.getLogger(__name__)
-Address = tuple[str, int]
 _EXISTS = b"*2\r\n$6\r\nEXISTS\r\n$%d\r\n%s\r\n"  # one EXISTS in RESP, packed by hand
 _GET = b"*2\r\n$3\r\nGET\r\n$%d\r\n%s\r\n"
 _SMALL = 1 << 14  # a value below this is joined into the write before it
-
-
-@dataclasses.dataclass(eq=False)
-class StoreNode:
-    address: Address
-    client: redis.Redis
-    breaker: CircuitBreaker
-    answering: bool = True  # its last call succeeded (or none was made yet)
-    failure: tuple[str, bool] = ("", False)  # why its last failed call failed; credentials refused
-
-    @property
-    def reachable(self) -> bool:
-        return self.answering and self.breaker.state is BreakerState.CLOSED
-
-
-@dataclasses.dataclass(frozen=True, slots=True)
-class StoreHealth:
-    mode: str  # "cluster", "single", or "unknown" while no seed answered
-    state: BreakerState  # the worst node's: open if any node (or the seeds) is open
-    num_nodes: int
-    num_open_nodes: int  # not answering: breaker open or half-open, or its last call failed
-    num_errors: int  # failed calls to a node, since start
-    num_opened: int  # times a breaker opened, since start
-    last_error: str = ""  # "host:port: why", of the last failed call; "" while every node answers
-    credentials_refused: bool = False  # that failure was the store refusing remote.username / password
-
-    @property
-    def serving(self) -> bool:
-        return self.mode != "unknown" and self.num_open_nodes == 0 and self.state is BreakerState.CLOSED
 
 
 class RedisStore:
@@ -309,8 +279,8 @@ class RedisStore:
             table = self._read_topology()
         except (redis.RedisError, OSError) as e:
             self._seeds.failed()
-            self._failed(_names(self.config.endpoints), e)
-            log.warning("T3 store unreachable at %s: %s", _names(self.config.endpoints), e)
+            self._failed(endpoint_names(self.config.endpoints), e)
+            log.warning("T3 store unreachable at %s: %s", endpoint_names(self.config.endpoints), e)
             return None
         self._seeds.succeeded()
         with self._lock:
@@ -379,7 +349,7 @@ class RedisStore:
         return failure
 
     def _node_failed(self, node: StoreNode, error: BaseException) -> None:
-        node.failure = self._failed(_names([node.address]), error)
+        node.failure = self._failed(endpoint_names([node.address]), error)
         node.answering = False
         was_open = node.breaker.state is BreakerState.OPEN
         node.breaker.failed()
@@ -401,10 +371,4 @@ class RedisStore:
             node.answering = True
             node.breaker.succeeded()
             if errors:
-                self._failed(_names([node.address]), errors[0])
-
-
-
-
-def _names(endpoints) -> str:
-    return ",".join(f"{host}:{port}" for host, port in endpoints)
+                self._failed(endpoint_names([node.address]), errors[0])
