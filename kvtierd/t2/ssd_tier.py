@@ -25,14 +25,12 @@ entry is dropped (SlotIndex and LMDB) and counted, no byte of it reported as loa
 
 from __future__ import annotations
 
-import concurrent.futures
 import contextlib
 import logging
 import os
 import threading
 import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
-from typing import Literal, TypeVar, cast
 
 import lmdb
 import numpy as np
@@ -47,15 +45,14 @@ from kvtierd.layout import Layout
 from kvtierd.t2.node_budget import NodeBudget, truncating_shed
 from kvtierd.t2.ssd_config import SsdTierConfig, describe_error, lock_directory
 from kvtierd.t2.ssd_extent import ExtentSlotIndex
-from kvtierd.t2.ssd_files import Run, SlotFiles
+from kvtierd.t2.ssd_files import SlotFiles
 from kvtierd.t2.ssd_growth import SsdGrowth, take_budget
 from kvtierd.t2.ssd_index import Record, SsdIndex
+from kvtierd.t2.ssd_io import BlockBytes, SlotIO, checked_blocks
 from kvtierd.t2.ssd_recovery import recover_records
 from kvtierd.t2.ssd_stats import SsdStats
 
 log = logging.getLogger(__name__)
-T = TypeVar("T")
-BlockBytes = torch.Tensor | bytes | bytearray | memoryview  # a block's bytes as `store` takes them
 
 INDEX_RESERVE_BYTES = 1 << 20  # left free beside the index when the disk cannot hold the capacity
 
@@ -118,7 +115,7 @@ class SsdTier:
         self._admitting = self.num_slots > 0
         if not self._admitting and not self._reason:
             self._reason = "disk: no slots (capacity below one slot)"
-        self._pool = concurrent.futures.ThreadPoolExecutor(config.num_io_threads, thread_name_prefix="kvtierd-ssd-io")
+        self._io = SlotIO(self._files, config.num_io_threads, self._checksums)
         if self._db is not None:
             self._recover(self._db)
         self._budget.register(self._budget_key, self._shed)  # from now on others may ask it to give back
@@ -197,7 +194,7 @@ class SsdTier:
         on a write error, which stops admission). Raises only for malformed items. The slot
         index's two phases run inside this call, each committing LMDB in the order (a)-(e) above
         (T1's caller, offload.py, runs them itself). Blocking: a spill thread's."""
-        metas, sources = self._check_items(items)
+        metas, sources = checked_blocks(items, self.slot_nbytes)
         with self._operation():
             if not self._admitting or not metas:
                 return 0
@@ -218,7 +215,7 @@ class SsdTier:
                 return 0
             entries = plan.stores
             try:
-                checksums = self._run_all(self._write_run, entries, [sources[e.block_hash] for e in entries])  # (b)
+                checksums = self._io.write(entries, [sources[e.block_hash] for e in entries])  # (b)
                 if self.config.durability == "fdatasync":
                     self._files.sync([self._files.location(e.slot)[0] for e in entries])  # (c)
             except BaseException as error:  # the slots go back free; an OSError stops admission
@@ -250,10 +247,6 @@ class SsdTier:
         except FailedPrecondition:  # closed (_operation); nothing inside raises it
             return 0
 
-    def _write_run(self, run: Run, entries: list[SlotEntry], sources: list[memoryview]) -> list[tuple[int, int]]:
-        self._files.write_run(run, sources)
-        return [(p, xxhash.xxh3_64_intdigest(sources[p])) for p in run.positions]
-
     def _watermark_victims(self) -> list[SlotEntry]:
         num_used = self._index.num_used_slots
         if num_used <= int(self.config.high_watermark * self.num_slots):
@@ -284,7 +277,7 @@ class SsdTier:
                 return 0
             try:
                 destinations = [rows[i].numpy().data for i in range(len(entries))]
-                results = self._run_all(self._load_run, entries, destinations)
+                results = self._io.read(entries, destinations)
             finally:
                 self._index.unpin(entries)
             num_loaded = next((i for i, ok in enumerate(results) if ok is not True), len(results))
@@ -294,26 +287,6 @@ class SsdTier:
                 for entry in entries[:num_loaded]:
                     self._touched[entry.block_hash] = entry.last_use_s
             return num_loaded
-
-    def _load_run(self, run: Run, entries: list[SlotEntry],
-                  destinations: list[memoryview]) -> list[tuple[int, Literal[True] | str]]:
-        try:
-            views = self._files.read_run(run, destinations)
-            failure = "corrupt"  # a short read (view None) or a checksum mismatch
-        except OSError as error:
-            log.error("SSD tier: read of %d block(s) failed: %s", len(run.positions), error)
-            views, failure = [None] * len(run.positions), "io"
-        results = []
-        for position, view in zip(run.positions, views):
-            destination = destinations[position]
-            if view is not None and xxhash.xxh3_64_intdigest(view) == int(self._checksums[entries[position].slot]):
-                if view.obj is not destination.obj:
-                    destination[:] = view
-                results.append((position, True))
-            else:
-                destination[:] = bytes(destination.nbytes)  # nothing of a failed block is handed out
-                results.append((position, failure))
-        return results
 
     def _drop(self, failures: list[tuple[SlotEntry, str]]) -> None:
         """Drop blocks that failed to read or verify (one another load pins: when that load fails too)."""
@@ -347,7 +320,7 @@ class SsdTier:
                 return
             self._closed = True
             self._state.wait_for(lambda: self._num_in_flight == 0)
-        self._pool.shutdown(wait=True)
+        self._io.close()
         if self._db is not None:
             with self._write_lock:
                 self._commit_index("close", last_uses=self._touched)
@@ -375,19 +348,6 @@ class SsdTier:
                 self._num_in_flight -= 1
                 self._state.notify_all()
 
-    def _run_all(self, task: Callable[[Run, list[SlotEntry], list[memoryview]], list[tuple[int, T]]],
-                 entries: list[SlotEntry], buffers: list[memoryview]) -> list[T]:
-        """Run `task(run, entries, buffers)` per run on the I/O threads; wait for every one before
-        returning or raising (a slot must not be freed while a write to it is in flight)."""
-        runs = self._files.plan_runs([e.slot for e in entries])
-        futures = [self._pool.submit(task, run, entries, buffers) for run in runs]
-        concurrent.futures.wait(futures)
-        results = cast("list[T]", [None] * len(entries))  # each position is set below, or this raises
-        for future in futures:
-            for position, value in future.result():  # re-raises the first failure
-                results[position] = value
-        return results
-
     def _commit_index(self, where: str, deletes: Iterable[bytes] = (), puts: Sequence[Record] = (),
                       last_uses: Mapping[bytes, float] | None = None) -> bool:
         """One LMDB transaction, pending deletes included; the caller holds _write_lock."""
@@ -413,24 +373,3 @@ class SsdTier:
                 self._reason = describe_error(error, where, self.config.directories[0]) + "; T2 stopped admitting"
         if was_admitting:
             log.error("SSD tier: %s", self._reason)
-
-    def _check_items(self,
-                     items: Sequence[tuple[BlockMeta, BlockBytes]]) -> tuple[list[BlockMeta], dict[bytes, memoryview]]:
-        metas, sources = [], {}
-        for meta, data in items:
-            if not isinstance(meta, BlockMeta):
-                raise InvalidArgument(f"store items are (BlockMeta, bytes), got {type(meta).__name__}")
-            if isinstance(data, torch.Tensor):
-                if data.dtype != torch.uint8 or data.device.type != "cpu":
-                    raise InvalidArgument("a block tensor must be a CPU uint8 tensor")
-                view = data.contiguous().view(-1).numpy().data
-            else:
-                try:
-                    view = memoryview(data).cast("B")
-                except TypeError as error:
-                    raise InvalidArgument(f"block data must be bytes-like or a tensor: {error}") from None
-            if view.nbytes != self.slot_nbytes:
-                raise InvalidArgument(f"a block is {self.slot_nbytes} bytes here, got {view.nbytes}")
-            metas.append(meta)
-            sources.setdefault(meta.block_hash, view)
-        return metas, sources
