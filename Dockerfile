@@ -15,6 +15,10 @@ ARG TORCH_VERSION=2.13.0
 ARG TORCH_INDEX_URL=https://download.pytorch.org/whl/cpu
 ARG EXTRAS=""
 ENV PIP_NO_CACHE_DIR=1 PIP_DISABLE_PIP_VERSION_CHECK=1
+# A C compiler for the block-hash chain's C loop (kernels/hash_chain.c); the runtime stage needs none.
+# hadolint ignore=DL3008
+RUN apt-get update && apt-get install -y --no-install-recommends gcc libc6-dev \
+    && rm -rf /var/lib/apt/lists/*
 RUN python -m venv /opt/kvtierd
 ENV PATH=/opt/kvtierd/bin:$PATH
 RUN pip install --no-cache-dir --index-url "${TORCH_INDEX_URL}" "torch==${TORCH_VERSION}"
@@ -26,7 +30,8 @@ COPY kvtierd/ kvtierd/
 COPY kernels/ kernels/
 COPY connectors/ connectors/
 RUN pip install --no-cache-dir "/src${EXTRAS:+[$EXTRAS]}" \
-    && kvtierd --help >/dev/null
+    && kvtierd --help >/dev/null \
+    && python -c "from kvtierd.hash_chain_native import native_chain; assert native_chain('xxh3_128')"
 
 FROM ${PYTHON_IMAGE}
 LABEL org.opencontainers.image.title="kvtierd" \

@@ -1,14 +1,18 @@
-"""Builds the gRPC code of proto/kvtierd/v1/*.proto into kvtierd/v1/ before the package is built.
+"""Builds the gRPC code of proto/kvtierd/v1/*.proto into kvtierd/v1/ before the package is built,
+and the optional C loop of the block-hash chain (kernels/hash_chain.c -> kvtierd._hash_chain).
 
 The generated modules are not committed (.gitignore). Because the proto path equals the Python
 package path (kvtierd/v1), `from kvtierd.v1 import kvtier_pb2` works without import rewriting.
 Both `pip install .` and `pip install -e .` run build_py.
+
+The extension is optional: where no C compiler is found, setuptools warns and the package installs
+without it (kvtierd/hash_chain_native.py then answers None and the Python loop hashes).
 """
 
 import glob
 import os
 
-from setuptools import setup
+from setuptools import Extension, setup
 from setuptools.command.build_py import build_py
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -32,4 +36,7 @@ class BuildPyWithProtos(build_py):
         super().run()
 
 
-setup(cmdclass={"build_py": BuildPyWithProtos})
+HASH_CHAIN = Extension("kvtierd._hash_chain", sources=["kernels/hash_chain.c"], optional=True,
+                       extra_compile_args=["-O2"])
+
+setup(cmdclass={"build_py": BuildPyWithProtos}, ext_modules=[HASH_CHAIN])

@@ -1,7 +1,9 @@
 """Hashing: tokens/s of the sha256 and xxh3-128 block-hash chains beside the raw hash function.
 
 Ours: `Namespace.hash_blocks(token_ids)` over a prompt of random token ids (block 16), given as a
-list of ints (what an engine holds) and as a uint32 array.
+list of ints (what an engine holds) and as a uint32 array. Where the package was built with a C
+compiler, the chain runs in one C loop (kernels/hash_chain.c) and a list is packed in C; the
+header says which loop ran (KVTIERD_PURE_PYTHON_HASH=1 times the Python loop).
 
 Baseline ("raw"): the bare hash function, `hashlib.sha256(m).digest()` or
 `xxhash.xxh3_128_digest(m)`, applied in a list comprehension to exactly the per-block messages
@@ -28,6 +30,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks import _report  # noqa: E402
 from kvtierd.block_hash import HEADER, KIND_BLOCK, TAG_PARENT, TAG_TOKENS, Namespace  # noqa: E402
+from kvtierd.hash_chain_native import native_chain, native_pack_u32  # noqa: E402
 from kvtierd.layout import llama3_8b  # noqa: E402
 
 BLOCK_SIZE = 16
@@ -115,6 +118,9 @@ def main(argv: Sequence[str] | None = None) -> int:
           "the exact per-block messages our chain hashes (header + tokens field + parent field), pre-built; "
           "checked equal to our chain")
     print(f"goal: ours >= {GOAL_RATIO:g}x raw (tokens/s)")
+    loops = {algo: "C loop (kvtierd._hash_chain)" if native_chain(algo) else "Python loop" for algo in ALGOS}
+    print("ours: " + ", ".join(f"{algo}: {loop}" for algo, loop in loops.items())
+          + "; list[int] packed by " + ("C" if native_pack_u32() else "array('I')"))
     print()
     rows: list[Row] = []
     references: list[list[str]] = []

@@ -37,8 +37,6 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import struct
-import sys
-from array import array
 from collections.abc import Callable, Sequence
 from typing import NewType, cast
 
@@ -46,7 +44,9 @@ import numpy as np
 import xxhash
 
 from kvtierd.errors import InvalidArgument
+from kvtierd.hash_chain_native import native_chain
 from kvtierd.layout import Layout
+from kvtierd.token_bytes import TOKEN_ID_BYTES, pack_token_ids  # also imported from here (benchmarks/)
 
 BlockHash = NewType("BlockHash", bytes)
 
@@ -64,8 +64,6 @@ TAG_LORA = 0x12
 TAG_MM = 0x13
 TAG_SALT = 0x14
 
-MAX_TOKEN_ID = 2**32 - 1
-
 HASH_FUNCTIONS: dict[str, tuple[int, Callable[[bytes], bytes]]] = {
     "sha256": (32, lambda data: hashlib.sha256(data).digest()),
     "xxh3_128": (16, xxhash.xxh3_128_digest),
@@ -75,42 +73,6 @@ HASH_FUNCTIONS: dict[str, tuple[int, Callable[[bytes], bytes]]] = {
 def field(tag: int, value: bytes) -> bytes:
     """One tagged, length-framed field of the encoding."""
     return struct.pack("<BI", tag, len(value)) + value
-
-
-_U32_CODE = next(code for code in "IL" if array(code).itemsize == 4)
-
-
-PackableTokenIds = Sequence[int] | np.ndarray | bytes  # what pack_token_ids takes
-
-
-def pack_token_ids(token_ids: PackableTokenIds) -> bytes:
-    """Token ids as u32 little-endian bytes; raises InvalidArgument outside [0, 2**32).
-
-    Bytes are taken as already packed (the wire format): no conversion, only a length check.
-    """
-    if isinstance(token_ids, (bytes, bytearray, memoryview)):
-        if len(token_ids) % 4:
-            raise InvalidArgument(f"packed token ids are 4 bytes each, got {len(token_ids)} bytes")
-        return bytes(token_ids)
-    if isinstance(token_ids, (list, tuple, range)):
-        try:
-            packed = array(_U32_CODE, token_ids)  # C-speed for Python ints; rejects floats
-        except (OverflowError, TypeError):
-            raise InvalidArgument(f"token ids must be integers in [0, {MAX_TOKEN_ID}]") from None
-        if sys.byteorder == "big":
-            packed.byteswap()
-        return packed.tobytes()
-    array_ = np.asarray(token_ids)
-    if array_.ndim != 1:
-        raise InvalidArgument(f"token ids must be one-dimensional, got shape {array_.shape}")
-    if array_.size == 0:
-        return b""
-    if array_.dtype.kind not in "iu":
-        raise InvalidArgument(f"token ids must be integers, got dtype {array_.dtype}")
-    if array_.dtype != np.uint32:
-        if int(array_.min()) < 0 or int(array_.max()) > MAX_TOKEN_ID:
-            raise InvalidArgument(f"token ids must lie in [0, {MAX_TOKEN_ID}]")
-    return array_.astype("<u4", copy=False).tobytes()
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -175,8 +137,9 @@ class Namespace:
             + field(TAG_LAYOUT, layout.fingerprint())
             + field(TAG_TENANT, tenant.encode())))
         # A block message is `_tokens_head + tokens + _parent_head + parent + extras`.
-        self._tokens_head = HEADER + KIND_BLOCK + struct.pack("<BI", TAG_TOKENS, 4 * self.block_size)
+        self._tokens_head = HEADER + KIND_BLOCK + struct.pack("<BI", TAG_TOKENS, TOKEN_ID_BYTES * self.block_size)
         self._parent_head = struct.pack("<BI", TAG_PARENT, self.digest_size)
+        self._native_chain = native_chain(algo)  # the same chain in one C loop, where it was built
 
     def hash_blocks(
         self,
@@ -195,11 +158,27 @@ class Namespace:
             raise InvalidArgument("pass parent exactly when start_block > 0")
         if parent is not None and len(parent) != self.digest_size:
             raise InvalidArgument(f"parent hash must be {self.digest_size} bytes, got {len(parent)}")
-        prefixes = self._block_prefixes(pack_token_ids(token_ids))
+        tokens = pack_token_ids(token_ids)
+        parent_hash = self.root if parent is None else parent
+        if extras == _NO_EXTRAS:
+            extras = None
+        if self._native_chain is None or (extras is not None and (extras.lora_id is not None or extras.mm_inputs)):
+            return self._python_chain(tokens, extras, start_block, parent_hash)
+        # The C loop hashes blocks without extra fields; a cache salt is a field of block 0 only.
+        salted = extras is not None and extras.cache_salt is not None and start_block == 0
+        stride = TOKEN_ID_BYTES * self.block_size
+        head = self._python_chain(tokens[:stride], extras, 0, parent_hash) if salted else []
+        rest = self._native_chain(tokens[stride:] if salted else tokens, stride, self._tokens_head,
+                                  self._parent_head, head[-1] if head else parent_hash)
+        return cast("list[BlockHash]", head + rest)
+
+    def _python_chain(self, tokens: bytes, extras: PromptExtras | None, start_block: int,
+                      parent_hash: bytes) -> list[BlockHash]:
+        """The chain hashed block by block in Python (extras of any kind; no C loop built)."""
+        prefixes = self._block_prefixes(tokens)
         chain: list[bytes] = []  # BlockHashes, appended as the digests come (no wrapper call per block)
         append = chain.append
-        parent_hash = self.root if parent is None else parent
-        if extras is not None and extras != _NO_EXTRAS:
+        if extras is not None:
             digest = self._digest
             for i, prefix in enumerate(prefixes):
                 parent_hash = digest(prefix + parent_hash + extras.encode_block(start_block + i, self.block_size))
@@ -218,7 +197,7 @@ class Namespace:
 
     def _block_prefixes(self, tokens: bytes) -> list[bytes]:
         """Per full block, its message up to the parent: tokens head, tokens, parent head."""
-        stride = 4 * self.block_size
+        stride = TOKEN_ID_BYTES * self.block_size
         num_blocks = len(tokens) // stride
         head, tail = self._tokens_head, self._parent_head
         if num_blocks < 16:  # numpy's fixed cost does not pay for a few blocks

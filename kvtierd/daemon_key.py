@@ -14,7 +14,7 @@ The client hash of a block's parent gets the same tag: a chain never crosses ten
 from __future__ import annotations
 
 from collections.abc import Iterable
-from typing import NewType
+from typing import NewType, cast
 
 TAG_BYTES = 16
 
@@ -27,19 +27,19 @@ def make_daemon_key(tag: TenantTag, client_hash: bytes) -> DaemonKey:
     return DaemonKey(tag + client_hash)
 
 
-def make_daemon_keys(tag: TenantTag, client_hashes: Iterable[bytes]) -> list[bytes]:
+def make_daemon_keys(tag: TenantTag, client_hashes: Iterable[bytes]) -> list[DaemonKey]:
     """The keys of many client hashes of one tenant (the hot path of Lookup and Acquire): each a
     DaemonKey, made without a wrapper call per key, in a list the core takes as its block keys."""
     assert len(tag) == TAG_BYTES, tag
-    return list(map(tag.__add__, client_hashes))
+    return cast("list[DaemonKey]", list(map(tag.__add__, client_hashes)))
 
 
-def tenant_tag_of(key: bytes) -> TenantTag:
+def tenant_tag_of(key: DaemonKey) -> TenantTag:
     """The tag of the tenant that owns the block `key` names."""
     return TenantTag(key[:TAG_BYTES])
 
 
-def client_hash_of(key: bytes) -> bytes:
+def client_hash_of(key: DaemonKey) -> bytes:
     """The block hash as the client computed it (what the Events stream and Get answer with)."""
     return key[TAG_BYTES:]
 

@@ -13,9 +13,10 @@ import pytest
 import torch
 import xxhash
 
-from kvtierd.block_hash import MultimodalInput, Namespace, PromptExtras, pack_token_ids
+from kvtierd.block_hash import MultimodalInput, Namespace, PromptExtras
 from kvtierd.errors import InvalidArgument
 from kvtierd.layout import llama3_8b
+from kvtierd.token_bytes import pack_token_ids
 
 ALGOS = ["sha256", "xxh3_128"]
 PROMPT = list(range(1000, 1000 + 16 * 6 + 5))  # six full blocks of 16 and a partial one

@@ -52,6 +52,7 @@ from kvtierd.connectors.vllm.daemon_link import DaemonLink
 from kvtierd.connectors.vllm.kv_groups import EngineGroups, ServedGroup
 from kvtierd.connectors.vllm.metadata import GroupBlocks, GroupStore, LoadSpec, StepMetadata, StoreSpec
 from kvtierd.errors import KvtierError
+from kvtierd.token_bytes import packed_size
 
 log = logging.getLogger(__name__)
 
@@ -60,7 +61,7 @@ DEFAULT_START_ATTACH_S = 10.0  # the longest an engine's start waits for its fir
 
 def _payload_nbytes(block_hashes: Sequence[bytes], token_ids: Sequence[int]) -> int:
     """The bytes of hashes and token ids (u32) a request carries: what a store sends besides the ids."""
-    return sum(map(len, block_hashes)) + 4 * len(token_ids)
+    return sum(map(len, block_hashes)) + packed_size(len(token_ids))
 
 
 class EnginePagesLike(Protocol):

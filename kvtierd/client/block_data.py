@@ -11,9 +11,9 @@ from typing import TYPE_CHECKING, Union
 
 import numpy as np
 
-from kvtierd.block_hash import pack_token_ids
 from kvtierd.errors import InvalidArgument, KvtierError
 from kvtierd.layout import Layout
+from kvtierd.token_bytes import pack_token_ids
 from kvtierd.v1 import kvtier_pb2 as pb
 from kvtierd.wire.block_frames import encode_put_request
 from kvtierd.wire.conversions import layout_to_proto

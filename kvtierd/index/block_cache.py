@@ -12,7 +12,7 @@ import time
 from collections.abc import Callable, Mapping, Sequence
 from types import MappingProxyType
 
-from kvtierd.block_hash import BlockHash
+from kvtierd.daemon_key import DaemonKey
 from kvtierd.errors import FailedPrecondition, InvalidArgument
 from kvtierd.index.eviction import EvictionHook, Evictor
 from kvtierd.index.free_queue import FreeBlockQueue
@@ -21,6 +21,7 @@ from kvtierd.index.index_events import AllBlocksCleared, BlockStored, EventQueue
 from kvtierd.index.index_metrics import IndexObserver
 from kvtierd.index.kv_block import KVBlock
 from kvtierd.index.prefix_match import check_hashes, match_prefix, pack_prompt_tokens
+from kvtierd.token_bytes import PackableTokenIds, TokenBytes
 
 
 class BlockCache:
@@ -53,7 +54,7 @@ class BlockCache:
         block_size: int,
         *,
         hash_size: int = 32,
-        root: BlockHash | None = None,
+        root: DaemonKey | None = None,
         on_evict: EvictionHook | None = None,
         observer: IndexObserver | None = None,
         clock: Callable[[], float] = time.monotonic,
@@ -68,7 +69,7 @@ class BlockCache:
         self.blocks = [KVBlock(block_id) for block_id in range(num_blocks)]
         self.free_queue = FreeBlockQueue(self.blocks)
         self.hash_to_blocks = HashToBlocks()
-        self.hash_to_block: Mapping[bytes, KVBlock] = MappingProxyType(self.hash_to_blocks.first)
+        self.hash_to_block: Mapping[DaemonKey, KVBlock] = MappingProxyType(self.hash_to_blocks.first)
         self._observer = observer
         self._clock = clock
         self._events = EventQueue(max_pending_events) if max_pending_events else None
@@ -110,19 +111,19 @@ class BlockCache:
         """Blocks holding a hash that an older block holds too."""
         return self.hash_to_blocks.num_duplicate_blocks
 
-    def lookup(self, block_hashes: Sequence[bytes], token_ids: Sequence[int] | None = None) -> int:
+    def lookup(self, block_hashes: Sequence[DaemonKey], token_ids: PackableTokenIds | None = None) -> int:
         """How many leading blocks of the chain are cached here. Changes nothing."""
         with self._lock:
             return len(self._hits(block_hashes, token_ids))
 
     # ----------------------------------------------------------------------------- cached content
 
-    def cached_hashes(self) -> list[bytes]:
+    def cached_hashes(self) -> list[DaemonKey]:
         """A snapshot of every hash cached in this tier (held or not), each once."""
         with self._lock:
             return list(self.hash_to_blocks)
 
-    def evict(self, block_hashes: Sequence[bytes], copy_down: bool = True) -> int:
+    def evict(self, block_hashes: Sequence[DaemonKey], copy_down: bool = True) -> int:
         """Drop every copy of the named hashes that nobody holds (ref_cnt 0) from this tier; the
         blocks move to the head of the free queue, empty (the eviction hook copies them down
         first unless `copy_down` is false). Copies in use are skipped and keep their hash.
@@ -155,8 +156,8 @@ class BlockCache:
 
     # ----------------------------------------------------------------------------- internals
 
-    def _store(self, blocks: Sequence[KVBlock], block_hashes: Sequence[bytes], parents: Sequence[bytes],
-               block_tokens: Sequence[bytes], now: float) -> int:
+    def _store(self, blocks: Sequence[KVBlock], block_hashes: Sequence[DaemonKey], parents: Sequence[DaemonKey],
+               block_tokens: Sequence[TokenBytes], now: float) -> int:
         """Give each block its hash, parent and tokens: it becomes the newest copy of the hash (its
         first when no other block holds it), and BlockStored is queued for each hash that became
         cached. A block already holding its hash stays as it is; one holding another hash undoes
@@ -194,7 +195,7 @@ class BlockCache:
             self.hash_to_blocks.remove(block)
             block.forget_content()
 
-    def _hits(self, block_hashes: Sequence[bytes], token_ids: Sequence[int] | None) -> list[KVBlock]:
+    def _hits(self, block_hashes: Sequence[DaemonKey], token_ids: PackableTokenIds | None) -> list[KVBlock]:
         check_hashes(block_hashes, self.hash_size)
         token_bytes = pack_prompt_tokens(token_ids, len(block_hashes), self.block_size)
         return match_prefix(self.hash_to_blocks.first, block_hashes, token_bytes, self.root, self.block_size)

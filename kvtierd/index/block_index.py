@@ -9,15 +9,16 @@ from __future__ import annotations
 import time
 from collections.abc import Callable, Hashable, Sequence
 
-from kvtierd.block_hash import BlockHash, pack_token_ids
+from kvtierd.daemon_key import DaemonKey
 from kvtierd.errors import FailedPrecondition, InvalidArgument, NotFound, ResourceExhausted
 from kvtierd.index.allocation import AllocatedBlocks, WriteTarget
 from kvtierd.index.block_cache import BlockCache
 from kvtierd.index.eviction import EvictionHook
 from kvtierd.index.index_metrics import IndexObserver
 from kvtierd.index.kv_block import KVBlock
-from kvtierd.index.prefix_match import check_hashes, split_blocks
+from kvtierd.index.prefix_match import check_hashes
 from kvtierd.index.query_counting import QueryCounting
+from kvtierd.token_bytes import PackableTokenIds, pack_token_ids, packed_size, split_blocks, token_count
 
 RequestId = Hashable
 CopyBlock = Callable[[int, int], None]  # (src_block_id, dst_block_id): copy the bytes
@@ -43,7 +44,7 @@ class BlockIndex(BlockCache):
     """
 
     def __init__(self, num_blocks: int, block_size: int, *, copy_block: CopyBlock | None = None,
-                 hash_size: int = 32, root: BlockHash | None = None, on_evict: EvictionHook | None = None,
+                 hash_size: int = 32, root: DaemonKey | None = None, on_evict: EvictionHook | None = None,
                  observer: IndexObserver | None = None, clock: Callable[[], float] = time.monotonic,
                  max_pending_events: int = 0) -> None:
         """`copy_block` copies a block for copy-on-write; the others are BlockCache's."""
@@ -58,8 +59,8 @@ class BlockIndex(BlockCache):
         with self._lock:
             return [block.block_id for block in self._table(request_id)]
 
-    def can_allocate(self, block_hashes: Sequence[bytes], num_extra_blocks: int = 0,
-                     token_ids: Sequence[int] | None = None) -> bool:
+    def can_allocate(self, block_hashes: Sequence[DaemonKey], num_extra_blocks: int = 0,
+                     token_ids: PackableTokenIds | None = None) -> bool:
         with self._lock:
             hits = self._hits(block_hashes, token_ids)
             num_new_blocks = len(block_hashes) - len(hits) + num_extra_blocks
@@ -73,8 +74,8 @@ class BlockIndex(BlockCache):
 
     # ----------------------------------------------------------------------------- mutations
 
-    def allocate(self, request_id: RequestId, block_hashes: Sequence[bytes], num_extra_blocks: int = 0,
-                 token_ids: Sequence[int] | None = None,
+    def allocate(self, request_id: RequestId, block_hashes: Sequence[DaemonKey], num_extra_blocks: int = 0,
+                 token_ids: PackableTokenIds | None = None,
                  counting: QueryCounting = QueryCounting.QUERY_AND_HITS) -> AllocatedBlocks:
         """Give a new request one block per hash (hits first, the first miss ends the walk, then
         fresh blocks) and `num_extra_blocks` fresh blocks after them.
@@ -117,8 +118,8 @@ class BlockIndex(BlockCache):
             table.extend(new_blocks)
             return [block.block_id for block in new_blocks]
 
-    def commit(self, request_id: RequestId, position: int, block_hash: bytes, token_ids: Sequence[int],
-               parent_hash: bytes) -> bool:
+    def commit(self, request_id: RequestId, position: int, block_hash: DaemonKey, token_ids: PackableTokenIds,
+               parent_hash: DaemonKey) -> bool:
         """Make the full block at `position` of the request's table shareable under `block_hash`.
 
         When another block already holds that hash this one becomes a further copy, serving hits
@@ -126,8 +127,8 @@ class BlockIndex(BlockCache):
         """
         return self.commit_blocks(request_id, position, [block_hash], token_ids, parent_hash) == 1
 
-    def commit_blocks(self, request_id: RequestId, start_position: int, block_hashes: Sequence[bytes],
-                      token_ids: Sequence[int], parent_hash: bytes) -> int:
+    def commit_blocks(self, request_id: RequestId, start_position: int, block_hashes: Sequence[DaemonKey],
+                      token_ids: PackableTokenIds, parent_hash: DaemonKey) -> int:
         """Commit consecutive full blocks from `start_position` (what a prefill computed).
 
         `token_ids` are the tokens of exactly these blocks; `parent_hash` is the hash before the
@@ -136,7 +137,6 @@ class BlockIndex(BlockCache):
         before anything changes: a bad argument raises and commits none of them.
         """
         token_bytes = pack_token_ids(token_ids)
-        stride = 4 * self.block_size
         with self._lock:
             table = self._table(request_id)
             check_hashes([*block_hashes, parent_hash], self.hash_size)
@@ -144,10 +144,10 @@ class BlockIndex(BlockCache):
             if not 0 <= start_position <= end_position <= len(table) or not block_hashes:
                 raise InvalidArgument(f"positions {start_position}..{end_position - 1} are outside the "
                                       f"request's {len(table)} blocks")
-            if len(token_bytes) != stride * len(block_hashes):
+            if len(token_bytes) != packed_size(self.block_size * len(block_hashes)):
                 raise InvalidArgument(
                     f"{len(block_hashes)} blocks hold {self.block_size * len(block_hashes)} tokens, got "
-                    f"{len(token_bytes) // 4}: only full blocks are committed")
+                    f"{token_count(token_bytes)}: only full blocks are committed")
             expected_parent = table[start_position - 1].block_hash if start_position > 0 else self.root
             if expected_parent is not None and parent_hash != expected_parent:
                 raise InvalidArgument(f"parent hash of position {start_position} does not match the chain")

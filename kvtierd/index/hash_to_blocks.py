@@ -13,6 +13,7 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 
+from kvtierd.daemon_key import DaemonKey
 from kvtierd.index.kv_block import KVBlock
 
 
@@ -30,8 +31,8 @@ class HashToBlocks:
     """
 
     def __init__(self) -> None:
-        self.first: dict[bytes, KVBlock] = {}  # read by prefix walks; mutated only through these methods
-        self._later: dict[bytes, list[KVBlock]] = {}
+        self.first: dict[DaemonKey, KVBlock] = {}  # read by prefix walks; mutated only through these methods
+        self._later: dict[DaemonKey, list[KVBlock]] = {}
         self.num_duplicate_blocks = 0
 
     def __len__(self) -> int:
@@ -41,21 +42,21 @@ class HashToBlocks:
     def __contains__(self, block_hash: object) -> bool:
         return block_hash in self.first
 
-    def __iter__(self) -> Iterator[bytes]:
+    def __iter__(self) -> Iterator[DaemonKey]:
         return iter(self.first)
 
-    def get(self, block_hash: bytes) -> KVBlock | None:
+    def get(self, block_hash: DaemonKey) -> KVBlock | None:
         """The copy a hit takes (the oldest), or None."""
         return self.first.get(block_hash)
 
-    def copies(self, block_hash: bytes) -> list[KVBlock]:
+    def copies(self, block_hash: DaemonKey) -> list[KVBlock]:
         """Every block holding `block_hash`, oldest first."""
         block = self.first.get(block_hash)
         if block is None:
             return []
         return [block, *self._later.get(block_hash, ())]
 
-    def insert(self, block_hash: bytes, block: KVBlock) -> bool:
+    def insert(self, block_hash: DaemonKey, block: KVBlock) -> bool:
         """Index `block` as the newest copy of `block_hash`; True when it is the first copy.
         The caller sets `block.block_hash` and has checked that the block holds no hash yet."""
         if self.first.setdefault(block_hash, block) is block:
@@ -63,7 +64,7 @@ class HashToBlocks:
         self.add_copy(block_hash, block)
         return False
 
-    def add_copy(self, block_hash: bytes, block: KVBlock) -> None:
+    def add_copy(self, block_hash: DaemonKey, block: KVBlock) -> None:
         """Index `block` as the newest copy of a hash that `first` already holds."""
         assert self.first[block_hash] is not block, f"block {block.block_id} indexed twice"
         self._later.setdefault(block_hash, []).append(block)

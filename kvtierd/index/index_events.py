@@ -11,22 +11,25 @@ from __future__ import annotations
 import collections
 import dataclasses
 
+from kvtierd.daemon_key import DaemonKey
+from kvtierd.token_bytes import TokenBytes
+
 
 @dataclasses.dataclass(frozen=True, slots=True)
 class BlockStored:
     """`block_hash` became cached in the tier: its first copy, in block (or slot) `block_id`."""
 
-    block_hash: bytes  # a block key, as the index holds it (BlockMeta)
-    parent_hash: bytes | None
+    block_hash: DaemonKey  # a block key, as the index holds it (BlockMeta)
+    parent_hash: DaemonKey | None
     block_id: int
-    token_ids: bytes | None = None  # the block's tokens, packed u32 (what routers hash)
+    token_ids: TokenBytes | None = None  # the block's tokens (what routers hash)
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
 class BlockRemoved:
     """The tier no longer holds `block_hash`: its last copy was evicted or dropped."""
 
-    block_hash: bytes
+    block_hash: DaemonKey
 
 
 @dataclasses.dataclass(frozen=True, slots=True)

@@ -5,7 +5,9 @@ from __future__ import annotations
 import dataclasses
 import enum
 
+from kvtierd.daemon_key import DaemonKey
 from kvtierd.index.slot_entry import BlockMeta
+from kvtierd.token_bytes import TokenBytes
 
 
 class BlockState(enum.Enum):
@@ -28,9 +30,9 @@ class KVBlock:
     """
 
     block_id: int
-    block_hash: bytes | None = None  # its key (BlockMeta's): none while it is written or empty
-    parent_hash: bytes | None = None  # the chain's previous hash, kept for verification
-    token_ids: bytes | None = None  # packed u32 tokens, kept for verification
+    block_hash: DaemonKey | None = None  # its key (BlockMeta's): none while it is written or empty
+    parent_hash: DaemonKey | None = None  # the chain's previous hash, kept for verification
+    token_ids: TokenBytes | None = None  # its tokens, kept for verification
     ref_cnt: int = 0
     committed_at_s: float = 0.0  # when the block got its hash
     released_at_s: float = 0.0  # when ref_cnt last fell to 0 (free): read for reuse gaps and idle times

@@ -8,15 +8,14 @@ another request's KV (design §4). The first miss ends the match: a prefix break
 
 from __future__ import annotations
 
-import functools
 import operator
-import struct
 from collections.abc import Mapping, Sequence
 from typing import cast
 
-from kvtierd.block_hash import pack_token_ids
+from kvtierd.daemon_key import DaemonKey
 from kvtierd.errors import InvalidArgument
 from kvtierd.index.kv_block import KVBlock
+from kvtierd.token_bytes import PackableTokenIds, TokenBytes, block_span, block_tokens, check_covers, pack_optional
 
 
 def check_hashes(block_hashes: Sequence[bytes], hash_size: int) -> None:
@@ -28,31 +27,15 @@ def check_hashes(block_hashes: Sequence[bytes], hash_size: int) -> None:
         raise InvalidArgument(f"a block hash is {hash_size} bytes")
 
 
-def split_blocks(token_bytes: bytes, block_size: int) -> tuple[bytes, ...]:
-    """Packed tokens cut into one bytes object per block of `block_size` tokens (the length is a
-    whole number of blocks, checked by the caller). One C-level unpack: slicing block by block in
-    Python cost ~85 ns a block, the unpack ~15."""
-    return _block_struct(len(token_bytes) // (4 * block_size), block_size).unpack(token_bytes)
-
-
-@functools.lru_cache(maxsize=64)
-def _block_struct(num_blocks: int, block_size: int) -> struct.Struct:
-    """A struct of `num_blocks` fixed-size byte fields of `block_size` u32 tokens each."""
-    return struct.Struct(f"{4 * block_size}s" * num_blocks)
-
-
-def pack_prompt_tokens(token_ids: Sequence[int] | bytes | None, num_blocks: int, block_size: int) -> bytes | None:
+def pack_prompt_tokens(token_ids: PackableTokenIds | None, num_blocks: int, block_size: int) -> TokenBytes | None:
     """The prompt's tokens, packed, when given; InvalidArgument if they do not cover the blocks."""
-    if token_ids is None:
-        return None
-    token_bytes = pack_token_ids(token_ids)
-    if len(token_bytes) < 4 * block_size * num_blocks:
-        raise InvalidArgument(f"{num_blocks} hashes need {block_size * num_blocks} tokens, got {len(token_bytes) // 4}")
+    token_bytes = pack_optional(token_ids)
+    check_covers(token_bytes, num_blocks, block_size)
     return token_bytes
 
 
-def match_prefix(hash_to_block: Mapping[bytes, KVBlock], block_hashes: Sequence[bytes],
-                 token_bytes: bytes | None, root: bytes | None, block_size: int) -> list[KVBlock]:
+def match_prefix(hash_to_block: Mapping[DaemonKey, KVBlock], block_hashes: Sequence[DaemonKey],
+                 token_bytes: TokenBytes | None, root: DaemonKey | None, block_size: int) -> list[KVBlock]:
     """The cached blocks of the chain's longest verified prefix. Changes nothing.
 
     Found blocks are verified in bulk (list and bytes comparisons run at C speed); only when a
@@ -70,10 +53,10 @@ def match_prefix(hash_to_block: Mapping[bytes, KVBlock], block_hashes: Sequence[
     if parents != expected:
         num_hits = next(i for i, (got, want) in enumerate(zip(parents, expected)) if got != want)
         hits = hits[:num_hits]
-    stride = 4 * block_size
-    if token_bytes is not None and hits and b"".join(map(_TOKENS, hits)) != token_bytes[:len(hits) * stride]:
+    if token_bytes is not None and hits and (
+            b"".join(map(_TOKENS, hits)) != block_span(token_bytes, 0, len(hits), block_size)):
         num_hits = next(i for i, block in enumerate(hits)
-                        if block.token_ids != token_bytes[i * stride:(i + 1) * stride])
+                        if block.token_ids != block_tokens(token_bytes, i, block_size))
         hits = hits[:num_hits]
     return hits
 

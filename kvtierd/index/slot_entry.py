@@ -5,16 +5,29 @@ one block in one slot (SlotEntry), and the slots a store was given (StorePlan).
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Sequence
+
+from kvtierd.daemon_key import DaemonKey
+from kvtierd.token_bytes import NO_TOKENS, TokenBytes, block_tokens
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
 class BlockMeta:
-    """What a tier keeps beside a block's bytes: its key, and what verifies it. Keys are a
-    namespace's block hashes (block_hash.py), or the daemon's keys (daemon_key.py)."""
+    """What a tier keeps beside a block's bytes: its key (the daemon's, daemon_key.py), and what
+    verifies it."""
 
-    block_hash: bytes
-    parent_hash: bytes
-    token_ids: bytes  # packed u32
+    block_hash: DaemonKey
+    parent_hash: DaemonKey
+    token_ids: TokenBytes  # the block's tokens (b"" where the caller sent none)
+
+
+def chain_metas(keys: Sequence[DaemonKey], token_bytes: TokenBytes | None, start: int, stop: int,
+                parent: DaemonKey | None, block_size: int) -> list[BlockMeta]:
+    """BlockMetas of `keys[start:stop]`, each chained to the key before it (`parent` before the
+    first key); token ids b"" where the caller sent none."""
+    parents = [keys[start - 1] if start else parent, *keys[start:stop - 1]]
+    return [BlockMeta(keys[i], p, block_tokens(token_bytes, i, block_size) if token_bytes is not None else NO_TOKENS)
+            for i, p in zip(range(start, stop), parents)]
 
 
 @dataclasses.dataclass(slots=True, eq=False)
@@ -28,7 +41,7 @@ class SlotEntry:
     last_use_s: float = 0.0
 
     @property
-    def block_hash(self) -> bytes:
+    def block_hash(self) -> DaemonKey:
         return self.meta.block_hash
 
 

@@ -25,9 +25,11 @@ import threading
 import time
 from collections.abc import Callable, Sequence
 
+from kvtierd.daemon_key import DaemonKey
 from kvtierd.errors import InvalidArgument
 from kvtierd.index.index_events import BlockRemoved, BlockStored, EventQueue, IndexEvent
 from kvtierd.index.slot_entry import BlockMeta, SlotEntry, StorePlan
+from kvtierd.token_bytes import TokenBytes, block_tokens
 
 
 class SlotIndex:
@@ -51,12 +53,12 @@ class SlotIndex:
             raise InvalidArgument(f"num_slots must be >= 0, got {num_slots}")
         self.num_slots = num_slots
         self._free_slots = list(range(num_slots - 1, -1, -1))  # a stack: slot 0 first
-        self._entries: dict[bytes, SlotEntry] = {}
-        self._lru: collections.OrderedDict[bytes, SlotEntry] = collections.OrderedDict()
+        self._entries: dict[DaemonKey, SlotEntry] = {}
+        self._lru: collections.OrderedDict[DaemonKey, SlotEntry] = collections.OrderedDict()
         self._clock = clock
         self._lock = threading.Lock()
         self.num_evictions = 0
-        self._owner_of: Callable[[bytes], bytes] | None = None  # set by set_owner_quota
+        self._owner_of: Callable[[DaemonKey], bytes] | None = None  # set by set_owner_quota
         self._max_slots_of: Callable[[bytes], int | None] = lambda owner: None
         self._num_slots_by_owner: collections.Counter[bytes] = collections.Counter()
         self.num_quota_skips = 0  # blocks not stored: their owner was at its limit with nothing evictable
@@ -73,19 +75,19 @@ class SlotIndex:
         with self._lock:
             return sum(not entry.storing for entry in self._entries.values())
 
-    def __contains__(self, block_hash: bytes) -> bool:
+    def __contains__(self, block_hash: DaemonKey) -> bool:
         with self._lock:
             entry = self._entries.get(block_hash)
             return entry is not None and not entry.storing
 
-    def lookup(self, block_hashes: Sequence[bytes], parent: bytes | None = None,
-               token_bytes: bytes | None = None, block_size: int = 0) -> int:
+    def lookup(self, block_hashes: Sequence[DaemonKey], parent: DaemonKey | None = None,
+               token_bytes: TokenBytes | None = None, block_size: int = 0) -> int:
         """How many leading blocks of the chain are READY here (verified like prefix_match).
         Changes nothing."""
         with self._lock:
             return len(self._ready_prefix(block_hashes, parent, token_bytes, block_size))
 
-    def metas(self, block_hashes: Sequence[bytes]) -> list[BlockMeta]:
+    def metas(self, block_hashes: Sequence[DaemonKey]) -> list[BlockMeta]:
         """The stored keys of the leading READY entries named (stops at the first absent one)."""
         with self._lock:
             metas = []
@@ -174,8 +176,8 @@ class SlotIndex:
 
     # ----------------------------------------------------------------------------- loads
 
-    def prepare_load(self, block_hashes: Sequence[bytes], parent: bytes | None = None,
-                     token_bytes: bytes | None = None, block_size: int = 0) -> list[SlotEntry]:
+    def prepare_load(self, block_hashes: Sequence[DaemonKey], parent: DaemonKey | None = None,
+                     token_bytes: TokenBytes | None = None, block_size: int = 0) -> list[SlotEntry]:
         """Pin the leading verified READY hits of the chain; they cannot be evicted until
         unpin. Returns the pinned entries (possibly none)."""
         with self._lock:
@@ -188,7 +190,7 @@ class SlotIndex:
                 entry.last_use_s = now
             return hits
 
-    def pin_present(self, block_hashes: Sequence[bytes]) -> list[SlotEntry]:
+    def pin_present(self, block_hashes: Sequence[DaemonKey]) -> list[SlotEntry]:
         """Pin every named READY entry, chained or not (a copy further down reads them);
         missing ones are skipped. Unpin with unpin."""
         with self._lock:
@@ -215,7 +217,7 @@ class SlotIndex:
 
     # ----------------------------------------------------------------------------- removal
 
-    def remove(self, block_hashes: Sequence[bytes]) -> list[SlotEntry]:
+    def remove(self, block_hashes: Sequence[DaemonKey]) -> list[SlotEntry]:
         """Drop the named READY entries that no load pins (a corrupt block, an operator's evict).
         Returns what was dropped; their slots are free."""
         with self._lock:
@@ -271,7 +273,8 @@ class SlotIndex:
 
     # ----------------------------------------------------------------------------- owners
 
-    def set_owner_quota(self, owner_of: Callable[[bytes], bytes], max_slots_of: Callable[[bytes], int | None]) -> None:
+    def set_owner_quota(self, owner_of: Callable[[DaemonKey], bytes],
+                        max_slots_of: Callable[[bytes], int | None]) -> None:
         """Limit the slots each owner (a tenant: `owner_of(block_hash)`) may hold to
         `max_slots_of(owner)` (None = no limit). An owner at its limit stores a new block in the slot
         of its own least recently used entry; with none evictable, the block is not stored."""
@@ -289,24 +292,23 @@ class SlotIndex:
         if self._owner_of is not None:
             self._num_slots_by_owner[self._owner_of(entry.block_hash)] += 1
 
-    def _delete(self, block_hash: bytes) -> None:
+    def _delete(self, block_hash: DaemonKey) -> None:
         del self._entries[block_hash]
         if self._owner_of is not None:
             owner = self._owner_of(block_hash)
             self._num_slots_by_owner[owner] -= 1
             assert self._num_slots_by_owner[owner] >= 0
 
-    def _ready_prefix(self, block_hashes: Sequence[bytes], parent: bytes | None,
-                      token_bytes: bytes | None, block_size: int) -> list[SlotEntry]:
+    def _ready_prefix(self, block_hashes: Sequence[DaemonKey], parent: DaemonKey | None,
+                      token_bytes: TokenBytes | None, block_size: int) -> list[SlotEntry]:
         hits: list[SlotEntry] = []
-        stride = 4 * block_size
         for i, block_hash in enumerate(block_hashes):
             entry = self._entries.get(block_hash)
             if entry is None or entry.storing:
                 break
             if parent is not None and entry.meta.parent_hash != parent:
                 break
-            if token_bytes is not None and entry.meta.token_ids != token_bytes[i * stride:(i + 1) * stride]:
+            if token_bytes is not None and entry.meta.token_ids != block_tokens(token_bytes, i, block_size):
                 break
             hits.append(entry)
             parent = block_hash

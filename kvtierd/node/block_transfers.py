@@ -21,12 +21,14 @@ import itertools
 from collections.abc import AsyncGenerator, AsyncIterable, Callable, Sequence
 from typing import TypeVar
 
+from kvtierd.daemon_key import DaemonKey
 from kvtierd.errors import InvalidArgument
 from kvtierd.node.off_loop import call_blocking_if
 from kvtierd.node.pools import LayoutPool
 from kvtierd.node.quotas import QuotaBook
 from kvtierd.node.tenants import Tenant
 from kvtierd.tiering.block_io import BlockGet, BlockPut, PutBlock
+from kvtierd.token_bytes import TokenBytes
 
 PUT_BATCH_BLOCKS = 16  # blocks written together by Put (off the loop)
 GET_BATCH_BLOCKS = 8  # blocks serialized together by Get (off the loop)
@@ -42,7 +44,8 @@ class BlockTransfers:
         self.quotas = quotas
         self._request_ids = itertools.count()
 
-    async def put(self, tenant: Tenant, pool: LayoutPool, parent: bytes, blocks: AsyncIterable[PutBlock]) -> BlockPut:
+    async def put(self, tenant: Tenant, pool: LayoutPool, parent: DaemonKey,
+                  blocks: AsyncIterable[PutBlock]) -> BlockPut:
         """Write `blocks` (the chain after the key `parent`) into the pool's T0 batch by batch, and
         commit them all once the stream has ended well; returns the finished Put (its counts).
         InvalidArgument for a block of the wrong size or an empty stream (nothing is committed)."""
@@ -84,7 +87,7 @@ class BlockTransfers:
             else:
                 close()
 
-    async def get(self, tenant: Tenant, pool: LayoutPool, keys: list[bytes], token_ids: bytes | None,
+    async def get(self, tenant: Tenant, pool: LayoutPool, keys: list[DaemonKey], token_ids: TokenBytes | None,
                   encode: Encode[Frame]) -> AsyncGenerator[Frame, None]:
         """The chain's leading blocks that any tier holds, each as `encode(position, its bytes)`
         (run off the loop), in chain order: first those promoted into T0, then T3's part as it

@@ -17,7 +17,7 @@ import collections
 import dataclasses
 from collections.abc import Iterable
 
-from kvtierd.daemon_key import tenant_tag_of
+from kvtierd.daemon_key import DaemonKey, tenant_tag_of
 from kvtierd.errors import InvalidArgument, PermissionDenied
 from kvtierd.node.pools import LayoutPool, PoolRegistry
 from kvtierd.node.sessions import SessionTable
@@ -112,7 +112,7 @@ class Operations:
             raise InvalidArgument(f"unknown tier(s) {', '.join(map(repr, unknown))}; tiers are t0, t1, t2")
         tags = self._target_tags(caller, tenant, all_tenants, "evict")
 
-        def mine(keys: Iterable[bytes]) -> list[bytes]:
+        def mine(keys: Iterable[DaemonKey]) -> list[DaemonKey]:
             return [k for k in keys if tags is None or tenant_tag_of(k) in tags]
 
         counts = EvictCounts()

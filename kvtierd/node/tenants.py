@@ -48,7 +48,7 @@ class Tenant:
     def key(self, client_hash: bytes) -> DaemonKey:
         return make_daemon_key(self.tag, client_hash)
 
-    def keys(self, client_hashes: Iterable[bytes]) -> list[bytes]:
+    def keys(self, client_hashes: Iterable[bytes]) -> list[DaemonKey]:
         return make_daemon_keys(self.tag, client_hashes)
 
 

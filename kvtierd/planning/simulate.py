@@ -19,6 +19,7 @@ import torch
 import xxhash
 
 from kvtierd.block_hash import BlockHash, Namespace
+from kvtierd.daemon_key import DaemonKey
 from kvtierd.errors import InvalidArgument, ResourceExhausted
 from kvtierd.index.block_index import BlockIndex
 from kvtierd.index.index_metrics import IndexStats
@@ -33,6 +34,12 @@ from kvtierd.units import ceil_div
 # A small Llama-shaped model, so the default pool fits a container's 64 MiB /dev/shm.
 SIM_LAYOUT = Layout("kvtierd-sim-8l", num_layers=8, num_kv_heads=2, head_dim=64, block_size=16)
 DECODE_STEP_S = 0.05  # simulated time of one decode step of the whole batch
+
+
+def index_key(block_hash: BlockHash) -> DaemonKey:
+    """The key the simulator's index holds a block under: its hash as it is. The daemon keys blocks
+    by tenant tag + hash (daemon_key.py); one tenant needs no tag, and the index only compares keys."""
+    return DaemonKey(block_hash)
 
 
 def stand_in_kv(parent: bytes, token_id: int, slot: int) -> float:
@@ -97,7 +104,7 @@ class ChatSimulator:
         self.now_s = 0.0
         self.stats = IndexStats()
         self.pool: DevicePool = create_device_pool(layout, num_pool_blocks, device="shm")
-        self.index = BlockIndex(num_pool_blocks, layout.block_size, root=self.namespace.root,
+        self.index = BlockIndex(num_pool_blocks, layout.block_size, root=index_key(self.namespace.root),
                                 copy_block=self.pool.copy_block, observer=self.stats, clock=lambda: self.now_s)
         self._request_ids = itertools.count()
         self._per_turn = [TurnStats() for _ in range(workload.num_turns)]
@@ -152,7 +159,7 @@ class ChatSimulator:
         total_tokens = len(turn.prompt) + len(turn.replies[0])
         num_blocks = ceil_div(total_tokens, block_size)
         request_id = next(self._request_ids)
-        allocation = self.index.allocate(request_id, chain, num_blocks - len(chain), turn.prompt)
+        allocation = self.index.allocate(request_id, list(map(index_key, chain)), num_blocks - len(chain), turn.prompt)
         for position in range(allocation.num_hit_blocks):
             self._verify(allocation.block_ids[position], self._parent(chain, position),
                          turn.prompt[position * block_size:(position + 1) * block_size])
@@ -163,7 +170,7 @@ class ChatSimulator:
             tensor[allocation.block_ids[position], :, :, slot] = stand_in_kv(
                 self._parent(chain, position), turn.prompt[offset], slot)
         for position in range(allocation.num_hit_blocks, len(chain)):
-            self.index.commit(request_id, position, chain[position],
+            self.index.commit(request_id, position, index_key(chain[position]),
                               turn.prompt[position * block_size:(position + 1) * block_size],
                               self._parent(chain, position))
         samples = [Sample(request_id, turn, turn.replies[0], list(turn.prompt), list(chain),
@@ -218,11 +225,11 @@ class ChatSimulator:
             block_tokens = sample.tokens[position * block_size:]
             block_hash = self.namespace.hash_blocks(
                 block_tokens, start_block=position, parent=sample.chain[-1] if position else None)[0]
-            self.index.commit(sample.request_id, position, block_hash, block_tokens, parent)
+            self.index.commit(sample.request_id, position, index_key(block_hash), block_tokens, parent)
             sample.chain.append(block_hash)
 
-    def _parent(self, chain: list[BlockHash], position: int) -> BlockHash:
-        return chain[position - 1] if position else self.namespace.root
+    def _parent(self, chain: list[BlockHash], position: int) -> DaemonKey:
+        return index_key(chain[position - 1] if position else self.namespace.root)
 
     def _verify(self, block_id: int, parent: bytes, tokens: list[int]) -> None:
         """A hit must hold the bytes a recompute would have written."""

@@ -7,22 +7,23 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 
-from kvtierd.block_hash import pack_token_ids
+from kvtierd.daemon_key import DaemonKey
 from kvtierd.errors import FailedPrecondition, InvalidArgument
 from kvtierd.index.prefix_match import check_hashes
 from kvtierd.node.pools import LayoutPool
 from kvtierd.node.tenants import Tenant
 from kvtierd.tier import TierCounts
+from kvtierd.token_bytes import TokenBytes, block_span, check_covers, pack_token_ids
 from kvtierd.wire.conversions import hits_to_proto_fields
 
 
-def client_keys(tenant: Tenant, pool: LayoutPool, client_hashes: Iterable[bytes]) -> list[bytes]:
+def client_keys(tenant: Tenant, pool: LayoutPool, client_hashes: Iterable[bytes]) -> list[DaemonKey]:
     client_hashes = list(client_hashes)  # a protobuf repeated field makes new bytes on every read: read once
     check_hashes(client_hashes, pool.digest_size)
     return tenant.keys(client_hashes)
 
 
-def packed_tokens(token_ids: bytes) -> bytes | None:
+def packed_tokens(token_ids: bytes) -> TokenBytes | None:
     return pack_token_ids(token_ids) if token_ids else None
 
 
@@ -31,27 +32,25 @@ def hit_counts(hits: TierCounts) -> dict[str, int]:
     return hits_to_proto_fields(hits)
 
 
-def lookup_chains(keys: list[bytes], token_bytes: bytes | None, chain_lengths: list[int],
-                  block_size: int) -> list[tuple[list[bytes], bytes | None]]:
+def lookup_chains(keys: list[DaemonKey], token_bytes: TokenBytes | None, chain_lengths: list[int],
+                  block_size: int) -> list[tuple[list[DaemonKey], TokenBytes | None]]:
     """(keys, token bytes) of each chain a Lookup names (all the keys: one chain, without lengths)."""
     if not chain_lengths:
         return [(keys, token_bytes)]
     if min(chain_lengths) < 1 or sum(chain_lengths) != len(keys):
         raise InvalidArgument(f"chain_lengths must be >= 1 each and sum to the {len(keys)} hashes, "
                               f"got {len(chain_lengths)} lengths summing to {sum(chain_lengths)}")
-    stride = 4 * block_size
-    if token_bytes is not None and len(token_bytes) < stride * len(keys):
-        raise InvalidArgument(f"{len(keys)} hashes need {block_size * len(keys)} tokens, got {len(token_bytes) // 4}")
+    check_covers(token_bytes, len(keys), block_size)
     chains, start = [], 0
     for length in chain_lengths:
         end = start + length
-        chains.append((keys[start:end], token_bytes[start * stride:end * stride] if token_bytes is not None else None))
+        chains.append((keys[start:end], block_span(token_bytes, start, end, block_size)))
         start = end
     return chains
 
 
 def parent_key(tenant: Tenant, pool: LayoutPool, position: int, parent_hash: bytes,
-               first_parent: bytes | None = None) -> bytes:
+               first_parent: bytes | None = None) -> DaemonKey:
     """The daemon's key of the parent of the block at `position`; block 0's must be
     `first_parent` (the hash the request's Acquire continued) or, without one, the root."""
     check_hashes([parent_hash], pool.digest_size)

@@ -22,7 +22,6 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import TYPE_CHECKING, TypeVar
 
 from kvtierd import __version__
-from kvtierd.block_hash import pack_token_ids
 from kvtierd.errors import DRAINING_DETAILS, DeadlineExceeded, FailedPrecondition, InvalidArgument, Unavailable
 from kvtierd.events.event_feed import EventFeed
 from kvtierd.index.query_counting import QueryCounting
@@ -49,6 +48,7 @@ from kvtierd.t0.factory import shareable_fd
 from kvtierd.t0.pool_handle import FD_KINDS
 from kvtierd.tier import TierCounts
 from kvtierd.tiering.block_io import PutBlock
+from kvtierd.token_bytes import pack_token_ids
 from kvtierd.v1 import kvtier_pb2 as pb
 from kvtierd.v1 import kvtier_pb2_grpc
 from kvtierd.wire.block_frames import PutFrame, encode_get_response

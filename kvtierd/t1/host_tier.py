@@ -7,6 +7,7 @@ from collections.abc import Callable
 
 import torch
 
+from kvtierd.daemon_key import DaemonKey
 from kvtierd.index.index_events import IndexEvent
 from kvtierd.index.slot_index import SlotIndex, slots_within
 from kvtierd.layout import Layout
@@ -49,7 +50,8 @@ class HostTier:
     def take_events(self) -> list[IndexEvent]:
         return self.index.take_events()
 
-    def set_owner_quota(self, owner_of: Callable[[bytes], bytes], limit_bytes: Callable[[bytes], int | None]) -> None:
+    def set_owner_quota(self, owner_of: Callable[[DaemonKey], bytes],
+                        limit_bytes: Callable[[bytes], int | None]) -> None:
         """Per-owner byte limits (None = none), enforced in slots; see SlotIndex.set_owner_quota."""
         self.index.set_owner_quota(owner_of, lambda owner: slots_within(limit_bytes(owner), self.slab.stride))
 

@@ -8,6 +8,7 @@ from __future__ import annotations
 import time
 from collections.abc import Callable
 
+from kvtierd.daemon_key import DaemonKey
 from kvtierd.index.slot_entry import SlotEntry
 from kvtierd.index.slot_index import SlotIndex
 
@@ -28,7 +29,7 @@ class ExtentSlotIndex(SlotIndex):
         with self._lock:
             return len(self._free_slots)
 
-    def holds(self, block_hash: bytes) -> bool:
+    def holds(self, block_hash: DaemonKey) -> bool:
         """Is the block here, stored or being stored?"""
         with self._lock:
             return block_hash in self._entries

@@ -21,6 +21,9 @@ from collections.abc import Callable, Iterable, Mapping
 
 import lmdb
 
+from kvtierd.daemon_key import DaemonKey
+from kvtierd.token_bytes import TokenBytes
+
 INDEX_DIR_NAME = "kvtierd-index.lmdb"
 RECORD_VERSION = 1
 _HEAD = struct.Struct("<BHIIQQdB")  # version, file, local slot, length, checksum, layout id, last use, parent length
@@ -32,31 +35,31 @@ _FILES_KEY = b"files"
 class Record:
     """One block's index entry, as stored."""
 
-    block_hash: bytes
+    block_hash: DaemonKey
     file_index: int
     local_slot: int
     length: int
     checksum: int
     layout_id: int
     last_use_s: float
-    parent_hash: bytes
-    token_ids: bytes
+    parent_hash: DaemonKey
+    token_ids: TokenBytes
 
     def encode(self) -> bytes:
         return _HEAD.pack(RECORD_VERSION, self.file_index, self.local_slot, self.length, self.checksum,
                           self.layout_id, self.last_use_s, len(self.parent_hash)) + self.parent_hash + self.token_ids
 
     @classmethod
-    def decode(cls, block_hash: bytes, value: bytes) -> Record:
+    def decode(cls, block_hash: DaemonKey, value: bytes) -> Record:
         """Raises ValueError on anything that is not a version-1 record."""
         if len(value) < _HEAD.size:
             raise ValueError("record too short")
         version, file_index, local_slot, length, checksum, layout_id, last_use_s, parent_len = _HEAD.unpack_from(value)
         if version != RECORD_VERSION or len(value) < _HEAD.size + parent_len:
             raise ValueError(f"record version {version} or length {len(value)} not understood")
-        parent = value[_HEAD.size:_HEAD.size + parent_len]
+        parent = DaemonKey(value[_HEAD.size:_HEAD.size + parent_len])
         return cls(block_hash, file_index, local_slot, length, checksum, layout_id, last_use_s,
-                   parent, value[_HEAD.size + parent_len:])
+                   parent, TokenBytes(value[_HEAD.size + parent_len:]))
 
 
 class SsdIndex:
@@ -72,17 +75,18 @@ class SsdIndex:
         self._entries = self._env.open_db(b"entries")
         self._meta = self._env.open_db(b"meta")
 
-    def scan(self, keep: Callable[[Record], bool]) -> tuple[list[Record], list[bytes]]:
+    def scan(self, keep: Callable[[Record], bool]) -> tuple[list[Record], list[DaemonKey]]:
         """Read every record. Returns (records `keep` accepts, keys of the others, including
         those that do not decode). Changes nothing: the caller deletes what it drops."""
         kept: list[Record] = []
-        dropped: list[bytes] = []
+        dropped: list[DaemonKey] = []
         with self._env.begin(db=self._entries) as txn:
-            for key, value in txn.cursor():
+            for stored_key, value in txn.cursor():
+                key = DaemonKey(bytes(stored_key))  # the daemon wrote every key: a DaemonKey
                 try:
-                    record = Record.decode(bytes(key), bytes(value))
+                    record = Record.decode(key, bytes(value))
                 except ValueError:
-                    dropped.append(bytes(key))
+                    dropped.append(key)
                     continue
                 if keep(record):
                     kept.append(record)
@@ -100,8 +104,8 @@ class SsdIndex:
         with self._env.begin(write=True, db=self._meta) as txn:
             txn.put(_FILES_KEY, "\0".join(paths).encode())
 
-    def commit(self, deletes: Iterable[bytes] = (), puts: Iterable[Record] = (),
-               last_uses: Mapping[bytes, float] | None = None) -> None:
+    def commit(self, deletes: Iterable[DaemonKey] = (), puts: Iterable[Record] = (),
+               last_uses: Mapping[DaemonKey, float] | None = None) -> None:
         """One transaction: delete, insert, then refresh the last use of records still present.
         Raises lmdb.Error (DiskError on a full disk, MapFullError when the map is full)."""
         with self._env.begin(write=True, db=self._entries) as txn:

@@ -19,6 +19,7 @@ import numpy as np
 import torch
 import xxhash
 
+from kvtierd.daemon_key import DaemonKey
 from kvtierd.errors import InvalidArgument
 from kvtierd.index.slot_entry import BlockMeta, SlotEntry
 from kvtierd.t2.ssd_files import Run, SlotFiles
@@ -85,7 +86,7 @@ class SlotIO:
 
 
 def checked_blocks(items: Sequence[tuple[BlockMeta, BlockBytes]],
-                   slot_nbytes: int) -> tuple[list[BlockMeta], dict[bytes, memoryview]]:
+                   slot_nbytes: int) -> tuple[list[BlockMeta], dict[DaemonKey, memoryview]]:
     """The metas of a store's items and a view of each block's bytes (the first, for a key given
     twice); InvalidArgument for an item that is not (BlockMeta, `slot_nbytes` bytes)."""
     metas, sources = [], {}

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import dataclasses
 
+from kvtierd.daemon_key import DaemonKey
 from kvtierd.index.slot_entry import BlockMeta
 from kvtierd.t2.ssd_files import SlotFiles
 from kvtierd.t2.ssd_index import Record, SsdIndex
@@ -15,7 +16,7 @@ from kvtierd.t2.ssd_index import Record, SsdIndex
 class RecoveredRecords:
     restored: list[tuple[BlockMeta, int, float]]  # (block, global slot, last use): the slot index's restore()
     checksums: dict[int, int]  # global slot -> checksum of its block
-    dropped: list[bytes]  # block hashes whose records are to be deleted
+    dropped: list[DaemonKey]  # block hashes whose records are to be deleted
 
 
 def recover_records(db: SsdIndex, files: SlotFiles, layout_id: int, slot_nbytes: int,

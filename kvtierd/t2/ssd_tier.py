@@ -37,6 +37,7 @@ import numpy as np
 import torch
 import xxhash
 
+from kvtierd.daemon_key import DaemonKey
 from kvtierd.errors import FailedPrecondition, InvalidArgument
 from kvtierd.index.index_events import IndexEvent
 from kvtierd.index.slot_entry import BlockMeta, SlotEntry
@@ -51,6 +52,7 @@ from kvtierd.t2.ssd_index import Record, SsdIndex
 from kvtierd.t2.ssd_io import BlockBytes, SlotIO, checked_blocks
 from kvtierd.t2.ssd_recovery import recover_records
 from kvtierd.t2.ssd_stats import SsdStats
+from kvtierd.token_bytes import TokenBytes
 
 log = logging.getLogger(__name__)
 
@@ -102,11 +104,11 @@ class SsdTier:
         self._index = ExtentSlotIndex(self.num_slots, extent, clock=time.time)  # wall clock: last use persists
         self._checksums = np.zeros(self.num_slots, dtype=np.uint64)  # per slot, of its holder
         self._write_lock = threading.Lock()  # orders slot reuse against LMDB deletes (see module doc)
-        self._pending_deletes: set[bytes] = set()  # under _write_lock
+        self._pending_deletes: set[DaemonKey] = set()  # under _write_lock
         self._growth = SsdGrowth(self._budget, self._budget_key, self._files, self._index, self._write_lock,
                                  self._commit_index, self._stop_admitting)
         self._stats_lock = threading.Lock()
-        self._touched: dict[bytes, float] = {}  # last uses not yet persisted; under _stats_lock
+        self._touched: dict[DaemonKey, float] = {}  # last uses not yet persisted; under _stats_lock
         self._state = threading.Condition()
         self._num_in_flight, self._closed = 0, False
         self.num_corrupted = self.num_io_errors = self.bytes_written = self.bytes_read = 0
@@ -145,16 +147,16 @@ class SsdTier:
 
     # ------------------------------------------------------------------------------ queries
 
-    def lookup(self, hashes: Sequence[bytes], parent: bytes | None = None, token_bytes: bytes | None = None,
-               block_size: int = 0) -> int:
+    def lookup(self, hashes: Sequence[DaemonKey], parent: DaemonKey | None = None,
+               token_bytes: TokenBytes | None = None, block_size: int = 0) -> int:
         """How many leading blocks are here (verified against parent and tokens when given)."""
         with self._operation():
             return self._index.lookup(hashes, parent, token_bytes, block_size)
 
-    def block_hashes(self) -> list[bytes]:  # every block held and visible: recovery checks, evict, tests
+    def block_hashes(self) -> list[DaemonKey]:  # every block held and visible: recovery checks, evict, tests
         return [e.block_hash for e in self._index.entries() if not e.storing]
 
-    def metas(self, hashes: Sequence[bytes]) -> list[BlockMeta]:
+    def metas(self, hashes: Sequence[DaemonKey]) -> list[BlockMeta]:
         """The stored keys (hash, parent, token ids) of the leading held blocks named."""
         return self._index.metas(hashes)
 
@@ -164,7 +166,8 @@ class SsdTier:
     def take_events(self) -> list[IndexEvent]:
         return self._index.take_events()
 
-    def set_owner_quota(self, owner_of: Callable[[bytes], bytes], limit_bytes: Callable[[bytes], int | None]) -> None:
+    def set_owner_quota(self, owner_of: Callable[[DaemonKey], bytes],
+                        limit_bytes: Callable[[bytes], int | None]) -> None:
         """Per-owner byte limits (None = none), enforced in slots; see SlotIndex.set_owner_quota."""
         self._index.set_owner_quota(owner_of, lambda owner: slots_within(limit_bytes(owner), self.stride))
 
@@ -260,8 +263,8 @@ class SsdTier:
 
     # ------------------------------------------------------------------------------ loads
 
-    def load(self, hashes: Sequence[bytes], out: torch.Tensor | Sequence[torch.Tensor], parent: bytes | None = None,
-             token_bytes: bytes | None = None, block_size: int = 0) -> int:
+    def load(self, hashes: Sequence[DaemonKey], out: torch.Tensor | Sequence[torch.Tensor],
+             parent: DaemonKey | None = None, token_bytes: TokenBytes | None = None, block_size: int = 0) -> int:
         """Copy the leading verified hits into out[:k]; returns k. A block failing its read or check
         ends the prefix, is dropped and counted; its row is zeroed. `out`: uint8 `[>= n, slot_nbytes]`
         or n rows (T1 slots: a 4 KiB aligned row one stride long is read into without staging)."""
@@ -306,7 +309,7 @@ class SsdTier:
 
     # ------------------------------------------------------------------------------ removal, close
 
-    def remove(self, hashes: Sequence[bytes]) -> int:
+    def remove(self, hashes: Sequence[DaemonKey]) -> int:
         """Drop the named blocks that no load pins; returns how many went."""
         with self._operation(), self._write_lock:
             removed = self._index.remove(hashes)
@@ -348,8 +351,8 @@ class SsdTier:
                 self._num_in_flight -= 1
                 self._state.notify_all()
 
-    def _commit_index(self, where: str, deletes: Iterable[bytes] = (), puts: Sequence[Record] = (),
-                      last_uses: Mapping[bytes, float] | None = None) -> bool:
+    def _commit_index(self, where: str, deletes: Iterable[DaemonKey] = (), puts: Sequence[Record] = (),
+                      last_uses: Mapping[DaemonKey, float] | None = None) -> bool:
         """One LMDB transaction, pending deletes included; the caller holds _write_lock."""
         deletes = self._pending_deletes.union(deletes)
         if not deletes and not puts and not last_uses:

@@ -32,7 +32,9 @@ import struct
 
 import xxhash
 
+from kvtierd.daemon_key import DaemonKey
 from kvtierd.layout import Layout
+from kvtierd.token_bytes import TOKEN_ID_BYTES, TokenBytes, packed_size, token_count
 
 MAGIC = b"KVT3"
 VERSION = 1
@@ -70,20 +72,21 @@ class FrameValue:
         return self.head + bytes(self.payload)
 
 
-def frame_value(digest: bytes, block_hash: bytes, parent_hash: bytes, token_ids: bytes, payload) -> FrameValue:
+def frame_value(digest: bytes, block_hash: DaemonKey, parent_hash: DaemonKey, token_ids: TokenBytes,
+                payload) -> FrameValue:
     """One block's value: header, hashes, token ids (packed u32) and `payload` (a bytes-like, not
     copied: it must not change until the value is written)."""
-    assert len(digest) == 16 and len(token_ids) % 4 == 0
+    assert len(digest) == 16 and len(token_ids) % TOKEN_ID_BYTES == 0
     payload = memoryview(payload).cast("B")
     checksum = xxhash.xxh3_64()
     for part in (block_hash, parent_hash, token_ids, payload):
         checksum.update(part)
-    head = _HEAD.pack(MAGIC, VERSION, len(block_hash), len(parent_hash), 0, len(token_ids) // 4, len(payload),
+    head = _HEAD.pack(MAGIC, VERSION, len(block_hash), len(parent_hash), 0, token_count(token_ids), len(payload),
                       digest, checksum.intdigest())
     return FrameValue(b"".join((head, block_hash, parent_hash, token_ids)), payload)
 
 
-def frame_block(digest: bytes, block_hash: bytes, parent_hash: bytes, token_ids: bytes, payload) -> bytes:
+def frame_block(digest: bytes, block_hash: DaemonKey, parent_hash: DaemonKey, token_ids: TokenBytes, payload) -> bytes:
     """`frame_value` in one bytes (a copy of the payload)."""
     return bytes(frame_value(digest, block_hash, parent_hash, token_ids, payload))
 
@@ -92,13 +95,13 @@ def frame_block(digest: bytes, block_hash: bytes, parent_hash: bytes, token_ids:
 class Frame:
     """A verified value: its parent, token ids and a view of its payload (into the value read)."""
 
-    parent_hash: bytes
-    token_ids: bytes
+    parent_hash: DaemonKey
+    token_ids: TokenBytes
     payload: memoryview
 
 
-def read_frame(value: bytes | memoryview | None, digest: bytes, block_hash: bytes, parent_hash: bytes | None,
-               payload_nbytes: int, token_ids: bytes | None = None) -> Frame:
+def read_frame(value: bytes | memoryview | None, digest: bytes, block_hash: DaemonKey, parent_hash: DaemonKey | None,
+               payload_nbytes: int, token_ids: TokenBytes | None = None) -> Frame:
     """Verify `value` as the block `block_hash` after `parent_hash` in the layout `digest`, with
     `payload_nbytes` of payload (and `parent_hash`, `token_ids`, when the caller knows them).
     Raises FrameMismatch."""
@@ -115,15 +118,15 @@ def read_frame(value: bytes | memoryview | None, digest: bytes, block_hash: byte
     view = memoryview(value)
     start = HEADER_BYTES
     tokens_at = start + hash_len + parent_len
-    payload_at = tokens_at + 4 * num_tokens
+    payload_at = tokens_at + packed_size(num_tokens)
     if len(value) != payload_at + length:
         raise FrameMismatch("short", f"{len(value)} bytes, the header says {payload_at + length}")
     if view[start:start + hash_len] != block_hash:
         raise FrameMismatch("hash")
-    stored_parent = bytes(view[start + hash_len:tokens_at])
+    stored_parent = DaemonKey(bytes(view[start + hash_len:tokens_at]))
     if parent_hash is not None and stored_parent != parent_hash:
         raise FrameMismatch("parent")
-    stored_tokens = bytes(view[tokens_at:payload_at])
+    stored_tokens = TokenBytes(bytes(view[tokens_at:payload_at]))
     if token_ids is not None and stored_tokens != token_ids:
         raise FrameMismatch("tokens")
     if xxhash.xxh3_64_intdigest(view[start:]) != checksum:

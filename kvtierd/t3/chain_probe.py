@@ -26,13 +26,16 @@ import threading
 import time
 from collections.abc import Callable, Sequence
 
+from kvtierd.daemon_key import DaemonKey
+
 PROBE_ANSWER_TTL_S = 2.0  # how long an answer may be reused (a stale "present" is verified by the load)
 MAX_PROBE_ANSWERS = 4096
 
 Exists = Callable[[list[bytes]], list[bool]]  # store keys -> present?, one round trip
 
 
-def probe_chains(chains: Sequence[Sequence[bytes]], store_key: Callable[[bytes], bytes], exists: Exists) -> list[int]:
+def probe_chains(chains: Sequence[Sequence[DaemonKey]], store_key: Callable[[DaemonKey], bytes],
+                 exists: Exists) -> list[int]:
     """The number of leading blocks of each chain (daemon keys) taken as present (module doc)."""
     ends = [[chain[0]] if len(chain) == 1 else [chain[0], chain[-1]] for chain in chains if chain]
     flags = iter(exists([store_key(h) for pair in ends for h in pair]) if ends else ())
@@ -56,7 +59,7 @@ def probe_chains(chains: Sequence[Sequence[bytes]], store_key: Callable[[bytes],
 
 @dataclasses.dataclass(frozen=True, slots=True)
 class ProbeAnswer:
-    last_key: bytes  # the chain's last daemon key (the chain hash: it names every block before it)
+    last_key: DaemonKey  # the chain's last daemon key (the chain hash: it names every block before it)
     num_blocks: int  # the chain's length
     num_present: int
     misses_counted: bool  # its absent blocks were counted as T3 misses
@@ -69,10 +72,10 @@ class RecentProbes:
     def __init__(self, ttl_s: float = PROBE_ANSWER_TTL_S, max_answers: int = MAX_PROBE_ANSWERS) -> None:
         self.ttl_s = ttl_s
         self.max_answers = max_answers
-        self._answers: collections.OrderedDict[bytes, ProbeAnswer] = collections.OrderedDict()
+        self._answers: collections.OrderedDict[DaemonKey, ProbeAnswer] = collections.OrderedDict()
         self._lock = threading.Lock()
 
-    def remember(self, chain: Sequence[bytes], num_present: int, misses_counted: bool) -> None:
+    def remember(self, chain: Sequence[DaemonKey], num_present: int, misses_counted: bool) -> None:
         assert chain and 0 <= num_present <= len(chain)
         answer = ProbeAnswer(chain[-1], len(chain), num_present, misses_counted, time.monotonic())
         with self._lock:
@@ -81,7 +84,7 @@ class RecentProbes:
             if len(self._answers) > self.max_answers:
                 self._answers.popitem(last=False)
 
-    def take(self, chain: Sequence[bytes]) -> ProbeAnswer | None:
+    def take(self, chain: Sequence[DaemonKey]) -> ProbeAnswer | None:
         """The recent answer for exactly this chain (same first and last key, same length), removed:
         one Lookup's answer serves one Acquire. None when there is none or it is older than ttl_s."""
         if not chain:

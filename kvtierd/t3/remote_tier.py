@@ -33,7 +33,7 @@ from collections.abc import Sequence
 
 import torch
 
-from kvtierd.daemon_key import TAG_BYTES
+from kvtierd.daemon_key import TAG_BYTES, DaemonKey
 from kvtierd.index.slot_entry import BlockMeta
 from kvtierd.layout import Layout
 from kvtierd.movers.copy_engine import Bandwidth
@@ -41,6 +41,7 @@ from kvtierd.t3.block_frame import FrameMismatch, FrameValue, frame_value, layou
 from kvtierd.t3.chain_probe import RecentProbes, probe_chains
 from kvtierd.t3.redis_store import RedisStore
 from kvtierd.t3.remote_writes import RemoteWrites
+from kvtierd.token_bytes import TokenBytes, block_tokens
 
 MAX_KNOWN_KEYS = 1 << 16  # keys recently written or read: not written again
 READ_THREADS = 4  # this layout's T3 reads in flight at once, on threads of their own
@@ -78,7 +79,7 @@ class RemoteTier:
         self.write = Bandwidth(0.5e9)
         self._lock = threading.Lock()
         self._known: collections.OrderedDict[bytes, None] = collections.OrderedDict()
-        self._key_of: dict[bytes, bytes] = {}  # daemon key -> store key, for the probes of hot prefixes
+        self._key_of: dict[DaemonKey, bytes] = {}  # daemon key -> store key, for the probes of hot prefixes
         self._counts = collections.Counter()
         self._corrupt = collections.Counter()
         self._recent = RecentProbes()  # the last probes' answers, for the Acquires that follow
@@ -88,7 +89,7 @@ class RemoteTier:
         self.writes = RemoteWrites(self._write, config.max_write_backlog_bytes, self._written,
                                    on_dropped=self._dropped)
 
-    def key(self, block_hash: bytes) -> bytes:
+    def key(self, block_hash: DaemonKey) -> bytes:
         """The store key of a daemon key (tenant tag + client hash)."""
         key = self._key_of.get(block_hash)
         if key is None:
@@ -101,7 +102,7 @@ class RemoteTier:
 
     # ----------------------------------------------------------------------------- reads
 
-    def probe(self, block_hashes: Sequence[bytes], count_misses: bool = False, reuse: bool = False) -> int:
+    def probe(self, block_hashes: Sequence[DaemonKey], count_misses: bool = False, reuse: bool = False) -> int:
         """How many leading blocks of the chain the store holds, as chain_probe.py asks (the first
         and last key; the rest only when the last is absent); not verified until `load`.
         `count_misses`: the chain is a query; the blocks after those are misses (module doc).
@@ -115,7 +116,7 @@ class RemoteTier:
                 self._counts["miss"] += answer.num_blocks - answer.num_present
         return answer.num_present
 
-    def probe_chains(self, chains: Sequence[Sequence[bytes]], count_misses: bool = False) -> list[int]:
+    def probe_chains(self, chains: Sequence[Sequence[DaemonKey]], count_misses: bool = False) -> list[int]:
         """`probe` of each chain, every chain's keys asked at once (one or two round trips)."""
         leading = probe_chains(chains, self.key, self.store.exists)
         for chain, num_present in zip(chains, leading):
@@ -126,7 +127,7 @@ class RemoteTier:
                 self._counts["miss"] += sum(len(chain) for chain in chains) - sum(leading)
         return leading
 
-    def load(self, block_hashes: Sequence[bytes], parent: bytes | None, token_bytes: bytes | None,
+    def load(self, block_hashes: Sequence[DaemonKey], parent: DaemonKey | None, token_bytes: TokenBytes | None,
              block_size: int, counted: bool = True) -> tuple[list[BlockMeta], list[memoryview]]:
         """GET the chain's blocks (one pipeline per node) and verify them in order: the metas of
         the leading blocks that passed (token ids from their frames) and views of their payloads
@@ -139,13 +140,12 @@ class RemoteTier:
         keys = [self.key(h) for h in block_hashes]
         with self.read.measure(len(block_hashes) * self.slot_nbytes):
             values = self.store.get(keys)
-        stride = 4 * block_size
         metas: list[BlockMeta] = []
         payloads: list[memoryview] = []
         for i, (block_hash, value) in enumerate(zip(block_hashes, values)):
             if value is None:
                 break
-            tokens = token_bytes[i * stride:(i + 1) * stride] if token_bytes is not None else None
+            tokens = block_tokens(token_bytes, i, block_size)
             try:
                 frame = read_frame(value, self.digest, block_hash, parent, self.slot_nbytes, tokens)
             except FrameMismatch as e:
@@ -218,7 +218,7 @@ class RemoteTier:
         if len(self._known) > MAX_KNOWN_KEYS:
             self._known.popitem(last=False)
 
-    def _refused(self, block_hash: bytes, reason: str) -> None:
+    def _refused(self, block_hash: DaemonKey, reason: str) -> None:
         with self._lock:
             self._corrupt[reason] += 1
             self._known.pop(self.key(block_hash), None)  # ours may be written again

@@ -18,18 +18,20 @@ import concurrent.futures
 import dataclasses
 from collections.abc import Callable, Sequence
 
+from kvtierd.daemon_key import DaemonKey
 from kvtierd.errors import InvalidArgument
 from kvtierd.index.block_index import RequestId
-from kvtierd.index.slot_entry import BlockMeta
+from kvtierd.index.slot_entry import BlockMeta, chain_metas
 from kvtierd.tier import Tier
 from kvtierd.tiering.offload import Offloader
 from kvtierd.tiering.promotion import AcquiredBlocks, Promoter
 from kvtierd.tiering.remote_stream import RemoteStream
 from kvtierd.tiering.tiers import Tiers
+from kvtierd.token_bytes import TokenBytes, block_span, packed_size
 
 Admit = Callable[[int], None]  # called with a number of T0 blocks before they are taken; raises to refuse
 # (request, start position, keys, packed token ids, parent key) -> how many of the blocks the request holds
-CommitBlocks = Callable[[RequestId, int, list[bytes], bytes, bytes], int]
+CommitBlocks = Callable[[RequestId, int, list[DaemonKey], TokenBytes, DaemonKey], int]
 Release = Callable[[RequestId], None]  # free a request's blocks, after any promotion into them
 
 
@@ -37,8 +39,8 @@ Release = Callable[[RequestId], None]  # free a request's blocks, after any prom
 class PutBlock:
     """One block of a Put, keyed for the daemon."""
 
-    key: bytes
-    token_ids: bytes  # packed u32, this block's
+    key: DaemonKey
+    token_ids: TokenBytes  # this block's
     data: memoryview  # bytes_per_block bytes
 
 
@@ -50,17 +52,17 @@ class BlockPut:
     `parent` is the key before the first block (the tenant's root, or the given parent's key);
     `commit_blocks` commits written blocks and starts them down by policy (TierManager.commit)."""
 
-    def __init__(self, tiers: Tiers, offloader: Offloader, request_id: RequestId, parent: bytes,
+    def __init__(self, tiers: Tiers, offloader: Offloader, request_id: RequestId, parent: DaemonKey,
                  commit_blocks: CommitBlocks) -> None:
         self.tiers, self.offloader, self.request_id, self.parent = tiers, offloader, request_id, parent
         self._commit_blocks = commit_blocks
-        self.commits: list[tuple[int, list[bytes], bytes, bytes]] = []  # (position, keys, tokens, parent)
+        self.commits: list[tuple[int, list[DaemonKey], TokenBytes, DaemonKey]] = []  # (position, keys, tokens, parent)
         self.num_blocks = self.num_already_cached = self.num_held_blocks = 0
 
     def check(self, block: PutBlock) -> None:
         """InvalidArgument for a block of the wrong size, before anything is written."""
         layout = self.tiers.layout
-        if len(block.token_ids) != 4 * layout.block_size:
+        if len(block.token_ids) != packed_size(layout.block_size):
             raise InvalidArgument(f"a block holds {layout.block_size} tokens (u32), got {len(block.token_ids)} bytes")
         if block.data.nbytes != layout.bytes_per_block:
             raise InvalidArgument(f"a block of this layout is {layout.bytes_per_block} bytes, got {block.data.nbytes}")
@@ -72,7 +74,7 @@ class BlockPut:
             return 0
         tiers = self.tiers
         keys = [block.key for block in batch]
-        tokens = b"".join(block.token_ids for block in batch)
+        tokens = TokenBytes(b"".join(block.token_ids for block in batch))
         admit(len(batch))
         start = self.num_held_blocks
         if start == 0:
@@ -90,9 +92,9 @@ class BlockPut:
         for block_id, block in zip(block_ids[num_hits:], batch[num_hits:]):
             tiers.pool.write_block(block_id, block.data)
         if num_hits < len(batch):
-            stride = 4 * tiers.layout.block_size
             parent = keys[num_hits - 1] if num_hits else self.parent
-            self.commits.append((start + num_hits, keys[num_hits:], tokens[num_hits * stride:], parent))
+            rest_tokens = block_span(tokens, num_hits, None, tiers.layout.block_size)
+            self.commits.append((start + num_hits, keys[num_hits:], rest_tokens, parent))
             parents = [parent, *keys[num_hits:-1]]
             self.offloader.offer_received_to_t3(
                 [BlockMeta(b.key, p, b.token_ids) for b, p in zip(batch[num_hits:], parents)],
@@ -133,8 +135,8 @@ class BlockGet:
         self.remote = remote
 
     @classmethod
-    def start(cls, tiers: Tiers, promoter: Promoter, release: Release, request_id: RequestId, keys: list[bytes],
-              token_ids: bytes | None, admit: Admit = lambda num_blocks: None) -> BlockGet:
+    def start(cls, tiers: Tiers, promoter: Promoter, release: Release, request_id: RequestId, keys: list[DaemonKey],
+              token_ids: TokenBytes | None, admit: Admit = lambda num_blocks: None) -> BlockGet:
         """Find the chain's prefix in the tiers and start promoting what lies below T0."""
         hits = promoter.lookup(keys, token_ids, count_misses=True)  # T3's misses: here, its acquire asks no more
         num_hits = hits.num_blocks
@@ -184,12 +186,3 @@ class BlockGet:
             self.acquisition = None
             self._release(self.request_id)
 
-
-def chain_metas(keys: Sequence[bytes], token_ids: bytes | None, start: int, stop: int, root: bytes | None,
-                block_size: int) -> list[BlockMeta]:
-    """BlockMetas of `keys[start:stop]`, each chained to the key before it (`root` before the
-    first key); token ids b"" where the caller sent none."""
-    stride = 4 * block_size
-    parents = [keys[start - 1] if start else root, *keys[start:stop - 1]]
-    return [BlockMeta(keys[i], parent, token_ids[i * stride:(i + 1) * stride] if token_ids is not None else b"")
-            for i, parent in zip(range(start, stop), parents)]

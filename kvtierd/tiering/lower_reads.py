@@ -19,6 +19,7 @@ from kvtierd.movers.block_codec import BlockCodec
 from kvtierd.tiering.lower_tier import Segment
 from kvtierd.tiering.offload import Offloader
 from kvtierd.tiering.tiers import Tiers
+from kvtierd.token_bytes import TokenBytes, packed_size
 
 
 class LowerReads:
@@ -118,7 +119,9 @@ class LowerReads:
         return rows, list(range(len(metas))), host.codec
 
 
-def known_token_bytes(metas: list[BlockMeta], block_size: int) -> bytes | None:
+def known_token_bytes(metas: list[BlockMeta], block_size: int) -> TokenBytes | None:
     """The blocks' token ids, packed, when the caller sent them for every block (else None)."""
-    stride = 4 * block_size
-    return b"".join(m.token_ids for m in metas) if all(len(m.token_ids) == stride for m in metas) else None
+    block_bytes = packed_size(block_size)
+    if not all(len(m.token_ids) == block_bytes for m in metas):
+        return None
+    return TokenBytes(b"".join(m.token_ids for m in metas))

@@ -26,10 +26,12 @@ from typing import NamedTuple, Protocol, runtime_checkable
 
 import torch
 
+from kvtierd.daemon_key import DaemonKey
 from kvtierd.index.slot_entry import BlockMeta, SlotEntry
 from kvtierd.movers.block_codec import BlockCodec
 from kvtierd.movers.copy_engine import Transfer
 from kvtierd.tier import Edge, Tier
+from kvtierd.token_bytes import TokenBytes
 
 # Blocks' bytes in one codec, one row per block: a uint8 tensor, or one 1-D uint8 view each (of T1 slots).
 Rows = torch.Tensor | list[torch.Tensor]
@@ -38,9 +40,9 @@ Rows = torch.Tensor | list[torch.Tensor]
 class ChainRest(NamedTuple):
     """A chain from one of its blocks on, as the tiers' indexes take it (`lookup(*rest)`)."""
 
-    block_hashes: list[bytes]
-    parent: bytes | None  # the first block's parent (the root for block 0)
-    token_bytes: bytes | None  # the blocks' token ids, packed u32 (None: the caller sent none)
+    block_hashes: list[DaemonKey]
+    parent: DaemonKey | None  # the first block's parent (the root for block 0)
+    token_bytes: TokenBytes | None  # the blocks' token ids (None: the caller sent none)
     block_size: int
 
 

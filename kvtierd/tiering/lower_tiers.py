@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from kvtierd.index.slot_entry import BlockMeta, SlotEntry
+from kvtierd.index.slot_entry import SlotEntry, chain_metas
 from kvtierd.movers.block_codec import BlockCodec
 from kvtierd.movers.copy_engine import Bandwidth, Direction, Transfer
 from kvtierd.t1.host_tier import HostTier
@@ -137,11 +137,7 @@ class RemoteLevel:
                     else min(num_present, len(hashes)))
         if not _worth_loading(self.tiers, num_hits, self.remote.read, self.codec, cost):
             return Segment(self.tier, [])
-        stride = 4 * block_size
-        parents = [parent, *hashes[:num_hits - 1]]
-        return Segment(self.tier, [
-            BlockMeta(h, p, rest_tokens[i * stride:(i + 1) * stride] if rest_tokens is not None else b"")
-            for i, (h, p) in enumerate(zip(hashes[:num_hits], parents))])
+        return Segment(self.tier, chain_metas(hashes, rest_tokens, 0, num_hits, parent, block_size))
 
     def read(self, segment: Segment) -> Transfer:
         nbytes = len(segment.metas) * self.codec.slot_nbytes

@@ -30,6 +30,7 @@ from collections.abc import Sequence
 
 import torch
 
+from kvtierd.daemon_key import DaemonKey
 from kvtierd.index.block_index import RequestId
 from kvtierd.index.kv_block import KVBlock
 from kvtierd.index.slot_entry import BlockMeta, SlotEntry, StorePlan
@@ -41,6 +42,7 @@ from kvtierd.tiering.lower_tier import LowerTier, Rows, StoringTier
 from kvtierd.tiering.spills import Spills
 from kvtierd.tiering.tier_config import EdgePolicy
 from kvtierd.tiering.tiers import Tiers, recoded
+from kvtierd.token_bytes import TokenBytes, split_blocks
 
 log = logging.getLogger(__name__)
 
@@ -100,15 +102,15 @@ class Offloader:
         tiers.counters.count_offloaded(Edge.T0_T1, len(plan.stores))
         self._after_t1_store(plan.stores)
 
-    def after_commit(self, request_id: RequestId, start_position: int, block_hashes: list[bytes], token_bytes: bytes,
-                     parent_hash: bytes) -> None:
+    def after_commit(self, request_id: RequestId, start_position: int, block_hashes: list[DaemonKey],
+                     token_bytes: TokenBytes, parent_hash: DaemonKey) -> None:
         """Write-through T0 → T1 of blocks just committed (a no-op under other policies)."""
         tiers = self.tiers
         if tiers.host is None or tiers.config.t0_to_t1 is not EdgePolicy.WRITE_THROUGH or not block_hashes:
             return
-        stride = 4 * tiers.layout.block_size
-        metas = [BlockMeta(h, p, token_bytes[i * stride:(i + 1) * stride])
-                 for i, (h, p) in enumerate(zip(block_hashes, [parent_hash, *block_hashes[:-1]]))]
+        parents = [parent_hash, *block_hashes[:-1]]
+        metas = [BlockMeta(h, p, tokens)  # token_bytes: whole blocks, as commit_blocks checked
+                 for h, p, tokens in zip(block_hashes, parents, split_blocks(token_bytes, tiers.layout.block_size))]
         block_ids = tiers.index.block_table(request_id)[start_position:start_position + len(block_hashes)]
         holder = ("write-through", next(self._holder_ids))
         tiers.index.hold(holder, block_ids)  # neither evicted nor reused until the copy landed

@@ -27,7 +27,7 @@ import logging
 import threading
 from collections.abc import Callable
 
-from kvtierd.block_hash import PackableTokenIds, pack_token_ids
+from kvtierd.daemon_key import DaemonKey
 from kvtierd.errors import KvtierError
 from kvtierd.index.block_index import RequestId
 from kvtierd.index.query_counting import QueryCounting
@@ -40,6 +40,7 @@ from kvtierd.tiering.lower_tiers import lower_tiers
 from kvtierd.tiering.offload import Offloader
 from kvtierd.tiering.tier_config import FROM_CONFIG, FromConfig
 from kvtierd.tiering.tiers import Tiers
+from kvtierd.token_bytes import PackableTokenIds, TokenBytes, block_span, pack_optional
 
 log = logging.getLogger(__name__)
 
@@ -82,12 +83,12 @@ class Promoter:
 
     # ----------------------------------------------------------------------------- queries
 
-    def lookup(self, block_hashes: list[bytes], token_ids: PackableTokenIds | None = None, ask_remote: bool = True,
+    def lookup(self, block_hashes: list[DaemonKey], token_ids: PackableTokenIds | None = None, ask_remote: bool = True,
                count_misses: bool = False) -> TierCounts:
         """Where the chain's prefix lives, tier by tier (T3: the keys present; a network round
         trip, skipped when `ask_remote` is False). Changes nothing, but for T3's misses when
         `count_misses` (the caller's chain is a query: t3/remote_tier.py)."""
-        token_bytes = pack_token_ids(token_ids) if token_ids is not None else None
+        token_bytes = pack_optional(token_ids)
         start = self.tiers.index.lookup(block_hashes, token_bytes)
         hits = TierCounts(t0=start)
         for level in self.levels:
@@ -103,7 +104,7 @@ class Promoter:
 
     # ----------------------------------------------------------------------------- acquire
 
-    def acquire(self, request_id: RequestId, block_hashes: list[bytes], num_extra_blocks: int = 0,
+    def acquire(self, request_id: RequestId, block_hashes: list[DaemonKey], num_extra_blocks: int = 0,
                 token_ids: PackableTokenIds | None = None,
                 recompute_s_per_token: float | None | FromConfig = FROM_CONFIG, num_t3_present: int | None = None,
                 counting: QueryCounting = QueryCounting.QUERY_AND_HITS) -> AcquiredBlocks:
@@ -112,7 +113,7 @@ class Promoter:
         query count and the blocks it finds the hit counts (query_counting.py)."""
         tiers = self.tiers
         cost = tiers.config.recompute_s_per_token if recompute_s_per_token is FROM_CONFIG else recompute_s_per_token
-        token_bytes = pack_token_ids(token_ids) if token_ids is not None else None
+        token_bytes = pack_optional(token_ids)
         allocation = tiers.index.allocate(request_id, block_hashes, num_extra_blocks, token_bytes, counting=counting)
         n0 = allocation.num_hit_blocks
         answers = {} if num_t3_present is None else {Tier.T3: num_t3_present}
@@ -168,14 +169,14 @@ class Promoter:
         else:
             landed.add_done_callback(lambda _: tiers.dispatch(work))
 
-    def prefetch(self, block_hashes: list[bytes], token_ids: PackableTokenIds | None = None,
+    def prefetch(self, block_hashes: list[DaemonKey], token_ids: PackableTokenIds | None = None,
                  hits: TierCounts | None = None) -> int:
         """Start copying the chain's segments below T1 (T2, T3) into T1, at once (no cost check);
         returns how many blocks that is. `hits`: a lookup of the chain just before (None: look)."""
         below_t1 = [level for level in self.levels if level.tier is not Tier.T1]
         if self.tiers.host is None or not below_t1:
             return 0
-        token_bytes = pack_token_ids(token_ids) if token_ids is not None else None
+        token_bytes = pack_optional(token_ids)
         hits = hits if hits is not None else self.lookup(block_hashes, token_bytes)
         segments = self._claim(below_t1, block_hashes, token_bytes, hits.t0 + hits.t1, None, dict(hits.items()))
         for level, segment in zip(below_t1, segments):
@@ -185,14 +186,13 @@ class Promoter:
 
     # ----------------------------------------------------------------------------- planning
 
-    def _rest(self, block_hashes: list[bytes], token_bytes: bytes | None, start: int) -> ChainRest:
+    def _rest(self, block_hashes: list[DaemonKey], token_bytes: TokenBytes | None, start: int) -> ChainRest:
         """The chain from block `start` on."""
-        stride = 4 * self.tiers.layout.block_size
+        block_size = self.tiers.layout.block_size
         parent = block_hashes[start - 1] if start else self.tiers.index.root
-        rest_tokens = token_bytes[start * stride:] if token_bytes is not None else None
-        return ChainRest(block_hashes[start:], parent, rest_tokens, self.tiers.layout.block_size)
+        return ChainRest(block_hashes[start:], parent, block_span(token_bytes, start, None, block_size), block_size)
 
-    def _claim(self, levels: list[LowerTier], block_hashes: list[bytes], token_bytes: bytes | None, start: int,
+    def _claim(self, levels: list[LowerTier], block_hashes: list[DaemonKey], token_bytes: TokenBytes | None, start: int,
                cost: float | None, answers: dict[Tier, int], count_misses: bool = False) -> list[Segment]:
         """One segment per level, in chain order: each continues the chain where the one above ended
         (`start`: after T0's hits); empty once the chain is used up. `answers`: a Lookup's, by tier

@@ -21,7 +21,7 @@ import logging
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
-from kvtierd.block_hash import BlockHash, PackableTokenIds, pack_token_ids
+from kvtierd.daemon_key import DaemonKey
 from kvtierd.index.allocation import WriteTarget
 from kvtierd.index.block_index import BlockIndex, RequestId
 from kvtierd.index.index_metrics import IndexObserver
@@ -40,6 +40,7 @@ from kvtierd.tiering.tier_config import FROM_CONFIG, FromConfig, TierConfig
 from kvtierd.tiering.tiering_stats import TieringStats, tiering_stats
 from kvtierd.tiering.tiers import Tiers
 from kvtierd.tiering.write_backs import WriteBacks
+from kvtierd.token_bytes import PackableTokenIds, TokenBytes, pack_optional, pack_token_ids
 
 if TYPE_CHECKING:  # imported when built (below): lmdb and redis load only for a pool that has T2 or T3
     from kvtierd.t2.ssd_config import SsdTierConfig
@@ -52,7 +53,7 @@ class TierManager:
     """One namespace's tiers. Thread-safe: the index and slot indexes take their own locks."""
 
     def __init__(self, layout: Layout, num_device_blocks: int, config: TierConfig = TierConfig(), *,
-                 ssd_config: SsdTierConfig | None = None, device: str = "auto", root: BlockHash | None = None,
+                 ssd_config: SsdTierConfig | None = None, device: str = "auto", root: DaemonKey | None = None,
                  hash_size: int = 32, observer: IndexObserver | None = None, copy_threads: int = 2,
                  max_pending_events: int = 0, engines: CopyEngines | None = None,
                  remote_store: RedisStore | None = None) -> None:
@@ -108,7 +109,7 @@ class TierManager:
         """Does this layout have T3 (so `lookup` and `acquire` may wait on the network)?"""
         return self.tiers.remote is not None
 
-    def acquire(self, request_id: RequestId, block_hashes: list[bytes], num_extra_blocks: int = 0,
+    def acquire(self, request_id: RequestId, block_hashes: list[DaemonKey], num_extra_blocks: int = 0,
                 token_ids: PackableTokenIds | None = None,
                 recompute_s_per_token: float | None | FromConfig = FROM_CONFIG, num_t3_present: int | None = None,
                 counting: QueryCounting = QueryCounting.QUERY_AND_HITS) -> AcquiredBlocks:
@@ -119,8 +120,8 @@ class TierManager:
                                      recompute_s_per_token=recompute_s_per_token, num_t3_present=num_t3_present,
                                      counting=counting)
 
-    def commit(self, request_id: RequestId, start_position: int, block_hashes: list[bytes],
-               token_ids: PackableTokenIds, parent_hash: bytes) -> int:
+    def commit(self, request_id: RequestId, start_position: int, block_hashes: list[DaemonKey],
+               token_ids: PackableTokenIds, parent_hash: DaemonKey) -> int:
         """Commit computed full blocks; under write_through they start their way down at once."""
         token_bytes = pack_token_ids(token_ids)
         num_held = self.tiers.index.commit_blocks(request_id, start_position, block_hashes, token_bytes, parent_hash)
@@ -159,15 +160,15 @@ class TierManager:
         """The block a request may write at `position` (copy-on-write; may wait for a write-back)."""
         return self.tiers.index.prepare_write(request_id, position)
 
-    def start_put(self, request_id: RequestId, parent: bytes) -> BlockPut:
+    def start_put(self, request_id: RequestId, parent: DaemonKey) -> BlockPut:
         """A Put of blocks after `parent` (the key before the first), into a private request."""
         return BlockPut(self.tiers, self.offloader, request_id, parent, self.commit)
 
-    def start_get(self, request_id: RequestId, keys: list[bytes], token_ids: PackableTokenIds | None = None,
+    def start_get(self, request_id: RequestId, keys: list[DaemonKey], token_ids: PackableTokenIds | None = None,
                   admit: Admit = lambda num_blocks: None) -> BlockGet:
         """A Get of the chain's leading blocks from any tier, promoted into a private request."""
         return BlockGet.start(self.tiers, self.promoter, self.release, request_id, keys,
-                              pack_token_ids(token_ids) if token_ids is not None else None, admit)
+                              pack_optional(token_ids), admit)
 
     def count_query_blocks(self, num_blocks: int) -> None:
         """Blocks a Lookup names as a query (the Acquires that load its hits count only their hits)."""
@@ -175,7 +176,7 @@ class TierManager:
             self.tiers.counters.count_queries(num_blocks)
             self.tiers.index.count_query(num_blocks * self.tiers.index.block_size)
 
-    def lookup(self, block_hashes: list[bytes], token_ids: PackableTokenIds | None = None, prefetch: bool = False,
+    def lookup(self, block_hashes: list[DaemonKey], token_ids: PackableTokenIds | None = None, prefetch: bool = False,
                ask_remote: bool = True, count_misses: bool = False) -> TierCounts:
         """Where the chain's prefix lives. With `ask_remote` False, the local tiers only (never
         waits on the network); with `prefetch`, T2 and T3 hits start their way into T1; with
@@ -185,7 +186,7 @@ class TierManager:
             self.promoter.prefetch(block_hashes, token_ids, hits)
         return hits
 
-    def lookup_remote(self, chains: Sequence[tuple[list[bytes], bytes | None]], hits: Sequence[TierCounts],
+    def lookup_remote(self, chains: Sequence[tuple[list[DaemonKey], TokenBytes | None]], hits: Sequence[TierCounts],
                       prefetch: bool = False, count_misses: bool = False) -> list[TierCounts]:
         """Each chain's `hits` (a local lookup's, of its (block hashes, token bytes)) with T3's
         part: the store's keys present after them, for every chain in one network round trip

@@ -17,6 +17,7 @@ from __future__ import annotations
 import dataclasses
 
 from kvtierd.errors import InvalidArgument
+from kvtierd.token_bytes import TokenBytes
 from kvtierd.v1 import kvtier_pb2 as pb
 
 LENGTH_DELIMITED = 2
@@ -109,7 +110,7 @@ class PutFrame:
     layout: pb.Layout | None  # first message only
     block_hash: bytes
     parent_hash: bytes
-    token_ids: bytes
+    token_ids: TokenBytes  # as sent: BlockPut.check checks that they fill one block
     data: memoryview
 
     @classmethod
@@ -122,7 +123,7 @@ class PutFrame:
         except Exception:  # protobuf's DecodeError
             raise InvalidArgument("malformed PutRequest.layout") from None
         return cls(layout_message, bytes(fields.get(PUT_BLOCK_HASH, empty)), bytes(fields.get(PUT_PARENT_HASH, empty)),
-                   bytes(fields.get(PUT_TOKEN_IDS, empty)), fields.get(PUT_DATA, empty))
+                   TokenBytes(bytes(fields.get(PUT_TOKEN_IDS, empty))), fields.get(PUT_DATA, empty))
 
 
 def decode_get_response(raw: Buffer) -> tuple[bytes, bytes]:

@@ -17,11 +17,12 @@ import numpy as np
 import pytest
 import torch
 
-from kvtierd.block_hash import Namespace, pack_token_ids
+from kvtierd.block_hash import Namespace
 from kvtierd.client import AsyncKvtierClient, KvtierClient, PutResult
 from kvtierd.errors import DeadlineExceeded, FailedPrecondition, InvalidArgument, KvtierError, Unavailable
 from kvtierd.layout import Layout
 from kvtierd.t0.factory import create_device_pool
+from kvtierd.token_bytes import pack_token_ids
 from kvtierd.v1 import kvtier_pb2 as pb
 from kvtierd.v1 import kvtier_pb2_grpc
 from kvtierd.wire.conversions import handle_to_proto, layout_from_proto

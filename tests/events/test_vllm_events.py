@@ -7,10 +7,10 @@ from __future__ import annotations
 import msgpack
 import pytest
 
-from kvtierd.block_hash import pack_token_ids
 from kvtierd.events.vllm_events import BatchEncoder, PoolEvents, WireFormat
 from kvtierd.index.index_events import AllBlocksCleared, BlockRemoved, BlockStored
 from kvtierd.node.tenants import Tenant
+from kvtierd.token_bytes import pack_token_ids
 
 ROOT = b"\xee" * 32
 ACME, GLOBEX = Tenant.named("acme"), Tenant.named("globex")

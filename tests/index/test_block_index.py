@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import pytest
 
-from kvtierd.block_hash import pack_token_ids
 from kvtierd.errors import FailedPrecondition, InvalidArgument, NotFound, ResourceExhausted
 from kvtierd.index.index_events import AllBlocksCleared, BlockRemoved, BlockStored
 from kvtierd.index.kv_block import BlockState
+from kvtierd.token_bytes import pack_token_ids
 from tests.factories import (
     BLOCK_SIZE,
     NAMESPACE,

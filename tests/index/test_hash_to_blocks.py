@@ -5,10 +5,10 @@ from __future__ import annotations
 
 import pytest
 
-from kvtierd.block_hash import pack_token_ids
 from kvtierd.index.hash_to_blocks import HashToBlocks
 from kvtierd.index.index_events import AllBlocksCleared, BlockRemoved, BlockStored
 from kvtierd.index.kv_block import BlockState, KVBlock
+from kvtierd.token_bytes import pack_token_ids
 from tests.factories import BLOCK_SIZE, NAMESPACE, commit_all, hashes, make_index, tokens
 
 H, G = b"h" * 32, b"g" * 32

@@ -1,28 +1,14 @@
-"""The helpers of prefix matching and commit: the hash check and the per-block token split."""
+"""The helpers of prefix matching and commit: the hash check (the per-block token split: tests/test_token_bytes.py)."""
 
 from __future__ import annotations
 
 import pytest
 
-from kvtierd.block_hash import pack_token_ids
 from kvtierd.errors import InvalidArgument
-from kvtierd.index.prefix_match import check_hashes, split_blocks
+from kvtierd.index.prefix_match import check_hashes
 
 HASH_SIZE = 32
 GOOD_HASH = bytes(range(HASH_SIZE))
-
-
-def test_split_blocks_cuts_one_bytes_object_per_block_and_keeps_zero_bytes():
-    """Each block gets exactly its 4 * block_size bytes, trailing zero bytes included (small token ids)."""
-    token_bytes = pack_token_ids([1, 0, 7, 0, 0, 0, 2**32 - 1, 5])
-    blocks = split_blocks(token_bytes, block_size=2)
-    assert blocks == (token_bytes[0:8], token_bytes[8:16], token_bytes[16:24], token_bytes[24:32])
-    assert blocks[1] == b"\x07\x00\x00\x00" + b"\x00" * 4
-    assert all(type(block) is bytes for block in blocks)
-
-
-def test_split_blocks_of_no_tokens_is_empty():
-    assert split_blocks(b"", block_size=16) == ()
 
 
 def test_check_hashes_accepts_bytes_of_the_hash_size():

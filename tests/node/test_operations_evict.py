@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import pytest
 
-from kvtierd.block_hash import pack_token_ids
 from kvtierd.node.operations import Operations
 from kvtierd.node.pool_config import PoolConfig
 from kvtierd.node.pools import PoolRegistry, PoolSettings
@@ -13,6 +12,7 @@ from kvtierd.node.quotas import QuotaBook
 from kvtierd.node.sessions import SessionTable
 from kvtierd.node.tenants import Tenant
 from kvtierd.tiering.tier_config import TierConfig
+from kvtierd.token_bytes import pack_token_ids
 from tests.factories import BLOCK_SIZE, NAMESPACE, tokens
 from tests.tiering.tier_factories import LAYOUT
 

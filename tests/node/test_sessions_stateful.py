@@ -13,7 +13,7 @@ from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
-from kvtierd.block_hash import Namespace, pack_token_ids
+from kvtierd.block_hash import Namespace
 from kvtierd.errors import ResourceExhausted
 from kvtierd.layout import Layout
 from kvtierd.node.pool_config import PoolConfig
@@ -22,6 +22,7 @@ from kvtierd.node.quotas import QuotaBook
 from kvtierd.node.sessions import SessionTable
 from kvtierd.node.tenants import Tenant
 from kvtierd.tiering.tier_config import TierConfig
+from kvtierd.token_bytes import pack_token_ids
 from tests.factories import FakeClock
 
 LAYOUT = Layout("sessions", 1, 1, 8, 4)

@@ -12,7 +12,6 @@ import urllib.request
 import grpc
 import pytest
 
-from kvtierd.block_hash import pack_token_ids
 from kvtierd.client import KvtierClient
 from kvtierd.errors import InvalidArgument
 from kvtierd.launch.daemon_process import (
@@ -22,6 +21,7 @@ from kvtierd.launch.daemon_process import (
     small_daemon_args,
     wait_until,
 )
+from kvtierd.token_bytes import pack_token_ids
 from tests.server.e2e_runner import LAYOUT, expected_block, prompt
 
 RUNNER = os.path.join(os.path.dirname(__file__), "e2e_runner.py")

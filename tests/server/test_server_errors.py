@@ -8,9 +8,10 @@ from __future__ import annotations
 import grpc
 import pytest
 
-from kvtierd.block_hash import Namespace, pack_token_ids
+from kvtierd.block_hash import Namespace
 from kvtierd.launch.daemon_process import DaemonProcess, small_daemon_args
 from kvtierd.layout import Layout
+from kvtierd.token_bytes import pack_token_ids
 from kvtierd.v1 import kvtier_pb2 as pb
 from kvtierd.v1 import kvtier_pb2_grpc
 from kvtierd.wire.conversions import layout_to_proto

@@ -6,11 +6,11 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kvtierd.block_hash import pack_token_ids
 from kvtierd.errors import InvalidArgument, ResourceExhausted
 from kvtierd.t2.ssd_tier import SsdTierConfig
 from kvtierd.tiering.block_io import PutBlock
 from kvtierd.tiering.tier_config import EdgePolicy
+from kvtierd.token_bytes import pack_token_ids
 from tests.factories import BLOCK_SIZE, NAMESPACE, tokens
 from tests.tiering.tier_factories import content_for, make_manager
 

@@ -8,10 +8,10 @@ import threading
 import pytest
 import torch
 
-from kvtierd.block_hash import pack_token_ids
 from kvtierd.launch.daemon_process import wait_until
 from kvtierd.tiering.block_io import PutBlock
 from kvtierd.tiering.write_backs import WriteBacks
+from kvtierd.token_bytes import pack_token_ids
 from tests.factories import BLOCK_SIZE, NAMESPACE, tokens
 from tests.tiering.tier_factories import content_for, make_manager, prefill, promote_exactly
 

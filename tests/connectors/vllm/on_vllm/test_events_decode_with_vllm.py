@@ -23,7 +23,6 @@ from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash
 from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec
 from vllm.v1.request import Request
 
-from kvtierd.block_hash import pack_token_ids
 from kvtierd.client import KvtierClient
 from kvtierd.events.vllm_events import BatchEncoder, PoolEvents, WireFormat
 from kvtierd.index.index_events import AllBlocksCleared as Cleared
@@ -32,6 +31,7 @@ from kvtierd.index.index_events import BlockStored as Stored
 from kvtierd.launch.daemon_process import DaemonProcess, small_daemon_args
 from kvtierd.layout import Layout
 from kvtierd.node.tenants import Tenant
+from kvtierd.token_bytes import pack_token_ids
 
 BLOCK_SIZE = 16
 LAYOUT = Layout("events-model", 2, 2, 16, BLOCK_SIZE)
