@@ -2,8 +2,9 @@
 from the event loop, with the tenant's device quota (quotas.py) held while they hold T0 blocks.
 
 The loop waits on no copy: Put writes its blocks `PUT_BATCH_BLOCKS` at a time on the default
-executor, Get serializes its blocks there (`GET_BATCH_BLOCKS` at a time, or a chunk of T3's part
-as it lands), and Get's start runs there when it may wait on the shared store (off_loop.py).
+executor, one batch while the next is received; Get serializes its blocks there
+(`GET_BATCH_BLOCKS` at a time, one batch while the one before is sent, or a chunk of T3's part as
+it lands), and Get's start runs there when it may wait on the shared store (off_loop.py).
 
 Quota holds: a Put checks each batch before writing it, adds the blocks it took once written,
 and gives them all back when it closes; a Get checks the blocks it admits before taking them,
@@ -55,14 +56,19 @@ class BlockTransfers:
         writing: asyncio.Future[int] | None = None
         num_admitted_blocks = 0
 
-        async def write(batch: list[PutBlock]) -> None:  # the bytes are copied off the loop
+        async def written() -> None:  # the write in flight, if any, has landed; its blocks are counted
             nonlocal writing, num_admitted_blocks
+            if writing is not None:
+                num_taken = await asyncio.shield(writing)
+                writing = None
+                quotas.add(tenant.name, num_taken * bytes_per_block)
+                num_admitted_blocks += num_taken
+
+        async def write(batch: list[PutBlock]) -> None:  # copied off the loop while the next batch arrives
+            nonlocal writing
+            await written()  # one write in flight: batches land in order, each checked after the last counted
             quotas.check(tenant.name, len(batch) * bytes_per_block)
             writing = loop.run_in_executor(None, put.write, batch)
-            num_taken = await asyncio.shield(writing)
-            writing = None
-            quotas.add(tenant.name, num_taken * bytes_per_block)
-            num_admitted_blocks += num_taken
 
         try:
             batch: list[PutBlock] = []
@@ -72,13 +78,17 @@ class BlockTransfers:
                 if len(batch) == PUT_BATCH_BLOCKS:
                     await write(batch)
                     batch = []
+            await written()
             if not batch and put.num_blocks == 0:
                 raise InvalidArgument("Put needs at least one block")
             await write(batch)
+            await written()
             put.commit()
             return put
         finally:
             def close(_: object = None) -> None:  # once no write is in flight into the request's blocks
+                if writing is not None and not writing.cancelled():
+                    writing.exception()  # a write's error after the stream's own was raised: retrieved, not logged
                 put.close()
                 quotas.remove(tenant.name, num_admitted_blocks * bytes_per_block)
 
@@ -106,9 +116,15 @@ class BlockTransfers:
         encoding: asyncio.Future[list[Frame]] | None = None
         try:
             num_ready = await asyncio.shield(asyncio.wrap_future(get.future))
-            for start in range(0, num_ready, GET_BATCH_BLOCKS):  # serialized off the loop, in one copy
-                encoding = loop.run_in_executor(None, _encode_blocks, get, encode, start, num_ready)
-                for frame in await asyncio.shield(encoding):
+            if num_ready:  # serialized off the loop, in one copy, each batch while the one before is sent
+                encoding = loop.run_in_executor(None, _encode_blocks, get, encode, 0, num_ready)
+            for start in range(0, num_ready, GET_BATCH_BLOCKS):
+                assert encoding is not None
+                frames = await asyncio.shield(encoding)
+                next_start = start + GET_BATCH_BLOCKS
+                encoding = (loop.run_in_executor(None, _encode_blocks, get, encode, next_start, num_ready)
+                            if next_start < num_ready else None)
+                for frame in frames:
                     yield frame
             if get.remote is not None and num_ready == get.num_local_blocks:  # T3's part, as it lands
                 for chunk in get.remote.chunks():

@@ -49,6 +49,7 @@ from kvtierd.server.config_summary import config_lines
 from kvtierd.server.daemon_config import DaemonConfig
 from kvtierd.server.directory_lock import DirectoryLock
 from kvtierd.server.fd_listener import FdListener
+from kvtierd.server.heap_settings import keep_block_buffers_in_heap
 from kvtierd.server.interceptor import StatusInterceptor
 from kvtierd.server.listeners import SocketFile, add_port, apply_socket_access, bind_fd_socket, bind_unix_socket
 from kvtierd.server.server_config import ServerConfig, admin_tenant_names
@@ -355,6 +356,7 @@ async def serve(config: DaemonConfig, print_line: Callable[[str], object] = prin
 def run(config: DaemonConfig) -> int:
     """Run the daemon until SIGTERM/SIGINT on uvloop (plain asyncio where uvloop is missing)."""
     logging.basicConfig(level=config.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    keep_block_buffers_in_heap()
     try:
         import uvloop
         loop_factory = uvloop.new_event_loop
