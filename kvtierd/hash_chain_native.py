@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import ctypes
 import functools
+import importlib
 import os
 from collections.abc import Callable, Sequence
 from types import ModuleType
@@ -37,23 +38,23 @@ def _load_module() -> ModuleType | None:
     return _hash_chain
 
 
-def _function_address(library_path: str, name: str) -> int:
-    """The address of an exported function of an already loaded library (0 when absent)."""
+def _function_address(extension_module: str, name: str) -> int:
+    """The address of a function exported by an extension module's library (or a library it
+    links, found through its handle), once that module is loaded; 0 when absent."""
     try:
+        library_path = importlib.import_module(extension_module).__file__
+        assert library_path is not None
         library = ctypes.CDLL(library_path, mode=os.RTLD_NOW | getattr(os, "RTLD_NOLOAD", 0))
         return ctypes.cast(getattr(library, name), ctypes.c_void_p).value or 0
-    except (OSError, AttributeError):
+    except (ImportError, OSError, AttributeError):  # no such module or symbol: that algorithm stays in Python
         return 0
 
 
 def _bind(module: ModuleType) -> dict[str, int]:
     """Hands the module the hash functions' addresses; the algorithms it can then run."""
-    import _hashlib  # CPython's OpenSSL binding: hashlib.sha256 runs in its libcrypto
-
-    import xxhash._xxhash
-
-    xxh3 = _function_address(xxhash._xxhash.__file__, "XXH3_128bits")
-    sha256 = [_function_address(_hashlib.__file__, name) for name in ("SHA256_Init", "SHA256_Update", "SHA256_Final")]
+    xxh3 = _function_address("xxhash._xxhash", "XXH3_128bits")
+    # CPython's OpenSSL binding: hashlib.sha256 runs in the libcrypto it links
+    sha256 = [_function_address("_hashlib", name) for name in ("SHA256_Init", "SHA256_Update", "SHA256_Final")]
     if not all(sha256):
         sha256 = [0, 0, 0]
     module.bind(xxh3, *sha256)
