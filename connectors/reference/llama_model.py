@@ -1,7 +1,7 @@
 """The reference Llama decoder: RMSNorm, RoPE, grouped-query attention, SwiGLU, with paged KV.
 
 Its attention keeps no KV of its own: each layer writes the new tokens' K and V into the block
-pool (`pool[:, layer, 0]` and `pool[:, layer, 1]`, ARCHITECTURE §3) through the batch's block
+pool (`pool[:, layer, 0]` and `pool[:, layer, 1]`, docs/architecture.md §3) through the batch's block
 tables and reads every sequence's context back from there (paged_attention.py). Whatever is in
 the pool — computed in this pass, earlier, by another process, or restored from T1/T2 — is
 what the model attends to. The math follows transformers' LlamaForCausalLM (the oracle in

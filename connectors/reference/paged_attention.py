@@ -1,6 +1,6 @@
 """Paged attention: causal attention whose keys and values live in blocks named by block tables.
 
-The cache of one layer is a view of the daemon's block-major pool (ARCHITECTURE §3):
+The cache of one layer is a view of the daemon's block-major pool (docs/architecture.md §3):
 `key_cache = pool[:, layer, 0]`, shape `[num_blocks, block_size, num_kv_heads, head_dim]`,
 with a block stride (not contiguous). Token `t` of sequence `s` lives in block
 `block_tables[s, t // block_size]`, row `t % block_size`.

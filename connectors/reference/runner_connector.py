@@ -1,6 +1,6 @@
 """The reference runner's connector to kvtierd: its blocks are the daemon's.
 
-Per request, in the order the daemon's design (ARCHITECTURE §5-§7) gives:
+Per request, in the order the daemon's design (docs/architecture.md §5-§7) gives:
 1. hash the prompt's full blocks: the session's namespace, with the LoRA id on every block and
    the cache_salt on block 0 (block_hash.PromptExtras); the daemon mixes in the tenant;
 2. Acquire one block per hash plus room for the partial last block and the first generated

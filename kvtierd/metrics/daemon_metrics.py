@@ -1,4 +1,4 @@
-"""The daemon's Prometheus metrics (ARCHITECTURE §9), on a registry of their own.
+"""The daemon's Prometheus metrics (docs/architecture.md §9), on a registry of their own.
 
 Three kinds of source:
 - pushed by the daemon as things happen: RPC latency and outcome, sessions and the block

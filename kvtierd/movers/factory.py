@@ -20,7 +20,7 @@ def create_copy_engine(device: str = "cpu", num_cpu_threads: int = 2) -> CopyEng
 
 
 class CopyEngines:
-    """One copy engine per device, shared by the tiers of every layout on it (ARCHITECTURE §6).
+    """One copy engine per device, shared by the tiers of every layout on it (docs/architecture.md §6).
 
     A device's links have one byte budget and one bandwidth estimate whichever layout's blocks
     cross them, so two layouts on one GPU neither double the in-flight bytes nor learn two

@@ -2,7 +2,7 @@
 
 An engine such as vLLM keeps one contiguous tensor per layer, `[2, num_engine_blocks,
 block_size, num_kv_heads, head_dim]`; kvtierd stores a block as one contiguous slot,
-`[num_layers, 2, block_size, num_kv_heads, head_dim]` (ARCHITECTURE §3). `gather_blocks` packs
+`[num_layers, 2, block_size, num_kv_heads, head_dim]` (docs/architecture.md §3). `gather_blocks` packs
 the per-layer pieces of the given engine blocks into slots, `scatter_blocks` writes them back:
     slots[i, layer, kv] == layer_caches[layer][kv, block_ids[i]]
 Both move raw bytes, never values, so they are bit exact for every 1-, 2- or 4-byte dtype
