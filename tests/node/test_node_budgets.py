@@ -65,7 +65,8 @@ def test_five_layouts_stay_within_the_node_budgets_and_each_reads_back_its_block
                 tokens, blocks = chain_blocks(client, layout, seed)
                 assert client.put(layout, blocks).num_blocks == CHAIN_BLOCKS
                 chains[layout, seed] = tokens, blocks
-        assert wait_until(lambda: t2_cached(client) == [NUM_CHAINS * CHAIN_BLOCKS] * len(LAYOUTS), timeout_s=30)
+        assert wait_until(lambda: t2_cached(client) == [NUM_CHAINS * CHAIN_BLOCKS] * len(LAYOUTS), timeout_s=30), \
+            (t2_cached(client), [line for line in daemon.lines if any(w in line for w in ("SSD", "WARNING", "ERROR"))])
 
         segments = host_segments(daemon.process.pid)
         assert len(segments) == len(LAYOUTS)  # every layout has its T1 slab ...
