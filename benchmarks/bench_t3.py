@@ -289,9 +289,8 @@ def bench_put_get(cluster, directory: str, args, rng) -> tuple[list[list[str]], 
             rows.append([f"  [baseline] {BASELINE_CLIENTS[name]}", "",
                          _report.median_and_best(mb_per_s(timing.median_ns), mb_per_s(timing.best_ns)),
                          f"{timing.median_ns / ours.median_ns:.2f}x", "", ""])
-        rows.append([f"  [context] CPU of every process (client, daemons, redis-servers) per round: ours "
-                     f"{ours_cpu:,.0f} ms, {best_name} {best_cpu:,.0f} ms; on saturated cores ours reaches at most",
-                     "", "", f"{best_cpu / ours_cpu:.2f}x", "", ""])
+        rows.append([f"  [context] CPU ms a round, all processes: ours {ours_cpu:,.0f}, {best_name} {best_cpu:,.0f} "
+                     "(the ratio: ours' ceiling on saturated cores)", "", "", f"{best_cpu / ours_cpu:.2f}x", "", ""])
         if ours is put:
             rpc = _report.Timings(state.put_rpc_ns[args.warmup:args.warmup + args.rounds])
             rows.append(["  [context] the Put RPC alone (into T0; T3 writes not waited for)",
