@@ -197,7 +197,6 @@ static PyObject *pack_u32(PyObject *self, PyObject *sequence) {
         return NULL;
     }
     Py_ssize_t count = PySequence_Fast_GET_SIZE(fast);
-    PyObject **items = PySequence_Fast_ITEMS(fast);
     PyObject *packed = PyBytes_FromStringAndSize(NULL, count * 4);
     if (packed == NULL) {
         Py_DECREF(fast);
@@ -205,7 +204,11 @@ static PyObject *pack_u32(PyObject *self, PyObject *sequence) {
     }
     unsigned char *out = (unsigned char *)PyBytes_AS_STRING(packed);
     for (Py_ssize_t i = 0; i < count; i++) {
-        int64_t value = token_id_u32(items[i]);
+        /* an item's __index__ could change the list: its size is checked, its items re-read */
+        int64_t value = PySequence_Fast_GET_SIZE(fast) == count ? token_id_u32(PySequence_Fast_GET_ITEM(fast, i)) : -2;
+        if (value == -2) {
+            PyErr_SetString(PyExc_RuntimeError, "the token ids changed while being packed");
+        }
         if (value < 0) {
             Py_DECREF(packed);
             Py_DECREF(fast);

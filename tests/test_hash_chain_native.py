@@ -141,3 +141,23 @@ def test_the_python_loop_is_what_runs_without_the_c_loop():
                             check=True)
     expected = Namespace(llama3_8b(16), algo="xxh3_128").hash_blocks(list(range(100)))[-1].hex()
     assert result.stdout.strip() == expected
+
+
+def test_packing_a_list_that_an_item_empties_is_an_error_not_a_crash():
+    """An item's __index__ runs Python, which may change the list being packed."""
+    pack_u32 = native_pack_u32()
+    if pack_u32 is None:
+        pytest.skip("the C packer is not built here")
+
+    class EmptiesTheList:
+        def __init__(self, token_ids: list) -> None:
+            self.token_ids = token_ids
+
+        def __index__(self) -> int:
+            self.token_ids.clear()
+            return 1
+
+    token_ids: list = [1, 2]
+    token_ids += [EmptiesTheList(token_ids), 3, 4]
+    with pytest.raises(RuntimeError, match="changed while being packed"):
+        pack_u32(token_ids)
