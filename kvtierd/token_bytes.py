@@ -125,6 +125,17 @@ def block_tokens(tokens: TokenBytes | None, index: int, block_size: int) -> Toke
     return TokenBytes(tokens[index * stride:(index + 1) * stride])
 
 
+def matching_blocks(stored: Sequence[bytes], tokens: TokenBytes, block_size: int) -> int:
+    """How many leading blocks of `stored` (each one block's packed tokens, or b"" where none were
+    sent) equal the blocks of `tokens`. Compared at C speed, all at once (the lengths counted, one
+    join, one bytes comparison); block by block only when that fails, to find the first mismatch."""
+    num_blocks, stride = len(stored), packed_size(block_size)
+    if (list(map(len, stored)).count(stride) == num_blocks  # every entry a whole block, so the join lines up
+            and b"".join(stored) == block_span(tokens, 0, num_blocks, block_size)):
+        return num_blocks
+    return next((i for i, block in enumerate(stored) if block != block_tokens(tokens, i, block_size)), num_blocks)
+
+
 def split_blocks(tokens: TokenBytes, block_size: int) -> tuple[TokenBytes, ...]:
     """Packed tokens cut into one bytes object per block of `block_size` tokens (the length is a
     whole number of blocks, checked by the caller). One C-level unpack: slicing block by block in

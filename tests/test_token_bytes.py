@@ -18,6 +18,7 @@ from kvtierd.token_bytes import (
     block_span,
     block_tokens,
     check_covers,
+    matching_blocks,
     pack_optional,
     pack_token_ids,
     packed_size,
@@ -121,3 +122,27 @@ def test_chain_metas_chain_each_key_to_the_one_before_with_its_block_tokens():
     assert chain_metas(keys, None, 0, 2, b"root", BLOCK_SIZE) == [  # no tokens sent: b"" each
         BlockMeta(b"k0", b"root", NO_TOKENS), BlockMeta(b"k1", b"k0", NO_TOKENS)]
     assert chain_metas(keys, PACKED, 2, 2, b"root", BLOCK_SIZE) == []
+
+
+@given(tokens=st.lists(st.integers(0, 9), min_size=0, max_size=24), block_size=st.integers(1, 4),
+       changes=st.lists(st.tuples(st.integers(0, 7), st.sampled_from(["other", "none", "short"])), max_size=3))
+def test_matching_blocks_counts_the_leading_equal_blocks(tokens, block_size, changes):
+    """Against a block-by-block comparison: stored blocks with another id, none sent (b""), or cut short."""
+    packed = pack_token_ids(tokens)
+    stored = [block_tokens(packed, i, block_size) for i in range(len(tokens) // block_size)]
+    for index, change in changes:
+        if index < len(stored):
+            block = stored[index]
+            stored[index] = {"other": pack_token_ids([10] * block_size), "none": b"",
+                             "short": block[:-4]}[change]
+    expected = next((i for i, block in enumerate(stored) if block != block_tokens(packed, i, block_size)),
+                    len(stored))
+    assert matching_blocks(stored, packed, block_size) == expected
+
+
+def test_matching_blocks_stops_at_the_first_mismatch_even_when_the_join_lines_up():
+    """b"" then a block of two blocks' ids would join equal; the count must still be 0."""
+    packed = pack_token_ids([1, 2, 3, 4])
+    assert matching_blocks([b"", packed], packed, 2) == 0
+    assert matching_blocks([block_tokens(packed, 0, 2), block_tokens(packed, 1, 2)], packed, 2) == 2
+    assert matching_blocks([block_tokens(packed, 0, 2), pack_token_ids([3, 5])], packed, 2) == 1

@@ -15,7 +15,7 @@ from typing import cast
 from kvtierd.daemon_key import DaemonKey
 from kvtierd.errors import InvalidArgument
 from kvtierd.index.kv_block import KVBlock
-from kvtierd.token_bytes import PackableTokenIds, TokenBytes, block_span, block_tokens, check_covers, pack_optional
+from kvtierd.token_bytes import PackableTokenIds, TokenBytes, check_covers, matching_blocks, pack_optional
 
 
 def check_hashes(block_hashes: Sequence[bytes], hash_size: int) -> None:
@@ -53,11 +53,8 @@ def match_prefix(hash_to_block: Mapping[DaemonKey, KVBlock], block_hashes: Seque
     if parents != expected:
         num_hits = next(i for i, (got, want) in enumerate(zip(parents, expected)) if got != want)
         hits = hits[:num_hits]
-    if token_bytes is not None and hits and (
-            b"".join(map(_TOKENS, hits)) != block_span(token_bytes, 0, len(hits), block_size)):
-        num_hits = next(i for i, block in enumerate(hits)
-                        if block.token_ids != block_tokens(token_bytes, i, block_size))
-        hits = hits[:num_hits]
+    if token_bytes is not None and hits:
+        hits = hits[:matching_blocks(list(map(_TOKENS, hits)), token_bytes, block_size)]
     return hits
 
 

@@ -29,7 +29,7 @@ from kvtierd.daemon_key import DaemonKey
 from kvtierd.errors import InvalidArgument
 from kvtierd.index.index_events import BlockRemoved, BlockStored, EventQueue, IndexEvent
 from kvtierd.index.slot_entry import BlockMeta, SlotEntry, StorePlan
-from kvtierd.token_bytes import TokenBytes, block_tokens
+from kvtierd.token_bytes import TokenBytes, matching_blocks
 
 
 class SlotIndex:
@@ -302,16 +302,16 @@ class SlotIndex:
     def _ready_prefix(self, block_hashes: Sequence[DaemonKey], parent: DaemonKey | None,
                       token_bytes: TokenBytes | None, block_size: int) -> list[SlotEntry]:
         hits: list[SlotEntry] = []
-        for i, block_hash in enumerate(block_hashes):
+        for block_hash in block_hashes:
             entry = self._entries.get(block_hash)
             if entry is None or entry.storing:
                 break
             if parent is not None and entry.meta.parent_hash != parent:
                 break
-            if token_bytes is not None and entry.meta.token_ids != block_tokens(token_bytes, i, block_size):
-                break
             hits.append(entry)
             parent = block_hash
+        if token_bytes is not None and hits:  # verified together, the first mismatch ends the prefix
+            hits = hits[:matching_blocks([entry.meta.token_ids for entry in hits], token_bytes, block_size)]
         return hits
 
 
