@@ -1,6 +1,7 @@
 """How a lower tier stores a block: the bytes of its slot, and the copies in and out of T0.
 
-`raw` keeps the block's own bytes (the layout's dtype, block-major): a copy per block, bit exact.
+`raw` keeps the block's own bytes (the layout's dtype, block-major), bit exact: a job's blocks move
+in one batched submission (span_copy.py), adjacent runs coalesced, whatever the ids.
 `fp8` keeps e4m3 values with one float32 scale per (block, layer, K/V), half the bytes of fp16;
 quantization runs on the pool's device before the copy down and dequantization after the copy
 up, so only fp8 bytes cross PCIe. Both run inside a copy-engine job (on its stream or thread).
@@ -15,6 +16,7 @@ import torch
 from kvtierd.errors import InvalidArgument
 from kvtierd.layout import FLOAT_DTYPES, Layout
 from kvtierd.movers.codec_names import CODEC_NAMES
+from kvtierd.movers.span_copy import copy_rows
 
 
 class BlockCodec(abc.ABC):
@@ -42,35 +44,17 @@ class RawCodec(BlockCodec):
         super().__init__(layout)
         self.slot_nbytes = layout.bytes_per_block
 
-    def _as_blocks(self, slot_rows: torch.Tensor) -> torch.Tensor:
-        """Rows `[n, slot_nbytes]` (contiguous) as blocks `[n, *block_shape]` of the layout's dtype."""
-        return slot_rows.view(self.layout.torch_dtype).view(slot_rows.shape[0], *self.layout.block_shape)
-
     def encode(self, pool: torch.Tensor, block_ids: list[int], slots: torch.Tensor, slot_ids: list[int]) -> None:
-        for block_start, slot_start, n in _runs(block_ids, slot_ids, slots):
-            self._as_blocks(slots[slot_start:slot_start + n]).copy_(pool[block_start:block_start + n],
-                                                                    non_blocking=True)
+        copy_rows(slots, slot_ids, _byte_rows(pool), block_ids)
 
     def decode(self, slots: torch.Tensor, slot_ids: list[int], pool: torch.Tensor, block_ids: list[int]) -> None:
-        for block_start, slot_start, n in _runs(block_ids, slot_ids, slots):
-            pool[block_start:block_start + n].copy_(self._as_blocks(slots[slot_start:slot_start + n]),
-                                                    non_blocking=True)
+        copy_rows(_byte_rows(pool), block_ids, slots, slot_ids)
 
 
-def _runs(block_ids: list[int], slot_ids: list[int], slots: torch.Tensor) -> list[tuple[int, int, int]]:
-    """(first block, first slot, length) of each run where both ids go up by one: one copy a run.
-    Rows that are not back to back (a slot stride above the slot's bytes) make runs of one."""
-    if not block_ids:
-        return []
-    back_to_back = slots.is_contiguous()
-    runs = [[block_ids[0], slot_ids[0], 1]]
-    for block_id, slot_id in zip(block_ids[1:], slot_ids[1:]):
-        run = runs[-1]
-        if back_to_back and block_id == run[0] + run[2] and slot_id == run[1] + run[2]:
-            run[2] += 1
-        else:
-            runs.append([block_id, slot_id, 1])
-    return [(first_block, first_slot, length) for first_block, first_slot, length in runs]
+def _byte_rows(pool: torch.Tensor) -> torch.Tensor:
+    """The contiguous pool `[num_blocks, *block_shape]` as uint8 rows `[num_blocks, bytes_per_block]` (a view)."""
+    assert pool.is_contiguous()
+    return pool.view(torch.uint8).view(pool.shape[0], -1)
 
 
 class Fp8Codec(BlockCodec):
@@ -92,15 +76,13 @@ class Fp8Codec(BlockCodec):
 
         index = torch.tensor(block_ids, dtype=torch.long, device=pool.device)
         packed = pack_fp8_slot(*quantize_fp8(pool.index_select(0, index)))
-        for row, slot_id in enumerate(slot_ids):
-            slots[slot_id].copy_(packed[row], non_blocking=True)
+        copy_rows(slots, slot_ids, packed, range(len(slot_ids)))
 
     def decode(self, slots: torch.Tensor, slot_ids: list[int], pool: torch.Tensor, block_ids: list[int]) -> None:
         from kvtierd.movers.fp8_codec import dequantize_fp8, unpack_fp8_slot
 
         staged = torch.empty((len(slot_ids), self.slot_nbytes), dtype=torch.uint8, device=pool.device)
-        for row, slot_id in enumerate(slot_ids):
-            staged[row].copy_(slots[slot_id], non_blocking=True)
+        copy_rows(staged, range(len(slot_ids)), slots, slot_ids)
         payload, scales = unpack_fp8_slot(staged, self.layout)
         index = torch.tensor(block_ids, dtype=torch.long, device=pool.device)
         pool.index_copy_(0, index, dequantize_fp8(payload, scales, self.layout.torch_dtype))

@@ -16,6 +16,7 @@ import torch
 
 from kvtierd.index.slot_entry import BlockMeta, StorePlan
 from kvtierd.movers.block_codec import BlockCodec
+from kvtierd.movers.span_copy import copy_rows
 from kvtierd.tiering.lower_tier import Segment
 from kvtierd.tiering.offload import Offloader
 from kvtierd.tiering.tiers import Tiers
@@ -111,8 +112,7 @@ class LowerReads:
         rows = self.tiers.recoded_for_t1(codec, rows)
         row_of = {m.block_hash: i for i, m in enumerate(metas)}
         stored = [e for e in plan.stores if e.block_hash in row_of] if plan is not None else []
-        for entry in stored:
-            host.slots[entry.slot].copy_(rows[row_of[entry.block_hash]])
+        copy_rows(host.slots, [e.slot for e in stored], rows, [row_of[e.block_hash] for e in stored])
         if plan is not None:
             host.index.complete_store(stored, success=True)
             host.index.complete_store([e for e in plan.stores if e.block_hash not in row_of], success=False)

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from kvtierd.errors import InvalidArgument
-from kvtierd.movers.block_codec import _runs, make_codec
+from kvtierd.movers.block_codec import make_codec
 from tests.factories import small_layout
 
 LAYOUT = small_layout()
@@ -31,14 +31,6 @@ def test_raw_round_trip_is_bit_exact(block_ids, slot_ids):
     codec.decode(slots, slot_ids, back, block_ids)
     assert torch.equal(back[block_ids].view(torch.uint8), pool[block_ids].view(torch.uint8))
     assert not back[[b for b in range(8) if b not in block_ids]].any()
-
-
-def test_runs_break_where_ids_jump_or_rows_are_strided():
-    contiguous = torch.zeros((8, 16), dtype=torch.uint8)
-    assert _runs([0, 1, 2, 5], [3, 4, 5, 6], contiguous) == [(0, 3, 3), (5, 6, 1)]
-    strided = torch.zeros((8, 32), dtype=torch.uint8)[:, :16]
-    assert _runs([0, 1], [0, 1], strided) == [(0, 0, 1), (1, 1, 1)]
-    assert _runs([], [], contiguous) == []
 
 
 def test_raw_codec_on_strided_slot_rows():
