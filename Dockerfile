@@ -15,7 +15,7 @@ ARG TORCH_VERSION=2.13.0
 ARG TORCH_INDEX_URL=https://download.pytorch.org/whl/cpu
 ARG EXTRAS=""
 ENV PIP_NO_CACHE_DIR=1 PIP_DISABLE_PIP_VERSION_CHECK=1
-# A C compiler for the block-hash chain's C loop (kernels/hash_chain.c); the runtime stage needs none.
+# A C compiler for the optional C extensions (kernels/hash_chain.c, kernels/copy_spans.c); the runtime stage needs none.
 # hadolint ignore=DL3008
 RUN apt-get update && apt-get install -y --no-install-recommends gcc libc6-dev \
     && rm -rf /var/lib/apt/lists/*
@@ -31,7 +31,8 @@ COPY kernels/ kernels/
 COPY connectors/ connectors/
 RUN pip install --no-cache-dir "/src${EXTRAS:+[$EXTRAS]}" \
     && kvtierd --help >/dev/null \
-    && python -c "from kvtierd.hash_chain_native import native_chain; assert native_chain('xxh3_128')"
+    && python -c "from kvtierd.hash_chain_native import native_chain; assert native_chain('xxh3_128')" \
+    && python -c "from kvtierd.movers.span_copy import native_available; assert native_available()"
 
 FROM ${PYTHON_IMAGE}
 LABEL org.opencontainers.image.title="kvtierd" \
