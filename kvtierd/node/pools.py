@@ -105,7 +105,7 @@ class LayoutPool:
             self.manager = TierManager(layout, num_blocks, tier_config, ssd_config=ssd_config,
                                        device=pool_config.device, hash_size=daemon_key_size(self.digest_size),
                                        observer=observer, max_pending_events=MAX_PENDING_EVENTS, engines=engines,
-                                       remote_store=remote_store)
+                                       remote_store=remote_store, cuda_share=pool_config.cuda_share)
         except BaseException:
             self.host_budget.unregister(self._key)
             raise

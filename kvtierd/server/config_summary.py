@@ -25,8 +25,11 @@ def config_lines(config: DaemonConfig) -> list[str]:
     auth = f"bearer tokens from {server.tokens_file}" if server.tokens_file \
         else f"unix peer (socket owner uid {os.getuid()})"
     lines.append(f"auth: {auth}; session lease {server.lease_s:g} s, shutdown grace {server.grace_s:g} s")
+    cuda_share = ("by POSIX fd over the fd socket" if pool.cuda_share == "fd" and server.socket
+                  else "by cudaIpc handle" + ("" if pool.cuda_share == "ipc" else " (no unix socket, so no fd socket)"))
     lines.append(f"T0 pool: {format_bytes(pool.t0_bytes)} per layout on {pool.device}, "
-                 f"up to {pool.max_layouts} layouts, hash {pool.hash_algo}")
+                 f"up to {pool.max_layouts} layouts, hash {pool.hash_algo}"
+                 + (f"; a CUDA pool is shared {cuda_share}" if pool.device != "cpu" else ""))
     host = config.host
     lines.append(f"T1 host: {format_bytes(host.capacity_bytes)} for the node, "
                  f"{format_bytes(host.capacity_bytes // pool.max_layouts)} for each layout, codec {host.codec}")
@@ -34,8 +37,9 @@ def config_lines(config: DaemonConfig) -> list[str]:
                  f"written, shared by the layouts), codec {ssd.codec}, "
                  f"durability {ssd.durability}{', O_DIRECT' if ssd.o_direct else ''}" if ssd.directory
                  else "T2 ssd: off")
-    recompute = (f"load a lower-tier hit only when faster than recomputing at {policy.recompute_s_per_token:g} s/token"
-                 if policy.recompute_s_per_token > 0 else "always load lower-tier hits")
+    recompute = ("load a lower-tier hit only when faster than recomputing it, at "
+                 + (f"{policy.recompute_s_per_token:g} s/token (policy.recompute_s_per_token)"
+                    if policy.recompute_s_per_token > 0 else "the engines' measured cost (every hit until measured)"))
     lines += remote_summary(config.remote, policy)
     lines.append(f"policy: T0->T1 {policy.t0_to_t1}, T1->T2 {policy.t1_to_t2}; {recompute}")
     lines.append(f"quotas: {len(config.quotas)} tenants" if config.quotas else "quotas: none (unlimited)")

@@ -22,6 +22,7 @@ lock is released, and the process exits 0.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import os
 import signal
@@ -71,8 +72,11 @@ STORE_HEALTH_NAME = "kvtierd.v1.SharedStore"  # a health service name: SERVING w
 
 
 def pool_settings(config: DaemonConfig) -> PoolSettings:
-    """The pools' settings: the daemon's sections, T2 and T3 only where on (reads the T3 password file)."""
-    return PoolSettings(config.pool, TierConfig.of_sections(config.host, config.ssd, config.policy, config.remote),
+    """The pools' settings: the daemon's sections, T2 and T3 only where on (reads the T3 password file).
+    A daemon without its unix socket has no fd socket to pass a CUDA pool's descriptor over: its CUDA
+    pools are shared by IPC handle (config_summary says so)."""
+    pool = config.pool if config.server.socket else dataclasses.replace(config.pool, cuda_share="ipc")
+    return PoolSettings(pool, TierConfig.of_sections(config.host, config.ssd, config.policy, config.remote),
                         ssd=config.ssd if config.ssd.enabled else None,
                         remote=config.remote.with_password_read() if config.remote.enabled else None)
 

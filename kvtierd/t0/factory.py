@@ -42,13 +42,13 @@ def resolve_device(device: str | torch.device) -> tuple[PoolKind, int | None]:
 
 
 def create_device_pool(layout: Layout, num_blocks: int, device: str | torch.device = "auto",
-                       name: str | None = None, cuda_share: Literal["fd", "ipc"] = "ipc") -> DevicePool:
+                       name: str | None = None, cuda_share: Literal["fd", "ipc"] = "fd") -> DevicePool:
     """Create a zeroed pool of `num_blocks` blocks that other processes can attach to.
 
     `name` picks the shm segment name (shm pools only; default: unique per process).
-    `cuda_share` how a CUDA pool is shared: "ipc" (a cudaIpc handle; kind "cuda_ipc"), or "fd" (a
-    cuMem allocation whose POSIX fd the daemon passes over its fd socket; kind "cuda_fd"). "ipc"
-    is the default until "fd" has run on a GPU (its tests are gpu-marked).
+    `cuda_share` how a CUDA pool is shared: "fd" (a cuMem allocation whose POSIX fd the daemon passes
+    over its fd socket; kind "cuda_fd"; the default, tested on an H200), or "ipc" (a cudaIpc handle;
+    kind "cuda_ipc": same uid or hostIPC).
     """
     num_blocks = check_num_blocks(num_blocks)
     kind, device_index = resolve_device(device)

@@ -36,7 +36,7 @@ from kvtierd.tier import Tier, TierCounts
 from kvtierd.tiering.block_io import Admit, BlockGet, BlockPut
 from kvtierd.tiering.offload import Offloader
 from kvtierd.tiering.promotion import AcquiredBlocks, Promoter
-from kvtierd.tiering.tier_config import FROM_CONFIG, FromConfig, TierConfig
+from kvtierd.tiering.tier_config import LAYOUT_COST, LayoutCost, TierConfig
 from kvtierd.tiering.tiering_stats import TieringStats, tiering_stats
 from kvtierd.tiering.tiers import Tiers
 from kvtierd.tiering.write_backs import WriteBacks
@@ -56,12 +56,12 @@ class TierManager:
                  ssd_config: SsdTierConfig | None = None, device: str = "auto", root: DaemonKey | None = None,
                  hash_size: int = 32, observer: IndexObserver | None = None, copy_threads: int = 2,
                  max_pending_events: int = 0, engines: CopyEngines | None = None,
-                 remote_store: RedisStore | None = None) -> None:
+                 remote_store: RedisStore | None = None, cuda_share: str = "fd") -> None:
         """`engines`: the node's copy engines, one per device, shared with the other layouts on it
         (None: a private set, of `copy_threads` threads without CUDA). `remote_store`: the node's
-        shared store (None: no T3)."""
+        shared store (None: no T3). `cuda_share`: how a CUDA pool is shared ("fd" | "ipc", factory.py)."""
         config = config.for_layout(layout)
-        pool = create_device_pool(layout, num_device_blocks, device)
+        pool = create_device_pool(layout, num_device_blocks, device, cuda_share="ipc" if cuda_share == "ipc" else "fd")
         write_backs = WriteBacks()
 
         def copy_block(src_block_id: int, dst_block_id: int) -> None:
@@ -111,11 +111,11 @@ class TierManager:
 
     def acquire(self, request_id: RequestId, block_hashes: list[DaemonKey], num_extra_blocks: int = 0,
                 token_ids: PackableTokenIds | None = None,
-                recompute_s_per_token: float | None | FromConfig = FROM_CONFIG, num_t3_present: int | None = None,
+                recompute_s_per_token: float | None | LayoutCost = LAYOUT_COST, num_t3_present: int | None = None,
                 counting: QueryCounting = QueryCounting.QUERY_AND_HITS) -> AcquiredBlocks:
         """T0 blocks for a request: hits first (promoting T1/T2/T3 hits into them), then fresh ones.
-        `recompute_s_per_token`: the cost a lower-tier hit must beat to be loaded (tier_config.py);
-        `num_t3_present` and `counting`: Promoter.acquire's."""
+        `recompute_s_per_token`: the cost a lower-tier hit must beat to be loaded (load_decision.py;
+        default the layout's, None: load every hit); `num_t3_present` and `counting`: Promoter.acquire's."""
         return self.promoter.acquire(request_id, block_hashes, num_extra_blocks, token_ids,
                                      recompute_s_per_token=recompute_s_per_token, num_t3_present=num_t3_present,
                                      counting=counting)
@@ -170,6 +170,19 @@ class TierManager:
         return BlockGet.start(self.tiers, self.promoter, self.release, request_id, keys,
                               pack_optional(token_ids), admit)
 
+    def report_recompute(self, s_per_token: float) -> None:
+        """An engine's measured cost of recomputing a prompt token of this layout (0: none yet;
+        recompute_cost.py); a bad value raises InvalidArgument and changes nothing."""
+        self.tiers.recompute.report(s_per_token)
+
+    def declined(self, hits: TierCounts, count: bool = False) -> TierCounts:
+        """Of a lookup's `hits`, the lower-tier blocks an acquire would not load, being slower than
+        recomputing them (load_decision.py); counted as skipped when `count` (the chain is a query)."""
+        declined = self.promoter.declined(hits)
+        if count:
+            self.tiers.counters.count_skipped_slow(declined)
+        return declined
+
     def count_query_blocks(self, num_blocks: int) -> None:
         """Blocks a Lookup names as a query (the Acquires that load its hits count only their hits)."""
         if num_blocks:
@@ -179,7 +192,8 @@ class TierManager:
     def lookup(self, block_hashes: list[DaemonKey], token_ids: PackableTokenIds | None = None, prefetch: bool = False,
                ask_remote: bool = True, count_misses: bool = False) -> TierCounts:
         """Where the chain's prefix lives. With `ask_remote` False, the local tiers only (never
-        waits on the network); with `prefetch`, T2 and T3 hits start their way into T1; with
+        waits on the network); with `prefetch`, T2 and T3 hits start their way into T1 (those not
+        `declined`); with
         `count_misses` (the chain is a query), what T3 lacks counts as its misses."""
         hits = self.promoter.lookup(block_hashes, token_ids, ask_remote, count_misses)
         if prefetch and (hits.t2 or hits.t3):

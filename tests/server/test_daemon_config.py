@@ -142,6 +142,7 @@ def test_toml_values_of_the_wrong_type_are_rejected(tmp_path):
     ({"pool.max_layouts": 0}, "max_layouts"),
     ({"pool.device": "gpu"}, "pool.device"),
     ({"pool.hash_algo": "md5"}, "pool.hash_algo must be one of sha256, xxh3_128"),
+    ({"pool.cuda_share": "nccl"}, "pool.cuda_share must be one of fd, ipc"),
     ({"host.codec": "zstd"}, "host.codec must be one of raw, fp8"),
     ({"ssd.codec": "int4"}, "ssd.codec must be one of raw, fp8"),
     ({"ssd.durability": "fsync"}, "ssd.durability must be one of fdatasync, none"),
@@ -297,3 +298,21 @@ def test_kv_events_are_off_by_default_and_loopback_ipc_and_env_spellings_are_acc
     line, = [line for line in config_lines(config) if line.startswith("kv events:")]
     assert line == ("kv events: bind tcp://127.0.0.1:5557, replay tcp://127.0.0.1:5558, topic 'kv@node@{model}', "
                     "map format, media GPU, salt tenant")
+
+
+def test_a_cuda_pool_is_shared_by_fd_unless_the_daemon_has_no_fd_socket():
+    """pool.cuda_share = fd by default; a TCP-only daemon (no unix socket, so no fd socket) shares its
+    CUDA pools by IPC handle, and start-up says so; an explicit ipc stays ipc."""
+    from kvtierd.server.serve import pool_settings
+
+    config = load_config(environ={}, overrides={"pool.device": "cuda"})
+    assert config.pool.cuda_share == "fd" and pool_settings(config).pool.cuda_share == "fd"
+    assert any("a CUDA pool is shared by POSIX fd over the fd socket" in line for line in config_lines(config))
+    tcp_only = load_config(environ={}, overrides={"pool.device": "cuda", "server.socket": "",
+                                                  "server.tcp": "127.0.0.1:0"})
+    assert pool_settings(tcp_only).pool.cuda_share == "ipc"
+    assert any("by cudaIpc handle (no unix socket, so no fd socket)" in line for line in config_lines(tcp_only))
+    explicit = load_config(environ={}, overrides={"pool.device": "cuda", "pool.cuda_share": "ipc"})
+    assert pool_settings(explicit).pool.cuda_share == "ipc"
+    on_cpu = load_config(environ={}, overrides={"pool.device": "cpu"})
+    assert not any("CUDA pool" in line for line in config_lines(on_cpu))
