@@ -88,6 +88,7 @@ class StatsView:
                 text += f" ({format_bytes(delta / self.interval_s)}/s)"
             moved.append(text)
         lines.append("  moved: " + (", ".join(moved) if moved else "nothing yet"))
+        lines.append("  " + loads_line(pool))
         lines.append(f"  errors: {plural(pool.num_corrupted_blocks, 'corrupted T2 block')} dropped, "
                      f"{plural(pool.num_t2_io_errors, 'T2 I/O error')}, "
                      f"{plural(pool.num_failed_load_blocks, 'failed load')}, "
@@ -101,6 +102,19 @@ class StatsView:
                          f"({format_bytes(t3.written_bytes)}), {t3.num_dropped_writes:,} dropped, "
                          f"{t3.num_failed_writes:,} failed, backlog {format_bytes(t3.write_backlog_bytes)}")
         return lines
+
+
+def loads_line(pool: pb.PoolStats) -> str:
+    """The cost a lower-tier hit must beat to be loaded, and the hits declined as slower, by tier."""
+    source = {"measured": f"measured by the engines, {plural(pool.num_recompute_reports, 'report')}",
+              "policy": "policy.recompute_s_per_token"}.get(pool.recompute_source)
+    rule = (f"loaded when faster than recomputing at {pool.recompute_s_per_token * 1e3:.3g} ms/token ({source})"
+            if source else "every lower-tier hit loaded (no recompute cost measured yet)")
+    declined = [(tier.tier, tier.num_declined_blocks) for tier in pool.tiers]
+    if pool.HasField("t3"):
+        declined.append((Tier.T3, pool.t3.num_declined_blocks))
+    counts = ", ".join(f"{tier.upper()} {plural(n, 'block')}" for tier, n in declined if n)
+    return f"loads: {rule}; declined as slower: {counts or 'none'}"
 
 
 def node_budget_line(pools: Iterable[pb.PoolStats]) -> str:

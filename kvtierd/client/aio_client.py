@@ -165,9 +165,12 @@ class AsyncSession(SessionBase):
 
     async def acquire(self, request_id: str, block_hashes: Sequence[bytes], num_extra_blocks: int = 0,
                       token_ids: TokenIds | None = None, for_store: bool = False, query_counted: bool = False,
-                      parent_hash: bytes | None = None) -> AcquireResult:
+                      parent_hash: bytes | None = None, recompute_s_per_token: float = 0.0,
+                      load_every_hit: bool = False) -> AcquireResult:
+        """As Session.acquire."""
         return await self._client._run(self._acquire(request_id, block_hashes, num_extra_blocks, token_ids,
-                                                     for_store, query_counted, parent_hash))
+                                                     for_store, query_counted, parent_hash, recompute_s_per_token,
+                                                     load_every_hit))
 
     async def wait(self, request_id: str, timeout_s: float | None = None) -> int:
         return await self._client._run(self._wait(request_id, timeout_s, self._client.timeout_s))

@@ -151,11 +151,13 @@ class SessionBase:
 
     def _acquire(self, request_id: str, block_hashes: Sequence[bytes], num_extra_blocks: int,
                  token_ids: TokenIds | None, for_store: bool,
-                 query_counted: bool = False, parent_hash: bytes | None = None) -> Call:
+                 query_counted: bool = False, parent_hash: bytes | None = None,
+                 recompute_s_per_token: float = 0.0, load_every_hit: bool = False) -> Call:
         request = pb.AcquireRequest(session_id=self.session_id, request_id=request_id,
                                     block_hashes=hash_list(block_hashes), token_ids=optional_tokens(token_ids),
                                     num_extra_blocks=num_extra_blocks, for_store=for_store,
-                                    query_counted=query_counted, parent_hash=bytes(parent_hash or b""))
+                                    query_counted=query_counted, parent_hash=bytes(parent_hash or b""),
+                                    recompute_s_per_token=recompute_s_per_token, load_every_hit=load_every_hit)
         return Call("Acquire", request,
                     lambda r: AcquireResult(list(r.block_ids), acquired_from_proto(r), r.pending))
 

@@ -181,17 +181,22 @@ class Session(SessionBase):
                num_query_blocks: int = 0) -> pb.LookupResponse:
         """The leading blocks held of the chain, tier by tier; with `chain_lengths`, of each of
         the consecutive chains `block_hashes` holds (`.chains`), each matched on its own.
-        `num_query_blocks`: blocks to count as one query of the daemon's hit rate."""
+        `num_query_blocks`: blocks to count as one query of the daemon's hit rate.
+        `.num_declined_blocks` (per chain too): the trailing hits slower to load than to recompute."""
         return self._client._run(self._lookup(block_hashes, token_ids, prefetch, chain_lengths, num_query_blocks))
 
     def acquire(self, request_id: str, block_hashes: Sequence[bytes], num_extra_blocks: int = 0,
                 token_ids: TokenIds | None = None, for_store: bool = False, query_counted: bool = False,
-                parent_hash: bytes | None = None) -> AcquireResult:
+                parent_hash: bytes | None = None, recompute_s_per_token: float = 0.0,
+                load_every_hit: bool = False) -> AcquireResult:
         """`for_store`: the caller acquires to store blocks it computed; what it finds is no hit.
         `query_counted`: a Lookup counted the query (num_query_blocks); only the hits count.
-        `parent_hash`: the chain continues the block of that hash (None: it starts at the root)."""
+        `parent_hash`: the chain continues the block of that hash (None: it starts at the root).
+        `recompute_s_per_token`: the caller's measured cost of a prompt token (0: not measured),
+        which the daemon weighs lower-tier hits against; `load_every_hit`: a Lookup decided what
+        to load (these blocks), load them whatever the cost."""
         return self._client._run(self._acquire(request_id, block_hashes, num_extra_blocks, token_ids, for_store,
-                                               query_counted, parent_hash))
+                                               query_counted, parent_hash, recompute_s_per_token, load_every_hit))
 
     def wait(self, request_id: str, timeout_s: float | None = None) -> int:
         """Leading ready blocks once loads land; the daemon waits `timeout_s` (None: the client's)."""

@@ -91,7 +91,11 @@ _FAMILIES: dict[str, tuple[type, str, str, tuple[str, ...]]] = {
                      "Blocks whose promotion from a lower tier failed (served as misses).", ()),
     "failed_offloads": (CounterMetricFamily, "kvtierd_failed_offloads", "Blocks whose copy down a tier failed.", ()),
     "skipped_slow": (CounterMetricFamily, "kvtierd_skipped_slow_blocks",
-                     "Lower-tier hits not loaded because recomputing them was expected to be faster.", ()),
+                     "Lower-tier hits of queries not loaded because recomputing them was expected to be faster, "
+                     "by the tier that held them.", ("tier",)),
+    "recompute": (GaugeMetricFamily, "kvtierd_recompute_seconds_per_token",
+                  "The cost a lower-tier hit must beat to be loaded: seconds to recompute a prompt token, as the "
+                  "engines measure it or policy.recompute_s_per_token sets it (0: unknown, every hit loads).", ()),
     "ssd_dropped": (CounterMetricFamily, "kvtierd_ssd_corrupted_blocks_dropped",
                     "SSD blocks dropped as corrupt, on read or when the tier was opened.", ()),
     "ssd_io_errors": (CounterMetricFamily, "kvtierd_ssd_io_errors", "SSD read or write errors.", ()),
@@ -215,6 +219,7 @@ def _add_pool(families: Families, model: str, source: PoolSource, stats: Tiering
         if usage.tier != Tier.T0:  # t0 hit tokens and evictions come from the index observer
             add("hit_tokens", usage.num_hit_blocks * source.block_size_tokens, usage.tier)
             add("evictions", usage.num_evictions, usage.tier)
+            add("skipped_slow", stats.num_skipped_slow_blocks[usage.tier], usage.tier)  # T0's hits are always taken
     if (ssd := stats.ssd) is not None:
         add("ssd_dropped", ssd.num_corrupted_blocks + ssd.num_dropped_on_open)
         add("ssd_io_errors", ssd.num_io_errors)
@@ -228,6 +233,7 @@ def _add_pool(families: Families, model: str, source: PoolSource, stats: Tiering
     if (t3 := stats.t3) is not None:
         add("hit_blocks", t3.num_hit_blocks, Tier.T3)
         add("hit_tokens", t3.num_hit_blocks * source.block_size_tokens, Tier.T3)
+        add("skipped_slow", stats.num_skipped_slow_blocks.t3, Tier.T3)
         for key, value in (("t3_hits", t3.num_hit_blocks), ("t3_misses", t3.num_miss_blocks),
                            ("t3_corrupt", t3.num_corrupt_blocks), ("t3_read_bytes", t3.read_bytes),
                            ("t3_written_bytes", t3.written_bytes), ("t3_written", t3.num_written_blocks),
@@ -236,4 +242,4 @@ def _add_pool(families: Families, model: str, source: PoolSource, stats: Tiering
             add(key, value)
     add("failed_loads", stats.num_failed_load_blocks)
     add("failed_offloads", stats.num_failed_offload_blocks)
-    add("skipped_slow", stats.num_skipped_slow_blocks)
+    add("recompute", stats.recompute.s_per_token or 0.0)

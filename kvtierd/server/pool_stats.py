@@ -12,11 +12,11 @@ from kvtierd.v1 import kvtier_pb2 as pb
 from kvtierd.wire.conversions import layout_to_proto
 
 
-def tier_message(usage: TierUsage, share: BudgetShare | None = None) -> pb.TierStats:
+def tier_message(usage: TierUsage, share: BudgetShare | None = None, num_declined_blocks: int = 0) -> pb.TierStats:
     """One tier's figures; with `share` (T1, T2), this layout's part of the node's budget beside it."""
     message = pb.TierStats(tier=usage.tier, capacity_bytes=usage.capacity_bytes, used_bytes=usage.used_bytes,
                            num_cached_blocks=usage.num_cached_blocks, num_hit_blocks=usage.num_hit_blocks,
-                           num_evictions=usage.num_evictions)
+                           num_evictions=usage.num_evictions, num_declined_blocks=num_declined_blocks)
     if share is not None:
         message.node_held_bytes, message.node_share_bytes = share.held_bytes, share.share_bytes
         message.node_capacity_bytes, message.node_used_bytes = share.node_capacity_bytes, share.node_used_bytes
@@ -27,28 +27,33 @@ def pool_stats(pool: LayoutPool) -> pb.PoolStats:
     """The Stats message of one pool, from its tier manager's counters."""
     stats = pool.manager.stats()
     ssd = stats.ssd
+    declined, recompute = stats.num_skipped_slow_blocks, stats.recompute
     transfers = [pb.TransferStats(direction=direction, bytes_moved=stats.bytes_moved[direction],
                                   bytes_per_s=stats.bandwidth_bytes_per_s[direction])
                  for direction in sorted(stats.bytes_moved)]
     return pb.PoolStats(layout=layout_to_proto(pool.layout), num_blocks=stats.num_blocks,
                         num_free_blocks=stats.num_free_blocks,
-                        tiers=[tier_message(usage, pool.node_share(usage.tier)) for usage in stats.tiers],
+                        tiers=[tier_message(usage, pool.node_share(usage.tier), declined[usage.tier])
+                               for usage in stats.tiers],
                         num_query_blocks=stats.num_query_blocks, transfers=transfers,
                         num_corrupted_blocks=ssd.num_corrupted_blocks if ssd else 0,
                         num_t2_io_errors=ssd.num_io_errors if ssd else 0,
                         num_failed_load_blocks=stats.num_failed_load_blocks,
                         num_failed_offload_blocks=stats.num_failed_offload_blocks,
                         t2_admitting=ssd.admitting if ssd else False, t2_reason=ssd.reason if ssd else "",
-                        t3=remote_tier_message(stats.t3) if stats.t3 is not None else None)
+                        t3=remote_tier_message(stats.t3, declined.t3) if stats.t3 is not None else None,
+                        recompute_s_per_token=recompute.s_per_token or 0.0, recompute_source=recompute.source,
+                        num_recompute_reports=recompute.num_reports)
 
 
-def remote_tier_message(t3: RemoteTierStats) -> pb.RemoteTierStats:
+def remote_tier_message(t3: RemoteTierStats, num_declined_blocks: int = 0) -> pb.RemoteTierStats:
     return pb.RemoteTierStats(
         codec=t3.codec, num_hit_blocks=t3.num_hit_blocks, num_miss_blocks=t3.num_miss_blocks,
         num_corrupt_blocks=t3.num_corrupt_blocks, num_written_blocks=t3.num_written_blocks,
         num_failed_writes=t3.num_failed_writes, num_dropped_writes=t3.num_dropped_writes, read_bytes=t3.read_bytes,
         written_bytes=t3.written_bytes, write_backlog_bytes=t3.write_backlog_bytes,
-        read_bytes_per_s=t3.read_bytes_per_s, write_bytes_per_s=t3.write_bytes_per_s)
+        read_bytes_per_s=t3.read_bytes_per_s, write_bytes_per_s=t3.write_bytes_per_s,
+        num_declined_blocks=num_declined_blocks)
 
 
 def remote_store_message(store: RedisStore | None) -> pb.RemoteStoreStats:

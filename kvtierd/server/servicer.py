@@ -48,6 +48,7 @@ from kvtierd.t0.factory import shareable_fd
 from kvtierd.t0.pool_handle import FD_KINDS
 from kvtierd.tier import TierCounts
 from kvtierd.tiering.block_io import PutBlock
+from kvtierd.tiering.tier_config import LAYOUT_COST
 from kvtierd.token_bytes import pack_token_ids
 from kvtierd.v1 import kvtier_pb2 as pb
 from kvtierd.v1 import kvtier_pb2_grpc
@@ -154,9 +155,12 @@ class KvTierServicer(kvtier_pb2_grpc.KvTierServicer):
                                                   asks_store and request.num_query_blocks > 0)  # T3's misses count
                 hits = await call_blocking_if(asks_store, lookup_remote)
         total = sum(hits, TierCounts())
-        per_chain = [pb.ChainHits(**hit_counts(h)) for h in hits] if request.chain_lengths else []
+        # what an Acquire would not load, being slower than recompute: counted once, with the query
+        declined = [manager.declined(h, count=request.num_query_blocks > 0).num_blocks for h in hits]
+        per_chain = ([pb.ChainHits(**hit_counts(h), num_declined_blocks=n) for h, n in zip(hits, declined)]
+                     if request.chain_lengths else [])
         manager.count_query_blocks(request.num_query_blocks)  # once the lookup has been answered
-        return pb.LookupResponse(**hit_counts(total), chains=per_chain)
+        return pb.LookupResponse(**hit_counts(total), chains=per_chain, num_declined_blocks=sum(declined))
 
     async def Acquire(self, request: pb.AcquireRequest, context: Context) -> pb.AcquireResponse:
         session = self._session(request.session_id)
@@ -167,8 +171,10 @@ class KvTierServicer(kvtier_pb2_grpc.KvTierServicer):
         manager, request_key = session.pool.manager, session.key(request.request_id)
         counting = (QueryCounting.NOTHING if request.for_store else
                     QueryCounting.HITS_ONLY if request.query_counted else QueryCounting.QUERY_AND_HITS)
+        manager.report_recompute(request.recompute_s_per_token)  # before its hits are weighed (a bad value: no change)
         acquire = functools.partial(manager.acquire, request_key, keys, request.num_extra_blocks,
-                                    packed_tokens(request.token_ids), counting=counting)
+                                    packed_tokens(request.token_ids), counting=counting,
+                                    recompute_s_per_token=None if request.load_every_hit else LAYOUT_COST)
         acquired = await call_blocking_if(manager.has_remote, acquire, lambda _: manager.release(request_key))
         pending = acquired.tier_blocks.num_lower_blocks > 0
         self.sessions.hold(session, request.request_id, len(acquired.block_ids), acquired.ticket if pending else None,

@@ -120,7 +120,8 @@ class BlockPut:
 
 
 class BlockGet:
-    """One Get: the leading blocks of a chain found in any tier. The blocks in T0, T1 or T2 are
+    """One Get: the leading blocks of a chain found in any tier (whatever their load costs: the
+    caller asked for bytes, it cannot recompute them here). The blocks in T0, T1 or T2 are
     promoted into T0 blocks of the request, read (`block_bytes`) while it holds them, released
     by `close`; the blocks after them that only T3 holds are streamed from the store as they
     land (`remote`, remote_stream.py) when T3 keeps raw blocks, else promoted with the rest.
@@ -150,8 +151,8 @@ class BlockGet:
         num_promoted = num_hits - hits.t3 if stream else num_hits
         acquisition = None
         if num_promoted:
-            acquisition = promoter.acquire(request_id, keys[:num_promoted], 0, token_ids,
-                                           num_t3_present=0 if stream else hits.t3)
+            acquisition = promoter.acquire(request_id, keys[:num_promoted], 0, token_ids,  # bytes asked: no cost check
+                                           recompute_s_per_token=None, num_t3_present=0 if stream else hits.t3)
         remote = None
         if stream:
             tiers.counters.count_queries(hits.t3)  # a query the acquire above did not make

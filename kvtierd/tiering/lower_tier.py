@@ -4,10 +4,10 @@ of T1, T2 and T3, so that both loop over the tiers in chain order instead of nam
 A lower tier (`LowerTier`; the adapters are in lower_tiers.py):
 - `find`: how many leading blocks of a chain it holds (a Lookup; changes nothing, but for T3's
   misses when the chain is a query);
+- `load_path`: the hops a load of so many of its blocks takes into T0, each with its bandwidth
+  estimate and bytes, which promotion weighs against recomputing them (load_decision.py);
 - `claim`: the leading blocks of a chain to load from it, protected until `release` (T1 pins its
-  entries; T2 pins during its own read; T3's values are the store's), when loading them is
-  expected to be faster than recomputing them (tier_config.worth_loading at its own bandwidths),
-  else none, counted as skipped;
+  entries; T2 pins during its own read; T3's values are the store's);
 - `read`: the claimed blocks into host rows (T2 and T3: read from below, landing in T1 on the way,
   lower_reads.py; T1: its slots are host rows already), which the load into T0 decodes from.
 A tier that takes blocks from an upper one (`StoringTier`: T2 and T3) also has
@@ -31,6 +31,7 @@ from kvtierd.index.slot_entry import BlockMeta, SlotEntry
 from kvtierd.movers.block_codec import BlockCodec
 from kvtierd.movers.copy_engine import Transfer
 from kvtierd.tier import Edge, Tier
+from kvtierd.tiering.load_decision import Hop
 from kvtierd.token_bytes import TokenBytes
 
 # Blocks' bytes in one codec, one row per block: a uint8 tensor, or one 1-D uint8 view each (of T1 slots).
@@ -66,13 +67,16 @@ class LowerTier(Protocol):
         what it lacks are its misses (T3 counts them; the local tiers count no misses)."""
         ...
 
-    def claim(self, chain: ChainRest, cost: float | None, num_present: int | None = None,
-              count_misses: bool = False) -> Segment:
-        """The leading blocks of `chain` to load from here, protected until `release`; none when
-        loading them is expected to be slower than recomputing them at `cost` seconds a token
-        (None: always load), counted as skipped. `num_present`: what a Lookup of this chain just
-        found here; a tier asked over the network (T3) takes it instead of asking again (a stale
-        answer is a miss at load), the local tiers look again (cheap; T1 pins what it claims)."""
+    def load_path(self, num_blocks: int) -> list[Hop]:
+        """The hops of loading `num_blocks` of its blocks into T0, in order: each hop's bandwidth
+        estimate and the bytes that cross it."""
+        ...
+
+    def claim(self, chain: ChainRest, num_present: int | None = None, count_misses: bool = False) -> Segment:
+        """The leading blocks of `chain` to load from here, protected until `release`.
+        `num_present`: what a Lookup of this chain just found here; a tier asked over the network
+        (T3) takes it instead of asking again (a stale answer is a miss at load), the local tiers
+        look again (cheap; T1 pins what it claims)."""
         ...
 
     def read(self, segment: Segment) -> Transfer | None:

@@ -1,9 +1,9 @@
 """T1, T2 and T3 behind the LowerTier interface (lower_tier.py): each adapter finds a chain's
-leading blocks in its tier, claims those worth loading, reads them into host rows, and (T2, T3)
+leading blocks in its tier, claims them for a load, reads them into host rows, and (T2, T3)
 takes blocks offered from above. `lower_tiers(tiers, reads)` gives the tiers present, in chain
 order (T1, T2, T3): the order of a promotion's segments.
 
-Cost check per tier (tier_config.worth_loading), at the bandwidths of its path into T0:
+Each tier's path into T0 (`load_path`, weighed against recompute by load_decision.py):
 T1 host → device on its slots' bytes; T2 SSD read on its slots' bytes, then host → device on the
 blocks' bytes; T3 the store's measured reads on its values' bytes, then host → device likewise.
 """
@@ -21,9 +21,9 @@ from kvtierd.movers.block_codec import BlockCodec
 from kvtierd.movers.copy_engine import Bandwidth, Direction, Transfer
 from kvtierd.t1.host_tier import HostTier
 from kvtierd.tier import Edge, Tier
+from kvtierd.tiering.load_decision import Hop
 from kvtierd.tiering.lower_reads import LowerReads
 from kvtierd.tiering.lower_tier import ChainRest, LowerTier, Rows, Segment
-from kvtierd.tiering.tier_config import worth_loading
 from kvtierd.tiering.tiers import Tiers
 
 if TYPE_CHECKING:  # built where a tier is (tier_manager.py): lmdb and redis load only when used
@@ -46,16 +46,11 @@ class HostLevel:
     def find(self, chain: ChainRest, count_misses: bool = False) -> int:
         return self.host.index.lookup(*chain)
 
-    def claim(self, chain: ChainRest, cost: float | None, num_present: int | None = None,
-              count_misses: bool = False) -> Segment:
-        tiers, host = self.tiers, self.host
-        entries = host.index.prepare_load(*chain)
-        nbytes = len(entries) * host.codec.slot_nbytes
-        if entries and not worth_loading(len(entries) * tiers.layout.block_size,
-                                         [(tiers.engine.bandwidth[Direction.HOST_TO_DEVICE], nbytes)], cost):
-            host.index.unpin(entries)
-            tiers.counters.count_skipped_slow(len(entries))
-            return Segment(self.tier, [])
+    def load_path(self, num_blocks: int) -> list[Hop]:
+        return [(self.tiers.engine.bandwidth[Direction.HOST_TO_DEVICE], num_blocks * self.host.codec.slot_nbytes)]
+
+    def claim(self, chain: ChainRest, num_present: int | None = None, count_misses: bool = False) -> Segment:
+        entries = self.host.index.prepare_load(*chain)
         return Segment(self.tier, [e.meta for e in entries], pinned=entries)
 
     def read(self, segment: Segment) -> None:
@@ -81,11 +76,11 @@ class SsdLevel:
     def find(self, chain: ChainRest, count_misses: bool = False) -> int:
         return self.ssd.lookup(*chain)
 
-    def claim(self, chain: ChainRest, cost: float | None, num_present: int | None = None,
-              count_misses: bool = False) -> Segment:
+    def load_path(self, num_blocks: int) -> list[Hop]:
+        return _read_then_upload(self.tiers, num_blocks, self.tiers.ssd_read, self.codec)
+
+    def claim(self, chain: ChainRest, num_present: int | None = None, count_misses: bool = False) -> Segment:
         num_hits = self.ssd.lookup(*chain)
-        if not _worth_loading(self.tiers, num_hits, self.tiers.ssd_read, self.codec, cost):
-            return Segment(self.tier, [])
         return Segment(self.tier, self.ssd.metas(chain.block_hashes[:num_hits]))
 
     def read(self, segment: Segment) -> Transfer:
@@ -127,16 +122,16 @@ class RemoteLevel:
     def find(self, chain: ChainRest, count_misses: bool = False) -> int:
         return self.remote.probe(chain.block_hashes, count_misses)
 
-    def claim(self, chain: ChainRest, cost: float | None, num_present: int | None = None,
-              count_misses: bool = False) -> Segment:
+    def load_path(self, num_blocks: int) -> list[Hop]:
+        return _read_then_upload(self.tiers, num_blocks, self.remote.read, self.codec)
+
+    def claim(self, chain: ChainRest, num_present: int | None = None, count_misses: bool = False) -> Segment:
         """Candidates: the chain's next blocks the store holds, chained to their parents; token
         ids b"" where the caller sent none. `count_misses`: what the store lacks now are T3 misses
         (a store's Acquire asks for what it is about to write: no miss)."""
         hashes, parent, rest_tokens, block_size = chain
         num_hits = (self.remote.probe(hashes, count_misses, reuse=True) if num_present is None
                     else min(num_present, len(hashes)))
-        if not _worth_loading(self.tiers, num_hits, self.remote.read, self.codec, cost):
-            return Segment(self.tier, [])
         return Segment(self.tier, chain_metas(hashes, rest_tokens, 0, num_hits, parent, block_size))
 
     def read(self, segment: Segment) -> Transfer:
@@ -158,15 +153,10 @@ class RemoteLevel:
         return num_queued
 
 
-def _worth_loading(tiers: Tiers, num_hits: int, read: Bandwidth, codec: BlockCodec, cost: float | None) -> bool:
-    """Is loading `num_hits` blocks read at `read` (in `codec`'s bytes), then uploaded host → device,
-    worth it (counted as skipped when not)?"""
-    path = [(read, num_hits * codec.slot_nbytes),
-            (tiers.engine.bandwidth[Direction.HOST_TO_DEVICE], num_hits * tiers.layout.bytes_per_block)]
-    if num_hits and not worth_loading(num_hits * tiers.layout.block_size, path, cost):
-        tiers.counters.count_skipped_slow(num_hits)
-        return False
-    return True
+def _read_then_upload(tiers: Tiers, num_blocks: int, read: Bandwidth, codec: BlockCodec) -> list[Hop]:
+    """A load from below T1: the blocks read at `read` (in `codec`'s bytes), then uploaded host → device."""
+    return [(read, num_blocks * codec.slot_nbytes),
+            (tiers.engine.bandwidth[Direction.HOST_TO_DEVICE], num_blocks * tiers.layout.bytes_per_block)]
 
 
 def lower_tiers(tiers: Tiers, reads: LowerReads) -> list[LowerTier]:

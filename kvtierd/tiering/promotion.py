@@ -2,9 +2,10 @@
 
 `acquire` allocates the request's blocks in T0 (T0 hits first), then continues the hash chain
 in T1, after that in T2, then in T3 (the shared store: asking it is a network round trip, so
-with T3 the daemon calls `acquire` and `lookup` off its loop). Each lower-tier segment is
-loaded only if its copy is expected to be faster than recomputing its tokens
-(tier_config.worth_loading). Loads run in the background, submitted from a mover thread once
+with T3 the daemon calls `acquire` and `lookup` off its loop). A lower-tier segment is loaded
+only if its copy is expected to be faster than recomputing its tokens, and none after the first
+that is not (load_decision.py; `declined` answers the same for a Lookup's hits, and a prefetch
+reads only what would be loaded). Loads run in the background, submitted from a mover thread once
 the targets' evicted bytes have landed (write_backs.py);
 the caller gets a Ticket whose result is how many leading blocks are ready in T0: it computes
 the rest. Protection while in flight: the T0 targets are held by the request itself, T1 entries
@@ -34,11 +35,12 @@ from kvtierd.index.query_counting import QueryCounting
 from kvtierd.index.slot_entry import BlockMeta
 from kvtierd.movers.copy_engine import Direction
 from kvtierd.tier import AcquiredTierFields, Tier, TierCounts
+from kvtierd.tiering import load_decision
 from kvtierd.tiering.lower_reads import LowerReads
 from kvtierd.tiering.lower_tier import ChainRest, LowerTier, Segment
 from kvtierd.tiering.lower_tiers import lower_tiers
 from kvtierd.tiering.offload import Offloader
-from kvtierd.tiering.tier_config import FROM_CONFIG, FromConfig
+from kvtierd.tiering.tier_config import LAYOUT_COST, LayoutCost
 from kvtierd.tiering.tiers import Tiers
 from kvtierd.token_bytes import PackableTokenIds, TokenBytes, block_span, pack_optional
 
@@ -98,6 +100,17 @@ class Promoter:
                 start += num_found
         return hits
 
+    def declined(self, hits: TierCounts, recompute_s_per_token: float | None | LayoutCost = LAYOUT_COST) -> TierCounts:
+        """Of a chain's `hits` (a lookup's), the lower-tier blocks an acquire would not load: the
+        tier slower than recomputing its blocks at `recompute_s_per_token`, and every tier after it."""
+        cost = self._cost(recompute_s_per_token)
+        paths = {level.tier: level.load_path for level in self.levels}
+        return load_decision.declined(hits, lambda tier, num_blocks: paths[tier](num_blocks),
+                                      self.tiers.layout.block_size, cost)
+
+    def _cost(self, recompute_s_per_token: float | None | LayoutCost) -> float | None:
+        return self.tiers.recompute.s_per_token if recompute_s_per_token is LAYOUT_COST else recompute_s_per_token
+
     def pending(self, request_id: object) -> Ticket | None:
         with self._lock:
             return self._pending.get(request_id)
@@ -106,22 +119,25 @@ class Promoter:
 
     def acquire(self, request_id: RequestId, block_hashes: list[DaemonKey], num_extra_blocks: int = 0,
                 token_ids: PackableTokenIds | None = None,
-                recompute_s_per_token: float | None | FromConfig = FROM_CONFIG, num_t3_present: int | None = None,
+                recompute_s_per_token: float | None | LayoutCost = LAYOUT_COST, num_t3_present: int | None = None,
                 counting: QueryCounting = QueryCounting.QUERY_AND_HITS) -> AcquiredBlocks:
-        """`num_t3_present`: how many of the chain's blocks after the local hits the shared store
-        holds, when a lookup just asked (None: ask it). `counting`: whether its chain enters the
-        query count and the blocks it finds the hit counts (query_counting.py)."""
+        """`recompute_s_per_token`: what a lower-tier hit must beat to be loaded (None: load every
+        hit). `num_t3_present`: how many of the chain's blocks after the local hits the shared
+        store holds, when a lookup just asked (None: ask it). `counting`: whether its chain enters
+        the query count (and its declined hits the skipped count) and the blocks it finds the hit
+        counts (query_counting.py)."""
         tiers = self.tiers
-        cost = tiers.config.recompute_s_per_token if recompute_s_per_token is FROM_CONFIG else recompute_s_per_token
         token_bytes = pack_optional(token_ids)
         allocation = tiers.index.allocate(request_id, block_hashes, num_extra_blocks, token_bytes, counting=counting)
         n0 = allocation.num_hit_blocks
         answers = {} if num_t3_present is None else {Tier.T3: num_t3_present}
-        segments = self._claim(self.levels, block_hashes, token_bytes, n0, cost, answers, counting.counts_hits)
+        segments, declined = self._claim(self.levels, block_hashes, token_bytes, n0,
+                                         self._cost(recompute_s_per_token), answers, counting.counts_hits)
         if counting.counts_hits:
             tiers.counters.count_hits(Tier.T0, n0)
         if counting.counts_query:
             tiers.counters.count_queries(len(block_hashes))
+            tiers.counters.count_skipped_slow(declined)
         writable = tiers.write_backs.when_landed(allocation.block_ids[n0:])
         tier_blocks = TierCounts(t0=n0)
         for segment in segments:
@@ -171,14 +187,18 @@ class Promoter:
 
     def prefetch(self, block_hashes: list[DaemonKey], token_ids: PackableTokenIds | None = None,
                  hits: TierCounts | None = None) -> int:
-        """Start copying the chain's segments below T1 (T2, T3) into T1, at once (no cost check);
-        returns how many blocks that is. `hits`: a lookup of the chain just before (None: look)."""
-        below_t1 = [level for level in self.levels if level.tier is not Tier.T1]
-        if self.tiers.host is None or not below_t1:
+        """Start copying the chain's segments below T1 (T2, T3) into T1, at once, those an acquire
+        would load (not `declined`); returns how many blocks that is. `hits`: a lookup of the chain
+        just before (None: look)."""
+        if self.tiers.host is None:
             return 0
         token_bytes = pack_optional(token_ids)
         hits = hits if hits is not None else self.lookup(block_hashes, token_bytes)
-        segments = self._claim(below_t1, block_hashes, token_bytes, hits.t0 + hits.t1, None, dict(hits.items()))
+        declined = self.declined(hits)
+        below_t1 = [level for level in self.levels if level.tier is not Tier.T1 and not declined[level.tier]]
+        if not below_t1:
+            return 0
+        segments, _ = self._claim(below_t1, block_hashes, token_bytes, hits.t0 + hits.t1, None, dict(hits.items()))
         for level, segment in zip(below_t1, segments):
             if segment.metas:  # each on a mover thread of its own: starting a T2 read may wait for the engine
                 self.tiers.dispatch(functools.partial(_start_read, level, segment))
@@ -193,20 +213,29 @@ class Promoter:
         return ChainRest(block_hashes[start:], parent, block_span(token_bytes, start, None, block_size), block_size)
 
     def _claim(self, levels: list[LowerTier], block_hashes: list[DaemonKey], token_bytes: TokenBytes | None, start: int,
-               cost: float | None, answers: dict[Tier, int], count_misses: bool = False) -> list[Segment]:
+               cost: float | None, answers: dict[Tier, int],
+               count_misses: bool = False) -> tuple[list[Segment], TierCounts]:
         """One segment per level, in chain order: each continues the chain where the one above ended
-        (`start`: after T0's hits); empty once the chain is used up. `answers`: a Lookup's, by tier
-        (LowerTier.claim); `count_misses`: the chain is a query (T3 counts what it lacks)."""
-        segments = []
+        (`start`: after T0's hits); empty once the chain is used up, and from the first level whose
+        load is slower than recomputing its blocks at `cost` on (None: load every hit), whose
+        blocks are returned as declined. `answers`: a Lookup's, by tier (LowerTier.claim);
+        `count_misses`: the chain is a query (T3 counts what it lacks)."""
+        segments: list[Segment] = []
+        declined = TierCounts()
+        block_size = self.tiers.layout.block_size
         for level in levels:
-            if start == len(block_hashes):
+            if start == len(block_hashes) or declined.num_blocks:
                 segments.append(Segment(level.tier, []))
                 continue
-            segment = level.claim(self._rest(block_hashes, token_bytes, start), cost, answers.get(level.tier),
-                                  count_misses)
+            segment = level.claim(self._rest(block_hashes, token_bytes, start), answers.get(level.tier), count_misses)
+            num_blocks = len(segment.metas)
+            if not load_decision.worth_loading(num_blocks * block_size, level.load_path(num_blocks), cost):
+                level.release(segment)
+                declined = TierCounts.of(level.tier, num_blocks)
+                segment = Segment(level.tier, [])
             segments.append(segment)
             start += len(segment.metas)
-        return segments
+        return segments, declined
 
     # ----------------------------------------------------------------------------- loading
 

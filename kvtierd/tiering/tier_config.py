@@ -7,21 +7,20 @@ Per edge (T0→T1, T1→T2, and into the shared tier T3 from T1 or from T2):
 - `on_evict`: a block is copied down when the upper tier evicts it;
 - `off`: nothing moves down this edge.
 A lower-tier hit is loaded only when loading is expected to be faster than recomputing those
-tokens: storage hits slower than recompute are a documented failure of peers (SGLang #26305,
-#31600). Set `recompute_s_per_token` (or pass it per call) to enable the check.
+tokens (load_decision.py), at the cost the layout's engines measure and report
+(recompute_cost.py); `recompute_s_per_token` overrides that measurement.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import enum
-from collections.abc import Sequence
+import math
 from typing import TYPE_CHECKING
 
 from kvtierd.config_checks import require, require_choice
 from kvtierd.errors import InvalidArgument
 from kvtierd.layout import FLOAT_DTYPES, Layout
-from kvtierd.movers.copy_engine import Bandwidth
 from kvtierd.tier import Edge
 
 if TYPE_CHECKING:
@@ -30,13 +29,14 @@ if TYPE_CHECKING:
     from kvtierd.t3.remote_config import RemoteConfig
 
 
-class FromConfig(enum.Enum):
-    """The default of a per-call `recompute_s_per_token`: the TierConfig's."""
+class LayoutCost(enum.Enum):
+    """The default of a per-call `recompute_s_per_token`: the layout's (its config's override, else
+    its engines' measurement: recompute_cost.py)."""
 
-    FROM_CONFIG = "from config"
+    LAYOUT_COST = "the layout's"
 
 
-FROM_CONFIG = FromConfig.FROM_CONFIG
+LAYOUT_COST = LayoutCost.LAYOUT_COST
 
 
 class EdgePolicy(str, enum.Enum):
@@ -55,12 +55,13 @@ class PolicyConfig:
 
     t0_to_t1: str = "on_evict"  # "write_through" | "on_evict" | "off"
     t1_to_t2: str = "write_through"  # "write_through" | "on_evict" | "off"
-    recompute_s_per_token: float = 0.0  # seconds per token; 0 = always load lower-tier hits
+    recompute_s_per_token: float = 0.0  # seconds per token, overriding the engines' measurement; 0 = measured
     t1_to_t3: str = "write_through"  # into T3 (with remote.endpoints): "write_through" | "on_evict" | "off"
     t2_to_t3: str = "off"  # "write_through" | "off"
 
     def __post_init__(self) -> None:
-        require(self.recompute_s_per_token >= 0, "policy.recompute_s_per_token must be >= 0 (0: always load)")
+        require(math.isfinite(self.recompute_s_per_token) and self.recompute_s_per_token >= 0,
+                "policy.recompute_s_per_token must be a finite number >= 0 (0: the engines' measurement)")
         for name in ("t0_to_t1", "t1_to_t2", "t1_to_t3"):
             require_choice(f"policy.{name}", getattr(self, name), EDGE_POLICIES)
         require_choice("policy.t2_to_t3", self.t2_to_t3, T2_TO_T3_POLICIES)
@@ -79,7 +80,7 @@ class TierConfig:
     t1_to_t3: EdgePolicy = EdgePolicy(_POLICY.t1_to_t3)  # with a T3 store only: what T1 takes goes on to T3
     t2_to_t3: EdgePolicy = EdgePolicy(_POLICY.t2_to_t3)  # write_through: what T2 takes goes on to T3 as well
     remote_codec: str = "raw"  # what T3 values hold ("raw" | "fp8")
-    recompute_s_per_token: float | None = None  # None: lower-tier hits are always loaded
+    recompute_s_per_token: float | None = None  # the operator's override; None: the engines' measurement
 
     @classmethod
     def of_sections(cls, host: HostConfig, ssd: SsdConfig, policy: PolicyConfig, remote: RemoteConfig) -> TierConfig:
@@ -114,11 +115,3 @@ class TierConfig:
             return self
         return dataclasses.replace(self, host_codec="raw", ssd_codec="raw", remote_codec="raw")
 
-
-def worth_loading(num_tokens: int, path: Sequence[tuple[Bandwidth, int]], recompute_s_per_token: float | None) -> bool:
-    """Is moving these bytes along `path` (each hop: its measured bandwidth, its bytes) expected
-    to take less time than recomputing `num_tokens`?"""
-    if recompute_s_per_token is None:
-        return True
-    load_s = sum(bandwidth.seconds_for(nbytes) for bandwidth, nbytes in path)
-    return load_s < num_tokens * recompute_s_per_token

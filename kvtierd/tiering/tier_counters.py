@@ -21,7 +21,8 @@ class TierCounters:
 
     num_query_blocks: int = 0  # asked for by Acquire, Put and Get or named by a Lookup: the hit rate's denominator
     num_hit_blocks: TierCounts = TierCounts()  # prefix hits served, by the tier that held them
-    num_skipped_slow_blocks: int = 0  # lower-tier hits not loaded: recompute was expected faster
+    # lower-tier hits of queries declined, by the tier that held them: recompute was expected faster
+    num_skipped_slow_blocks: TierCounts = TierCounts()
     num_failed_load_blocks: int = 0  # promotions that failed: a miss, never a hit
     num_offloaded_blocks: dict[Edge, int] = dataclasses.field(  # by edge; into T3: queued for the store's writer
         default_factory=lambda: dict.fromkeys(Edge, 0))
@@ -39,9 +40,10 @@ class TierCounters:
             with self.lock:
                 self.num_hit_blocks += TierCounts.of(tier, num_blocks)
 
-    def count_skipped_slow(self, num_blocks: int) -> None:
-        with self.lock:
-            self.num_skipped_slow_blocks += num_blocks
+    def count_skipped_slow(self, declined: TierCounts) -> None:
+        if declined.num_blocks:
+            with self.lock:
+                self.num_skipped_slow_blocks += declined
 
     def count_failed_loads(self, num_blocks: int) -> None:
         with self.lock:

@@ -16,7 +16,8 @@ from collections.abc import Mapping
 
 from kvtierd.t2.ssd_stats import SsdStats
 from kvtierd.t3.remote_tier import RemoteTierStats
-from kvtierd.tier import Edge, Tier
+from kvtierd.tier import Edge, Tier, TierCounts
+from kvtierd.tiering.recompute_cost import CostEstimate
 from kvtierd.tiering.tiers import Tiers
 
 
@@ -46,7 +47,8 @@ class TieringStats:
     ssd: SsdStats | None  # T2's health and I/O, when T2 is configured
     t3: RemoteTierStats | None  # this layout's traffic with the shared store, when T3 is configured
     num_query_blocks: int  # blocks asked for by Acquire, Put and Get, or named as a query by a Lookup
-    num_skipped_slow_blocks: int  # lower-tier hits recomputed because loading was slower
+    num_skipped_slow_blocks: TierCounts  # lower-tier hits of queries declined as slower than recompute, by tier
+    recompute: CostEstimate  # the cost those hits were weighed against (recompute_cost.py)
     num_failed_load_blocks: int
     num_failed_offload_blocks: int
     num_offloaded_blocks: Mapping[Edge, int]  # by edge
@@ -81,7 +83,7 @@ def tiering_stats(tiers: Tiers) -> TieringStats:
         num_blocks=index.num_blocks, num_free_blocks=index.num_free_blocks, t0=t0, t1=t1, t2=t2, ssd=ssd,
         t3=tiers.remote.stats() if tiers.remote is not None else None,
         num_query_blocks=counters.num_query_blocks, num_skipped_slow_blocks=counters.num_skipped_slow_blocks,
-        num_failed_load_blocks=counters.num_failed_load_blocks,
+        num_failed_load_blocks=counters.num_failed_load_blocks, recompute=tiers.recompute.estimate(),
         num_failed_offload_blocks=counters.num_failed_offload_blocks,
         num_offloaded_blocks=dict(counters.num_offloaded_blocks),
         bytes_moved=dict(counters.bytes_moved),

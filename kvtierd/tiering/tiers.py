@@ -30,6 +30,7 @@ from kvtierd.movers.block_codec import BlockCodec, make_codec
 from kvtierd.movers.copy_engine import Bandwidth, CopyEngine, Direction, Job, Transfer
 from kvtierd.t0.device_pool import DevicePool
 from kvtierd.t1.host_tier import HostTier
+from kvtierd.tiering.recompute_cost import RecomputeCost
 from kvtierd.tiering.tier_config import TierConfig
 from kvtierd.tiering.tier_counters import TierCounters
 from kvtierd.tiering.write_backs import WriteBacks
@@ -66,8 +67,11 @@ class Tiers:
     spiller: concurrent.futures.ThreadPoolExecutor = dataclasses.field(
         default_factory=lambda: concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="kvtierd-spill"))
     write_backs: WriteBacks = dataclasses.field(default_factory=WriteBacks)
+    # what a lower-tier hit must beat to be loaded: the config's override, else the engines' reports
+    recompute: RecomputeCost = dataclasses.field(init=False)
 
     def __post_init__(self) -> None:
+        self.recompute = RecomputeCost(self.config.recompute_s_per_token)
         if self.ssd is not None and self.ssd_codec is None:
             self.ssd_codec = make_codec(self.config.ssd_codec, self.layout)
         if self.remote is not None and self.remote_codec is None:

@@ -125,7 +125,10 @@ def test_scrape_reports_what_the_tier_manager_reports(pool):
     assert value(scraped, "kvtierd_t0_blocks", **m) == 16
     assert value(scraped, "kvtierd_failed_loads_total", **m) == stats.num_failed_load_blocks
     assert value(scraped, "kvtierd_failed_offloads_total", **m) == stats.num_failed_offload_blocks
-    assert value(scraped, "kvtierd_skipped_slow_blocks_total", **m) == stats.num_skipped_slow_blocks
+    for tier in ("t1", "t2"):
+        assert value(scraped, "kvtierd_skipped_slow_blocks_total", tier=tier, **m) == \
+            stats.num_skipped_slow_blocks[tier]
+    assert value(scraped, "kvtierd_recompute_seconds_per_token", **m) == 0  # no engine reported, no override
     assert value(scraped, "kvtierd_ssd_corrupted_blocks_dropped_total", **m) == \
         ssd.num_corrupted_blocks + ssd.num_dropped_on_open
     assert value(scraped, "kvtierd_ssd_io_errors_total", **m) == ssd.num_io_errors

@@ -125,6 +125,12 @@ def _bad_calls(stub, sid, r_ids, other_ids, root):
         ("acquire: bad hash among good ones", lambda: stub.Acquire(pb.AcquireRequest(
             session_id=sid, request_id="n", block_hashes=[*HASHES[:2], b"x" * 31]), metadata=ACME),
          code.INVALID_ARGUMENT, "32 bytes"),
+        ("acquire: a negative recompute cost", lambda: stub.Acquire(pb.AcquireRequest(
+            session_id=sid, request_id="n", block_hashes=HASHES, recompute_s_per_token=-1e-4), metadata=ACME),
+         code.INVALID_ARGUMENT, "recompute_s_per_token"),
+        ("acquire: a recompute cost that is no number", lambda: stub.Acquire(pb.AcquireRequest(
+            session_id=sid, request_id="n", block_hashes=HASHES, recompute_s_per_token=float("nan")), metadata=ACME),
+         code.INVALID_ARGUMENT, "recompute_s_per_token"),
         ("commit: foreign block ids", lambda: stub.Commit(pb.CommitRequest(
             session_id=sid, request_id="r", block_ids=other_ids[:1], block_hashes=HASHES[4:5],
             token_ids=pack_token_ids(TOKENS[16:20]), parent_hash=HASHES[3]), metadata=ACME),

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import pytest
 
+from kvtierd.movers.copy_engine import Direction
 from kvtierd.tier import Tier
 from kvtierd.tiering.lower_tier import StoringTier
 from kvtierd.tiering.tier_config import EdgePolicy
@@ -43,24 +44,27 @@ def test_each_tier_finds_the_whole_chain(manager):
 def test_a_t1_claim_pins_its_entries_until_released(manager):
     """A claimed T1 entry is neither removed nor evicted while its load may read it."""
     host_level = manager.promoter.levels[0]
-    segment = host_level.claim(rest(manager), None)
+    segment = host_level.claim(rest(manager))
     assert len(segment.metas) == 4 and len(segment.pinned) == 4
     assert manager.tiers.host.index.remove(CHAIN) == []
     host_level.release(segment)
     assert len(manager.tiers.host.index.remove(CHAIN)) == 4
 
 
-def test_a_claim_slower_than_recompute_is_empty_and_counted_as_skipped(manager):
-    """The cost check is each tier's: T2's path (SSD read, then upload) is refused at an absurd cost."""
-    ssd_level = manager.promoter.levels[1]
-    segment = ssd_level.claim(rest(manager), cost=1e-15)
-    assert segment.metas == [] and manager.stats().num_skipped_slow_blocks == 4
+def test_each_tier_s_load_path_is_its_hops_into_t0_at_their_own_bandwidths(manager):
+    """T1: an upload of its slots; T2: an SSD read of its slots, then an upload of the blocks."""
+    tiers = manager.tiers
+    upload = tiers.engine.bandwidth[Direction.HOST_TO_DEVICE]
+    host_level, ssd_level = manager.promoter.levels
+    assert host_level.load_path(3) == [(upload, 3 * tiers.host.codec.slot_nbytes)]
+    assert ssd_level.load_path(3) == [(tiers.ssd_read, 3 * tiers.ssd_codec.slot_nbytes),
+                                      (upload, 3 * tiers.layout.bytes_per_block)]
 
 
 def test_a_t1_read_is_its_own_slots_at_once(manager):
     """T1's blocks are host rows already: no read is started, the upload decodes from its slots."""
     host_level = manager.promoter.levels[0]
-    segment = host_level.claim(rest(manager), None)
+    segment = host_level.claim(rest(manager))
     try:
         assert host_level.read(segment) is None
         rows, ids, codec = segment.source

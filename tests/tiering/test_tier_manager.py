@@ -7,6 +7,7 @@ import torch
 
 from kvtierd.index.query_counting import QueryCounting
 from kvtierd.launch.daemon_process import wait_until
+from kvtierd.movers.copy_engine import Direction
 from kvtierd.tiering.tier_config import EdgePolicy
 from tests.factories import BLOCK_SIZE, NAMESPACE, tokens
 from tests.tiering.tier_factories import content_for, make_manager, prefill, promote_exactly
@@ -132,9 +133,10 @@ def test_off_policy_moves_nothing():
 
 def test_a_tier_slower_than_recompute_is_skipped(manager):
     chain = only_in_t1(manager)
+    manager.tiers.engine.bandwidth[Direction.HOST_TO_DEVICE].record(1 << 20, 1.0)  # measured: 1 MiB/s
     slow = manager.acquire("b", chain, 0, PROMPT, recompute_s_per_token=1e-15)
     assert slow.num_t1_blocks == 0 and slow.ticket.wait(1) == 0
-    assert manager.stats().num_skipped_slow_blocks == 4
+    assert manager.stats().num_skipped_slow_blocks.t1 == 4
     manager.release("b")
     fast = manager.acquire("c", chain, 0, PROMPT, recompute_s_per_token=1.0)
     assert fast.num_t1_blocks == 4 and fast.ticket.wait(10) == 4

@@ -77,10 +77,10 @@ def test_a_slow_ssd_is_skipped_when_recompute_is_faster(manager):
     prefill(manager, "a", PROMPT)
     manager.release("a")
     only_in_t2(manager)
-    manager.tiers.ssd_read.bytes_per_s = 1e3  # as slow as a failing disk
+    manager.tiers.ssd_read.record(1000, 1.0)  # measured as slow as a failing disk
     acquisition = manager.acquire("b", CHAIN, 0, PROMPT, recompute_s_per_token=1e-3)
     assert acquisition.num_t2_blocks == 0 and acquisition.ticket.wait(1) == 0
-    assert manager.stats().num_skipped_slow_blocks == 4
+    assert manager.stats().num_skipped_slow_blocks.t2 == 4
     manager.release("b")
 
 
