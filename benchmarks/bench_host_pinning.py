@@ -1,18 +1,23 @@
-"""Page-locking the host tier: 8 GiB of HostSlab (mmap, parallel first touch, cudaHostRegister)
+"""Page-locking the host tier: a 64 GiB HostSlab pinned in the background (chunks of at most 64 GiB
+on slot boundaries, each first touched by threads on the GPU's NUMA node, then cudaHostRegister),
 beside cudaHostAlloc of the same bytes. Needs CUDA and CuPy (the GPU acceptance run).
 
-Ours: `HostSlab(num_slots, 2 MiB, pin=True)` as the host tier builds it (a /dev/shm segment,
-first touched by its 4 threads, then cudaHostRegister), and the same with one touch thread per
-CPU, as a context row. Baseline, same run: `cudaHostAlloc` of the same bytes (CuPy's runtime
-binding), the allocation the CUDA runtime offers for pinned memory. Each round builds both and
-frees both untimed; both must end page-locked (cudaPointerGetAttributes says host memory).
-Goal: ours at most the baseline's time (Dynamo measured ~0.9 s against ~2.8 s for 8 GiB).
+Ours: `HostSlab(num_slots, 2 MiB, pin=True)` as the host tier builds it (a /dev/shm segment), then
+`start_pinning`: the seconds until T1 can serve its first chunk (1 GiB), the seconds until all of
+it is page-locked, and the seconds per GiB. Baseline, same run: `cudaHostAlloc` of the same bytes
+(CuPy's runtime binding), the allocation the CUDA runtime offers for pinned memory, timed whole.
+One round each (64 GiB is most of the machine's memory; the slab is freed before the baseline
+allocates), both checked page-locked (cudaPointerGetAttributes says host memory). The size is 64
+GiB or less where /dev/shm or the machine's memory cannot hold it (printed). Goal: ours at most the
+baseline's seconds per GiB (the H200 machine: 8 GiB in 2.5 s by this route, cudaHostAlloc 4.7 s),
+and T1 serving within 5 % of the baseline's time.
 """
 
 from __future__ import annotations
 
 import os
 import sys
+import time
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -23,38 +28,22 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from benchmarks import _report  # noqa: E402
 from kvtierd.t0.shm_segment import SHM_DIR  # noqa: E402
 from kvtierd.t1.host_slab import HostSlab  # noqa: E402
+from kvtierd.units import GiB  # noqa: E402
 
 SLOT_NBYTES = 2 << 20
-GOAL_SPEEDUP = 1.0
+TARGET_BYTES, QUICK_BYTES = 64 * GiB, 2 * GiB
+GOAL_SPEEDUP = 1.0  # baseline s/GiB over ours
+GOAL_FIRST_SERVE = 0.05  # T1 serving after at most this fraction of the baseline's time
 
 
-class Pinned:
-    """What the last round allocated, freed untimed before the next one (the round's setup)."""
-
-    def __init__(self, runtime) -> None:
-        self.runtime = runtime
-        self.slab: HostSlab | None = None
-        self.host_ptr = 0
-
-    def free(self) -> None:
-        if self.slab is not None:
-            assert self.is_page_locked(self.slab.slots.data_ptr()), "the slab is not registered with CUDA"
-            self.slab.close()
-            self.slab = None
-        if self.host_ptr:
-            assert self.is_page_locked(self.host_ptr), "cudaHostAlloc gave pageable memory"
-            self.runtime.freeHost(self.host_ptr)
-            self.host_ptr = 0
-
-    def is_page_locked(self, pointer: int) -> bool:
-        return self.runtime.pointerGetAttributes(pointer).type == self.runtime.memoryTypeHost
-
-
-def check_shm_room(nbytes: int) -> None:
-    free = os.statvfs(SHM_DIR)
-    if free.f_bavail * free.f_frsize < nbytes:
-        raise SystemExit(f"bench_host_pinning: {SHM_DIR} has {free.f_bavail * free.f_frsize >> 20} MiB free, "
-                         f"the slab needs {nbytes >> 20} MiB")
+def slab_bytes(target: int) -> int:
+    """`target`, or less where /dev/shm or 45 % of the machine's memory cannot hold it, in whole GiB."""
+    shm = os.statvfs(SHM_DIR)
+    memory = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    room = min(target, int(shm.f_bavail * shm.f_frsize * 0.9), int(memory * 0.45))
+    if room < GiB:
+        raise SystemExit(f"bench_host_pinning: {SHM_DIR} or memory has room for {room >> 20} MiB, need >= 1 GiB")
+    return room // GiB * GiB
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -63,34 +52,52 @@ def main(argv: Sequence[str] | None = None) -> int:
         raise SystemExit("bench_host_pinning: needs CUDA (torch.cuda.is_available() is false)")
     import cupy
 
-    nbytes = (1 if args.quick else 8) << 30
-    rounds, warmup = (2, 0) if args.quick else (3, 1)
-    check_shm_room(nbytes)
-    torch.cuda.init()
-    pinned = Pinned(cupy.cuda.runtime)
+    runtime = cupy.cuda.runtime
+    nbytes = slab_bytes(QUICK_BYTES if args.quick else TARGET_BYTES)
     num_slots = nbytes // SLOT_NBYTES
+    torch.cuda.init()
 
-    def cuda_host_alloc() -> None:
-        pinned.host_ptr = pinned.runtime.hostAlloc(nbytes, pinned.runtime.hostAllocDefault)
+    def page_locked(pointer: int) -> bool:
+        return runtime.pointerGetAttributes(pointer).type == runtime.memoryTypeHost
 
-    _report.print_header(f"Page-locked host memory: {nbytes >> 30} GiB ({num_slots} slots of 2 MiB)", args.quick)
-    print("baseline: cudaHostAlloc of the same bytes (CuPy), in the same run; rounds free both untimed")
-    print(f"goal: ours at most the baseline's time (speedup >= {GOAL_SPEEDUP:g}x)")
+    _report.print_header(f"Page-locked host memory: {nbytes / GiB:.0f} GiB ({num_slots} slots of 2 MiB)", args.quick,
+                         "timing: time.perf_counter around one build each, ours first, the slab freed before the "
+                         "baseline allocates")
+    print("baseline: cudaHostAlloc of the same bytes (CuPy), in the same run")
+    print(f"goal: ours at most the baseline's s/GiB (speedup >= {GOAL_SPEEDUP:g}x); T1 serving within "
+          f"{GOAL_FIRST_SERVE:.0%} of the baseline's time")
     print()
-    rows = []
-    for name, num_threads in (("HostSlab, 4 touch threads (the host tier)", 4),
-                              (f"HostSlab, {os.cpu_count()} touch threads", os.cpu_count())):
-        def host_slab(num_threads: int = num_threads) -> None:
-            pinned.slab = HostSlab(num_slots, SLOT_NBYTES, pin=True, num_touch_threads=num_threads)
+    first_ready_s: list[float] = []
 
-        ours, base = _report.time_pair(host_slab, cuda_host_alloc, rounds=rounds, warmup=warmup,
-                                       ours_setup=pinned.free)
-        speedup = base.median_ns / ours.median_ns
-        goal = f">= {GOAL_SPEEDUP:g}x" if num_threads == 4 else "-"
-        rows.append([name, _report.median_and_best(ours.median_ns / 1e9, ours.best_ns / 1e9, 2),
-                     _report.median_and_best(base.median_ns / 1e9, base.best_ns / 1e9, 2), f"{speedup:.2f}x",
-                     goal, _report.verdict(speedup >= GOAL_SPEEDUP) if num_threads == 4 else ""])
-    _report.print_table(["pinning", "ours s", "cudaHostAlloc s", "speedup", "goal", "result"], rows)
+    def on_ready(num_ready_slots: int) -> None:  # the first call: T1 could serve from here on
+        if not first_ready_s:
+            first_ready_s.append(time.perf_counter() - started)
+
+    started = time.perf_counter()
+    slab = HostSlab(num_slots, SLOT_NBYTES, pin=True, what="bench slab")
+    slab.start_pinning(on_ready)
+    assert slab.wait_pinned() and not slab.pinning_stopped, "pinning stopped early"
+    ours_s = time.perf_counter() - started
+    assert slab.num_ready_slots == num_slots and page_locked(slab.slots.data_ptr() + nbytes - SLOT_NBYTES)
+    num_registrations = len(slab.pinner.chunks) if slab.pinner else 0
+    slab.close()
+
+    started = time.perf_counter()
+    pointer = runtime.hostAlloc(nbytes, runtime.hostAllocDefault)
+    base_s = time.perf_counter() - started
+    assert page_locked(pointer), "cudaHostAlloc gave pageable memory"
+    runtime.freeHost(pointer)
+
+    gib = nbytes / GiB
+    speedup = base_s / ours_s
+    first = first_ready_s[0] if first_ready_s else ours_s
+    rows = [[f"all pinned ({num_registrations} registrations)", f"{ours_s:.2f}", f"{ours_s / gib:.3f}",
+             f"{base_s:.2f}", f"{base_s / gib:.3f}", f"{speedup:.2f}x", f">= {GOAL_SPEEDUP:g}x",
+             _report.verdict(speedup >= GOAL_SPEEDUP)],
+            ["T1 serving (first chunk pinned)", f"{first:.2f}", "-", f"{base_s:.2f}", "-", f"{first / base_s:.3f}x",
+             f"<= {GOAL_FIRST_SERVE:g}x", _report.verdict(first <= GOAL_FIRST_SERVE * base_s)]]
+    _report.print_table(["pinning", "ours s", "ours s/GiB", "cudaHostAlloc s", "cudaHostAlloc s/GiB", "ratio", "goal",
+                         "result"], rows)
     return 0
 
 

@@ -79,6 +79,8 @@ class StatsView:
                   f"{format_bytes(tier.node_share_bytes)})" for tier in pool.tiers if tier.node_capacity_bytes]
         if shares:
             lines.append("  this layout's part of the node budgets: " + ", ".join(shares))
+        lines += [f"  T1 page-locking: {format_bytes(tier.pinned_bytes)} of {format_bytes(tier.capacity_bytes)} "
+                  f"so far (T1 serves that part; the rest as it is pinned)" for tier in pool.tiers if tier.pinning]
         before_moved = {t.direction: t.bytes_moved for t in before.transfers} if before else {}
         moved = []
         for transfer in pool.transfers:

@@ -25,7 +25,7 @@ from collections.abc import Sequence
 import numpy as np
 import torch
 
-from kvtierd.movers import cuda_batch_copy
+from kvtierd.movers import cuda_batch_copy, pinned_regions
 
 log = logging.getLogger(__name__)
 
@@ -120,7 +120,12 @@ def _copy_on_host(plan: SpanPlan) -> None:
 def _copy_with_cuda(plan: SpanPlan, dst: torch.Tensor, src: torch.Tensor) -> None:
     device = dst.device if dst.device.type == "cuda" else src.device
     stream = torch.cuda.current_stream(device).cuda_stream
-    if cuda_batch_copy.submit(plan.dst_addresses, plan.src_addresses, plan.sizes, stream):
+    dst_addresses, src_addresses, sizes = plan.dst_addresses, plan.src_addresses, plan.sizes
+    if dst.device.type == "cpu":  # no span across two of the host's registrations (pinned_regions.py)
+        dst_addresses, src_addresses, sizes = pinned_regions.split_spans(dst_addresses, src_addresses, sizes)
+    elif src.device.type == "cpu":
+        src_addresses, dst_addresses, sizes = pinned_regions.split_spans(src_addresses, dst_addresses, sizes)
+    if cuda_batch_copy.submit(dst_addresses, src_addresses, sizes, stream):
         return
     for dst_row, src_row, num_rows in zip(plan.dst_rows.tolist(), plan.src_rows.tolist(), plan.num_rows.tolist()):
         dst[dst_row:dst_row + num_rows].copy_(src[src_row:src_row + num_rows], non_blocking=True)

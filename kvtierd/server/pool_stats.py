@@ -16,7 +16,8 @@ def tier_message(usage: TierUsage, share: BudgetShare | None = None, num_decline
     """One tier's figures; with `share` (T1, T2), this layout's part of the node's budget beside it."""
     message = pb.TierStats(tier=usage.tier, capacity_bytes=usage.capacity_bytes, used_bytes=usage.used_bytes,
                            num_cached_blocks=usage.num_cached_blocks, num_hit_blocks=usage.num_hit_blocks,
-                           num_evictions=usage.num_evictions, num_declined_blocks=num_declined_blocks)
+                           num_evictions=usage.num_evictions, num_declined_blocks=num_declined_blocks,
+                           pinned_bytes=usage.pinned_bytes, pinning=usage.pinning)
     if share is not None:
         message.node_held_bytes, message.node_share_bytes = share.held_bytes, share.share_bytes
         message.node_capacity_bytes, message.node_used_bytes = share.node_capacity_bytes, share.node_used_bytes

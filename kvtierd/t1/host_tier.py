@@ -1,4 +1,5 @@
-"""The host tier (T1): slots of pinned (or shared) host memory and the index over them."""
+"""The host tier (T1): slots of pinned (or shared) host memory and the index over them; while the
+slab is being page-locked (host_slab.py), the index covers the pinned part and grows with it."""
 
 from __future__ import annotations
 
@@ -8,8 +9,9 @@ from collections.abc import Callable
 import torch
 
 from kvtierd.daemon_key import DaemonKey
+from kvtierd.index.extent_slot_index import ExtentSlotIndex
 from kvtierd.index.index_events import IndexEvent
-from kvtierd.index.slot_index import SlotIndex, slots_within
+from kvtierd.index.slot_index import slots_within
 from kvtierd.layout import Layout
 from kvtierd.movers.block_codec import make_codec
 from kvtierd.t1.host_slab import HostSlab, slot_stride
@@ -23,10 +25,20 @@ class HostTier:
     """
 
     def __init__(self, layout: Layout, capacity_bytes: int, codec: str = "raw", pin: bool | None = None,
-                 clock: Callable[[], float] = time.monotonic) -> None:
+                 clock: Callable[[], float] = time.monotonic, slab: HostSlab | None = None) -> None:
+        """`slab`: the memory (default: a new HostSlab of `capacity_bytes`, page-locked where CUDA is).
+        A slab being page-locked serves its pinned slots at once, the rest as they are pinned."""
         self.codec = make_codec(codec, layout)
-        self.slab = HostSlab(capacity_bytes // slot_stride(self.codec.slot_nbytes), self.codec.slot_nbytes, pin)
-        self.index = SlotIndex(self.slab.num_slots, clock)
+        self.slab = slab or HostSlab(capacity_bytes // slot_stride(self.codec.slot_nbytes), self.codec.slot_nbytes, pin,
+                                     what=f"T1 of {layout.model_id}")
+        assert self.slab.slot_nbytes == self.codec.slot_nbytes
+        self.index = ExtentSlotIndex(self.slab.num_slots, self.slab.num_ready_slots, clock)
+        self.slab.start_pinning(self._grow_to)
+
+    def _grow_to(self, num_ready_slots: int) -> None:
+        """The slab's slots up to `num_ready_slots` are pinned: the index may hand them out."""
+        if num_ready_slots > self.index.num_slots:
+            self.index.grow(num_ready_slots - self.index.num_slots)
 
     @property
     def slots(self) -> torch.Tensor:
@@ -38,6 +50,16 @@ class HostTier:
     @property
     def capacity_bytes(self) -> int:
         return self.slab.nbytes
+
+    @property
+    def pinned_bytes(self) -> int:
+        """Page-locked so far: the slots the tier may use (0 where T1 is not pinned: every slot is usable)."""
+        return self.slab.pinned_bytes
+
+    @property
+    def pinning(self) -> bool:
+        """Is the slab still being page-locked (the tier serving its pinned part meanwhile)?"""
+        return self.slab.pinned and self.index.num_slots < self.slab.num_slots and not self.slab.pinning_stopped
 
     @property
     def used_bytes(self) -> int:

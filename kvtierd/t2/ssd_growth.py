@@ -15,8 +15,8 @@ import logging
 import threading
 from collections.abc import Callable
 
+from kvtierd.index.extent_slot_index import ExtentSlotIndex
 from kvtierd.t2.node_budget import NodeBudget
-from kvtierd.t2.ssd_extent import ExtentSlotIndex
 from kvtierd.t2.ssd_files import SlotFiles
 
 log = logging.getLogger(__name__)

@@ -39,13 +39,13 @@ import xxhash
 
 from kvtierd.daemon_key import DaemonKey
 from kvtierd.errors import FailedPrecondition, InvalidArgument
+from kvtierd.index.extent_slot_index import ExtentSlotIndex
 from kvtierd.index.index_events import IndexEvent
 from kvtierd.index.slot_entry import BlockMeta, SlotEntry
 from kvtierd.index.slot_index import slots_within
 from kvtierd.layout import Layout
 from kvtierd.t2.node_budget import NodeBudget, truncating_shed
 from kvtierd.t2.ssd_config import SsdTierConfig, describe_error, lock_directory
-from kvtierd.t2.ssd_extent import ExtentSlotIndex
 from kvtierd.t2.ssd_files import SlotFiles
 from kvtierd.t2.ssd_growth import SsdGrowth, take_budget
 from kvtierd.t2.ssd_index import Record, SsdIndex

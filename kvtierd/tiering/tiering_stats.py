@@ -33,6 +33,8 @@ class TierUsage:
     num_evictions: int  # cached blocks dropped to make room, since start
     codec: str  # how a slot holds a block ("raw", "fp8"); T0 holds the layout's dtype: "raw"
     num_quota_skips: int = 0  # T1/T2 stores refused because the tenant was at its quota
+    pinned_bytes: int = 0  # T1 with CUDA: page-locked so far (the part it serves)
+    pinning: bool = False  # T1: still being page-locked in the background
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -71,7 +73,8 @@ def tiering_stats(tiers: Tiers) -> TieringStats:
     if tiers.host is not None:
         host = tiers.host
         t1 = TierUsage(Tier.T1, host.capacity_bytes, host.used_bytes, host.index.num_ready, hits.t1,
-                       host.index.num_evictions, host.codec.name, host.index.num_quota_skips)
+                       host.index.num_evictions, host.codec.name, host.index.num_quota_skips, host.pinned_bytes,
+                       host.pinning)
     ssd = tiers.ssd.stats() if tiers.ssd is not None else None
     t2 = None
     if ssd is not None:

@@ -1,6 +1,8 @@
-"""The slot index of the SSD tier over a growing extent: slots `[0, num_slots)` are the ones
-its slot files hold now; the tier grows the extent as blocks are written (taking disk from the
-node's budget) and shrinks it from the end when another layout needs the disk.
+"""A slot index over a growing extent: slots `[0, num_slots)` of at most `max_slots` are usable now.
+
+The SSD tier's extent is what its slot files hold: it grows as blocks are written (taking disk from
+the node's budget) and shrinks from the end when another layout needs the disk. The host tier's is
+the part of its slab page-locked so far (t1/host_pinning.py): it grows chunk by chunk at start.
 """
 
 from __future__ import annotations
