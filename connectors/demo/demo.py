@@ -130,8 +130,7 @@ def daemon_args(options: DemoOptions, layout, directory: str) -> list[str]:
     """A daemon whose T0 and T1 are smaller than the demo's traffic, so hits come from every tier."""
     return small_daemon_args(directory, t0_bytes=str(options.t0_blocks * layout.bytes_per_block),
                              host_bytes=str(options.t1_blocks * layout.bytes_per_block), ssd_bytes=options.t2_bytes,
-                             extra=["--set", "policy.recompute_s_per_token=0",
-                                    "--set", "pool.max_layouts=1"])  # one layout: T1 is all its own
+                             extra=["--set", "pool.max_layouts=1"])  # one layout: T1 is all its own
 
 
 def run_demo(options: DemoOptions, progress=None, say=print) -> DemoReport:

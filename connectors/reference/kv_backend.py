@@ -68,6 +68,11 @@ class KvBackend(Protocol):
         """The request is done: its blocks go back."""
         ...
 
+    def observe_prefill(self, num_tokens: int, seconds: float) -> None:
+        """A prefill forward computed `num_tokens` prompt tokens in `seconds` (the runner's measure
+        of what recomputing costs, which a cache weighs its slower hits against)."""
+        ...
+
 
 class PrivateKv:
     """A runner-private pool with no prefix cache: every prompt is computed in full.
@@ -118,3 +123,6 @@ class PrivateKv:
 
     def finish(self, request_id: str) -> None:
         self.free_block_ids.extend(reversed(self.tables.pop(request_id)))
+
+    def observe_prefill(self, num_tokens: int, seconds: float) -> None:
+        pass  # nothing is cached, so nothing is weighed

@@ -110,8 +110,10 @@ class ReferenceRunner:
                     request.request_id, [], 0.0, len(prompt), len(prompt) - started.num_cached_tokens,
                     started.num_t0_hit_tokens, started.num_t1_hit_tokens, started.num_t2_hit_tokens,
                     num_t3_hit_tokens=started.num_t3_hit_tokens))
+            prefill_started_s = time.perf_counter()
             logits = self.model.forward(ForwardBatch.build(chunks, self.block_size, self.model.device),
                                         self.backend.pool)
+            self._observe_prefill(chunks, logits, prefill_started_s)
             for request, chunk, row, result in zip(requests, chunks, logits, results):
                 family = self._after_prefill(request, chunk, row, result, started_s)
                 admitted.extend(s.request_id for s in family[1:])
@@ -147,6 +149,13 @@ class ReferenceRunner:
             for sequence in family:
                 sequence.shared_block_index = len(prompt) // self.block_size
         return family
+
+    def _observe_prefill(self, chunks: list[SequenceChunk], logits: torch.Tensor, started_s: float) -> None:
+        """Tell the backend what this prefill cost: the tokens it computed over its seconds, once
+        the device has finished it."""
+        if logits.is_cuda:
+            torch.cuda.synchronize(logits.device)
+        self.backend.observe_prefill(sum(len(chunk.token_ids) for chunk in chunks), time.perf_counter() - started_s)
 
     def _decode(self, active: list[_Sequence]) -> None:
         while active:

@@ -5,6 +5,9 @@ Per request, in the order the daemon's design (docs/architecture.md §5-§7) giv
    the cache_salt on block 0 (block_hash.PromptExtras); the daemon mixes in the tenant;
 2. Acquire one block per hash plus room for the partial last block and the first generated
    token: T0 hits first, then T1/T2 hits being promoted into fresh blocks, then fresh blocks;
+   the Acquire reports the runner's measured prefill cost (seconds per token of its prefill
+   forwards, prefill_cost.py), and the daemon loads only the lower-tier hits faster to load than
+   to recompute at that cost;
 3. Wait for the promotions, when there are any; the ready blocks are the cached prefix;
 4. the runner prefills only the rest, and decodes; each block is committed as it fills, with
    its hash chained from the previous one and its token ids (so a collision is a miss);
@@ -23,6 +26,7 @@ import torch
 
 from kvtierd.block_hash import BlockHash, PromptExtras
 from kvtierd.client import Session
+from kvtierd.connectors.prefill_cost import PrefillCost
 from kvtierd.connectors.reference.kv_backend import StartedSequence, num_blocks_for
 from kvtierd.errors import InvalidArgument
 
@@ -53,6 +57,7 @@ class KvtierdConnector:
         self.session = session
         self.block_size = session.layout.block_size
         self._chains: dict[str, _Chain] = {}
+        self.prefill_cost = PrefillCost(min_tokens=self.block_size)  # a forward of under a block is no sample
 
     @property
     def pool(self) -> torch.Tensor:
@@ -66,7 +71,8 @@ class KvtierdConnector:
         block_hashes = self.session.namespace.hash_blocks(prompt_token_ids, extras)
         num_blocks = num_blocks_for(len(prompt_token_ids) + 1, block_size)
         acquired = self.session.acquire(request_id, block_hashes, num_blocks - len(block_hashes),
-                                        prompt_token_ids[:len(block_hashes) * block_size])
+                                        prompt_token_ids[:len(block_hashes) * block_size],
+                                        recompute_s_per_token=self.prefill_cost.s_per_token)
         num_loaded = acquired.num_loading_blocks
         num_ready = self.session.wait(request_id) if acquired.pending else acquired.num_t0_hit_blocks
         num_ready = min(num_ready, acquired.num_t0_hit_blocks + num_loaded)
@@ -113,3 +119,6 @@ class KvtierdConnector:
     def finish(self, request_id: str) -> None:
         self._chains.pop(request_id, None)
         self.session.release(request_id)
+
+    def observe_prefill(self, num_tokens: int, seconds: float) -> None:
+        self.prefill_cost.observe(num_tokens, seconds)

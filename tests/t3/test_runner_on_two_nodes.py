@@ -22,7 +22,7 @@ PROMPT = prompt(31, 42)  # 10 full blocks and 2 tokens
 def node_args(directory, seeds: str) -> list[str]:
     return small_daemon_args(str(directory), t0_bytes="256KiB", extra=[
         "--set", f"remote.endpoints={seeds}", "--set", "policy.t0_to_t1=write_through",
-        "--set", "policy.recompute_s_per_token=0"])
+        "--set", "policy.recompute_s_per_token=1"])  # 1 s a token: no load comes near, every hit loads
 
 
 def test_node_b_loads_node_a_prefix_from_t3_and_generates_what_recompute_generates(tmp_path, redis_cluster):

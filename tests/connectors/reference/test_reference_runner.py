@@ -17,7 +17,8 @@ from tests.connectors.reference.connector_factories import TOY, prompt, toy_mode
 BLOCK_SIZE = 4
 LAYOUT = TOY.layout("toy-llama", BLOCK_SIZE)  # 2 layers x 2 x 4 tokens x 2 heads x 16 dims x 4 B = 2 KiB a block
 MODEL = toy_model()
-ALWAYS_LOAD = ["--set", "policy.recompute_s_per_token=0"]  # load every lower-tier hit, however small
+# 1 s a token overrides the runner's measured prefill: no load comes near it, every lower-tier hit loads
+ALWAYS_LOAD = ["--set", "policy.recompute_s_per_token=1"]
 PROMPT = prompt(21, 42)  # 10 full blocks and 2 tokens
 
 
