@@ -65,6 +65,7 @@ from kvtierd.connectors.vllm.daemon_lookup import daemon_lookup
 from kvtierd.connectors.vllm.engine_layouts import RankLayouts
 from kvtierd.connectors.vllm.engine_pages import EnginePages
 from kvtierd.connectors.vllm.extra_config import VllmExtraConfig
+from kvtierd.connectors.vllm.forward_timing import ForwardTimer
 from kvtierd.connectors.vllm.kv_groups import engine_groups
 from kvtierd.connectors.vllm.metadata import StepMetadata
 from kvtierd.connectors.vllm.scheduler import SchedulerSide
@@ -181,6 +182,7 @@ class KvtierdConnector(KVConnectorBase_V1, SupportsHMA):
             self.worker = WorkerSide(link(self.layout), self.engine_groups, wait_timeout_s=settings.wait_timeout_s,
                                      writes=rank_layouts.writes(rank), start_attach_s=settings.start_attach_s,
                                      counts_tokens=rank == 0)
+            self.forward_timer = ForwardTimer(self.worker.prefill_cost)  # brackets the forwards it measures
         else:
             self._scheduler_links = [link(layout) for layout in rank_layouts.layouts]
             self.scheduler = SchedulerSide(daemon_lookup(self._scheduler_links, self.engine_groups,
@@ -224,6 +226,8 @@ class KvtierdConnector(KVConnectorBase_V1, SupportsHMA):
 
     def bind_connector_metadata(self, connector_metadata: StepMetadata) -> None:
         self._connector_metadata = connector_metadata
+        if self.worker is not None:  # the step's forward comes next
+            self.forward_timer.step_started(connector_metadata)
 
     def clear_connector_metadata(self) -> None:
         self._connector_metadata = None
@@ -240,7 +244,9 @@ class KvtierdConnector(KVConnectorBase_V1, SupportsHMA):
         return self.worker
 
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
-        self._worker().register(EnginePages(kv_caches, self.engine_groups, self._kv_cache_config))
+        pages = EnginePages(kv_caches, self.engine_groups, self._kv_cache_config)
+        self.forward_timer.device = pages.device
+        self._worker().register(pages)
 
     def start_load_kv(self, forward_context: Any, **kwargs: Any) -> None:
         self._worker().start_load(self._step())
@@ -252,6 +258,7 @@ class KvtierdConnector(KVConnectorBase_V1, SupportsHMA):
         return  # whole blocks, all layers, are stored from wait_for_save
 
     def wait_for_save(self) -> None:
+        self.forward_timer.step_ended()  # the forward has run (CPU) or been launched (CUDA)
         self._worker().start_stores(self._step())
 
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:

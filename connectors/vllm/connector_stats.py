@@ -13,7 +13,10 @@ and each report is what happened since the previous one (the counters add deltas
 
 The counts are the connector's, not vLLM's prefix cache's: they are the same with vLLM's prefix
 cache on or off. Tokens are counted by TP rank 0 only (every rank loads the same tokens, each
-its own shard of their bytes); bytes, blocks and RPCs by every rank.
+its own shard of their bytes); bytes, blocks and RPCs by every rank. Declined tokens are counted
+by the scheduler, once per request's first lookup of its positions: the daemon held them after
+the hit but loading them was expected to be slower than vLLM recomputing them (the first rank's
+first full-attention group, by the tier that held them).
 """
 
 from __future__ import annotations
@@ -23,9 +26,13 @@ from typing import Any
 
 from prometheus_client import Counter, Histogram
 
+from kvtierd.tier import TierCounts
+
 TIERS = ("t0", "t1", "t2", "t3")
 LOADED_TOKENS = tuple(f"loaded_tokens_{tier}" for tier in TIERS)  # loaded into vLLM, by the tier that held them
-COUNTS = (*LOADED_TOKENS,
+LOWER_TIERS = TIERS[1:]  # T0's hits are never declined
+DECLINED_TOKENS = tuple(f"declined_tokens_{tier}" for tier in LOWER_TIERS)  # held, recomputed as faster, by tier
+COUNTS = (*LOADED_TOKENS, *DECLINED_TOKENS,
           "failed_load_blocks",  # planned loads vLLM recomputes (evicted, the daemon gone, a failed copy)
           "stored_blocks",  # new blocks committed to the daemon
           "dropped_stores",  # stores given up (the daemon down or full, a lost parent)
@@ -105,6 +112,11 @@ class StatsRecorder:
         for key, count in zip(LOADED_TOKENS, tokens_per_tier):
             self.add(key, count)
 
+    def add_declined_tokens(self, declined_blocks: TierCounts, block_size: int) -> None:
+        """Blocks the daemon held but declined as slower to load than to recompute, by tier."""
+        for key, tier in zip(DECLINED_TOKENS, LOWER_TIERS):
+            self.add(key, declined_blocks[tier] * block_size)
+
     def observe_lookup(self, seconds: float) -> None:
         with self._lock:
             self._lookup_seconds.append(seconds)
@@ -121,7 +133,8 @@ class StatsRecorder:
 
 class KvtierdPromMetrics(KVConnectorPromMetrics):
     """vLLM's Prometheus counters for the connector, per engine (vLLM's labels), loads by tier:
-    vllm:kvtierd_loaded_tokens_total{tier}, vllm:kvtierd_failed_load_blocks_total,
+    vllm:kvtierd_loaded_tokens_total{tier}, vllm:kvtierd_declined_slow_tokens_total{tier},
+    vllm:kvtierd_failed_load_blocks_total,
     vllm:kvtierd_stored_blocks_total, vllm:kvtierd_dropped_stores_total,
     vllm:kvtierd_bytes_total{direction="load"|"store"}, vllm:kvtierd_store_rpcs_total,
     vllm:kvtierd_store_request_bytes_total, vllm:kvtierd_attach_failures_total and the histogram
@@ -133,6 +146,9 @@ class KvtierdPromMetrics(KVConnectorPromMetrics):
         counter, histogram = self._counter_cls, self._histogram_cls
         loaded = counter(name="vllm:kvtierd_loaded_tokens", labelnames=[*labelnames, "tier"],
                          documentation="Prompt tokens kvtierd loaded into vLLM, by the daemon tier that held them.")
+        declined = counter(name="vllm:kvtierd_declined_slow_tokens", labelnames=[*labelnames, "tier"],
+                           documentation="Prompt tokens kvtierd held but did not load, because vLLM recomputing "
+                                         "them was expected to be faster, by the daemon tier that held them.")
         moved = counter(name="vllm:kvtierd_bytes", labelnames=[*labelnames, "direction"],
                         documentation="KV bytes copied between vLLM's pages and kvtierd's pool (all TP ranks).")
         plain = {
@@ -157,6 +173,7 @@ class KvtierdPromMetrics(KVConnectorPromMetrics):
         for engine, values in per_engine_labelvalues.items():
             children = {key: metric.labels(*values) for key, metric in plain.items()}
             children.update({key: loaded.labels(*values, tier) for key, tier in zip(LOADED_TOKENS, TIERS)})
+            children.update({key: declined.labels(*values, tier) for key, tier in zip(DECLINED_TOKENS, LOWER_TIERS)})
             children["loaded_bytes"] = moved.labels(*values, "load")
             children["stored_bytes"] = moved.labels(*values, "store")
             self._counters[engine] = children

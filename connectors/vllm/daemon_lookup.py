@@ -4,11 +4,15 @@ Per rank the request holds one chain per full-attention or sliding-window group 
 of the candidate positions, matched as a chain: its leading blocks) and, per Mamba group, a chain
 of one per candidate position (a state is held or not wherever it sits); the answers become
 per-position presence (group_hits.py), combined over ranks and groups into the hit. A rank whose
-daemon cannot be asked makes the lookup a miss: a hit is what every rank holds.
+daemon cannot be asked makes the lookup a miss: a hit is what every rank holds. The trailing
+blocks of a chain's hit that the daemon declines as slower to load than to recompute
+(num_declined_blocks) are no hit: vLLM computes them, and the hit says how many the first rank's
+first full-attention group declined, per tier (`RequestHit.declined`, for vLLM's metrics).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from collections.abc import Sequence
 
@@ -22,17 +26,21 @@ from kvtierd.connectors.vllm.group_hits import (
     leading_presence,
     needed_positions,
     request_hit,
+    without_declined,
 )
 from kvtierd.connectors.vllm.kv_groups import EngineGroups, GroupKind
 from kvtierd.connectors.vllm.scheduler import LookupFn, LookupQuery
 from kvtierd.errors import KvtierError
+from kvtierd.tier import TierCounts
 from kvtierd.wire.conversions import hits_from_proto
 
 log = logging.getLogger(__name__)
 
 
 def _state_presence(hits) -> int:
-    """A chain of one block's answer: ABSENT, or the tier's level + 1 that holds it."""
+    """A chain of one block's answer: ABSENT (or declined), or the tier's level + 1 that holds it."""
+    if hits.num_declined_blocks:
+        return ABSENT
     return next((tier.level + 1 for tier, count in hits_from_proto(hits).items() if count), ABSENT)
 
 
@@ -57,19 +65,25 @@ def num_query_blocks(engine: EngineGroups, query: LookupQuery) -> int:
     return sum(len(needed_positions(group, query.num_positions)) for group in engine.groups)
 
 
-def group_presence(engine: EngineGroups, chains: Sequence, num_positions: int) -> list[Presence]:
-    """Each group's presence from the chains' answers, in the order lookup_request asked them."""
+def group_presence(engine: EngineGroups, chains: Sequence, num_positions: int) -> tuple[list[Presence], TierCounts]:
+    """Each group's presence from the chains' answers, in the order lookup_request asked them, and
+    what the daemon declined of the first full-attention group's chain."""
     answers = iter(chains)
-    presence = []
+    presence, first_declined = [], None
     for group in engine.groups:
         if group.kind is GroupKind.MAMBA:
             presence.append([_state_presence(next(answers)) for _ in range(num_positions)])
         else:
-            presence.append(leading_presence(hits_from_proto(next(answers)), num_positions))
-    return presence
+            answer = next(answers)
+            kept, declined = without_declined(hits_from_proto(answer), answer.num_declined_blocks)
+            presence.append(leading_presence(kept, num_positions))
+            if group.kind is GroupKind.FULL and first_declined is None:
+                first_declined = declined
+    return presence, first_declined or TierCounts()
 
 
-def _ask(link: DaemonLink, engine: EngineGroups, query: LookupQuery, prefetch: bool) -> list[Presence] | None:
+def _ask(link: DaemonLink, engine: EngineGroups, query: LookupQuery,
+         prefetch: bool) -> tuple[list[Presence], TierCounts] | None:
     session = link.session()
     if session is None:
         return None
@@ -99,12 +113,14 @@ def daemon_lookup(links: Sequence[DaemonLink], engine: EngineGroups, *, prefetch
     """A LookupFn asking the daemon of every rank (`links`, one per TP rank's layout); no hit when
     any cannot be asked."""
     def lookup(query: LookupQuery) -> RequestHit:
-        per_rank = []
+        per_rank, declined = [], TierCounts()
         for link in links:
-            presence = _ask(link, engine, query, prefetch)
-            if presence is None:
+            answer = _ask(link, engine, query, prefetch)
+            if answer is None:
                 return NO_HIT
-            per_rank.append(presence)
-        return request_hit(engine.groups, [across_ranks([rank[i] for rank in per_rank])
-                                           for i in range(len(engine.groups))])
+            per_rank.append(answer[0])
+            declined = answer[1] if link is links[0] else declined
+        hit = request_hit(engine.groups, [across_ranks([rank[i] for rank in per_rank])
+                                          for i in range(len(engine.groups))])
+        return dataclasses.replace(hit, declined=declined)
     return lookup

@@ -119,11 +119,14 @@ class StepMetadata:
     """One step's work: loads (synchronous ones before the forward, asynchronous ones started
     then), stores (started after the forward, finished in the background), and the requests vLLM
     preempted this step (their blocks are about to be reused: `handle_preemptions` waits for their
-    stores). A request appears at most once in each list."""
+    stores). A request appears at most once in each list. The token counts tell the worker how
+    much of the step's forward is prefill (forward_timing.py)."""
 
     loads: list[LoadSpec] = dataclasses.field(default_factory=list)
     stores: list[StoreSpec] = dataclasses.field(default_factory=list)
     preempted_req_ids: tuple[str, ...] = ()
+    num_scheduled_tokens: int = 0  # every token the step's forward computes
+    num_prefill_tokens: int = 0  # of those, the tokens of requests still in their prompt
 
     def __post_init__(self) -> None:
         assert len({spec.request_id for spec in self.loads}) == len(self.loads), "a request loads twice"

@@ -6,7 +6,8 @@ scheduler records, per newly scheduled request, the connector's hit split by
 `get_external_cache_hit_sources` (vllm/v1/core/sched/scheduler.py; vllm/v1/metrics/loggers.py).
 kvtierd's tiers show as vLLM's sources: T0 "device", T1 "host", T2 "disk" (with vLLM's prefix cache
 on, "device" also counts vLLM's own hits); the connector's own `vllm:kvtierd_loaded_tokens{tier}`
-counts only what kvtierd loaded, with it on or off.
+counts only what kvtierd loaded, with it on or off; `vllm:kvtierd_declined_slow_tokens{tier}`
+counts the tokens it held but left to vLLM, their load being expected slower than recomputing them.
 """
 
 from __future__ import annotations
@@ -16,6 +17,8 @@ from typing import Any
 CACHED_BY_SOURCE = "vllm:prompt_tokens_cached_by_source"
 TIER_OF_SOURCE = {"device": "T0", "host": "T1", "disk": "T2"}
 LOADED_TOKENS = "vllm:kvtierd_loaded_tokens"
+DECLINED_TOKENS = "vllm:kvtierd_declined_slow_tokens"
+FAILED_LOAD_BLOCKS = "vllm:kvtierd_failed_load_blocks"
 
 
 def counter_by_label(llm: Any, name: str, label: str) -> dict[str, int]:
@@ -36,6 +39,16 @@ def cached_tokens_by_source(llm: Any) -> dict[str, int]:
 def loaded_tokens_by_tier(llm: Any) -> dict[str, int]:
     """The connector's own count (connector_stats.py) of the prompt tokens it loaded, by daemon tier."""
     return counter_by_label(llm, LOADED_TOKENS, "tier")
+
+
+def declined_tokens_by_tier(llm: Any) -> dict[str, int]:
+    """The connector's count of the prompt tokens the daemon held but declined as slower than recompute, by tier."""
+    return counter_by_label(llm, DECLINED_TOKENS, "tier")
+
+
+def counter_total(llm: Any, name: str) -> int:
+    """A counter's total so far, summed over its label sets (engines)."""
+    return int(sum(metric.value for metric in llm.get_metrics() if metric.name == name))
 
 
 def difference(after: dict[str, int], before: dict[str, int]) -> dict[str, int]:

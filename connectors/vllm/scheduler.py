@@ -48,7 +48,8 @@ lost the parent. A sliding-window group offers this step's blocks (vLLM frees ou
 blocks next step: `volatile`); a Mamba group offers the state block when the step ends exactly
 on a block boundary (vLLM's align mode keeps the state at position i in that block; the next
 step moves the state on). A lookup counts as a query in the daemon's hit rate the first time a
-request asks for its positions (`LookupQuery.count_query`); the loads that follow count hits.
+request asks for its positions (`LookupQuery.count_query`); the loads that follow count hits. The
+daemon leaves out of a hit what is slower to load than to recompute (vLLM computes it), counted then.
 `request_finished` returns True (vLLM keeps the blocks) when any store was ever issued for the
 request; the worker reports it in `finished_sending` once its stores are done.
 """
@@ -120,8 +121,9 @@ class _Lookup:
     end_position: int
     future: concurrent.futures.Future
     started_at: float
+    count_query: bool = False  # the request's first ask of these positions: its declined hits are counted
     answered_at: float | None = None
-    observed: bool = False  # its round trip is in the stats
+    observed: bool = False  # its round trip (and, for a query, its declined hits) is in the stats
 
     def __post_init__(self) -> None:
         self.future.add_done_callback(self._answered)
@@ -209,7 +211,8 @@ class SchedulerSide:
             tracked.counted_range = (first, end)
             query = LookupQuery(first, tuple(tuple(keys[first:end]) for keys in tracked.keys.keys),
                                 tuple(request.all_token_ids[first * block_size:end * block_size]), count_query)
-            lookup = tracked.lookup = _Lookup(first, end, self._executor.submit(self.lookup_fn, query), now)
+            lookup = tracked.lookup = _Lookup(first, end, self._executor.submit(self.lookup_fn, query), now,
+                                              count_query)
             self.num_lookups += 1
         try:
             hit = lookup.future.result(timeout=self.lookup_wait_s)
@@ -217,6 +220,8 @@ class SchedulerSide:
                 lookup.observed = True
                 answered_at = lookup.answered_at or time.monotonic()  # its callback may not have run yet
                 self.stats.observe_lookup(answered_at - lookup.started_at)
+                if lookup.count_query:
+                    self.stats.add_declined_tokens(hit.declined, block_size)
         except concurrent.futures.TimeoutError:
             if time.monotonic() - lookup.started_at < self.lookup_timeout_s:
                 return None, False
@@ -298,7 +303,20 @@ class SchedulerSide:
                 spec = self._store_spec(tracked, scheduler_output.num_scheduled_tokens.get(request_id, 0))
                 if spec is not None:
                     stores.append(spec)
-        return StepMetadata(loads=loads, stores=stores, preempted_req_ids=preempted)
+        return StepMetadata(loads=loads, stores=stores, preempted_req_ids=preempted,
+                            num_scheduled_tokens=sum(scheduler_output.num_scheduled_tokens.values()),
+                            num_prefill_tokens=self._num_prefill_tokens(scheduler_output.num_scheduled_tokens))
+
+    def _num_prefill_tokens(self, num_scheduled_tokens: dict[str, int]) -> int:
+        """Of the step's scheduled tokens, those of requests still in their prompt (before the
+        counters advance: vLLM builds the metadata first)."""
+        num_tokens = 0
+        for request_id, num_scheduled in num_scheduled_tokens.items():
+            tracked = self._tracked.get(request_id)
+            if tracked is not None:
+                request = tracked.request
+                num_tokens += min(num_scheduled, max(0, request.num_prompt_tokens - request.num_computed_tokens))
+        return num_tokens
 
     @staticmethod
     def _reset_block_ids(tracked: _Tracked) -> None:

@@ -8,7 +8,8 @@ and kv_connector_model_runner_mixin.py `_get_kv_connector_output`): `handle_pree
 `get_block_ids_with_load_errors()`, `clear_connector_metadata()`.
 
 Load (in `start_load_kv`): per group of the LoadSpec, Acquire its chain under a one-off daemon
-request id (pins T0 hits; T1/T2 hits are promoted, so Wait), copy the ready pool blocks into the
+request id (pins T0 hits; T1/T2 hits are promoted, so Wait; the scheduler's Lookup decided what
+is worth loading, so the Acquire loads every hit: `load_every_hit`), copy the ready pool blocks into the
 group's engine blocks, Release once the copy has finished reading the pool (after a CUDA event,
 on the background thread). A synchronous load runs there and then, before the forward; an
 asynchronous one (`LoadSpec.is_async`) runs on the load thread while the engine goes on, and
@@ -47,6 +48,7 @@ from typing import Protocol
 import torch
 
 from kvtierd.client import Session
+from kvtierd.connectors.prefill_cost import PrefillCost
 from kvtierd.connectors.vllm.connector_stats import StatsRecorder
 from kvtierd.connectors.vllm.daemon_link import DaemonLink
 from kvtierd.connectors.vllm.kv_groups import EngineGroups, ServedGroup
@@ -88,7 +90,7 @@ class WorkerSide:
 
     def __init__(self, link: DaemonLink, engine_groups: EngineGroups, *, wait_timeout_s: float = 30.0,
                  writes: bool = True, start_attach_s: float = DEFAULT_START_ATTACH_S,
-                 counts_tokens: bool = True) -> None:
+                 counts_tokens: bool = True, prefill_cost: PrefillCost | None = None) -> None:
         assert start_attach_s > 0, start_attach_s  # the connector refuses a bad setting in one line
         self.link = link
         self.start_attach_s = start_attach_s
@@ -109,10 +111,9 @@ class WorkerSide:
         self._load_error_block_ids: set[int] = set()
         self._volatile_reads: list[threading.Event] = []
         self._side_stream = None
-        self.num_loaded_blocks = 0
-        self.num_stored_blocks = 0
-        self.num_dropped_stores = 0
+        self.num_loaded_blocks = self.num_stored_blocks = self.num_dropped_stores = 0
         self.stats = StatsRecorder()  # for vLLM's connector metrics (connector_stats.py)
+        self.prefill_cost = prefill_cost or PrefillCost(engine_groups.block_size)  # reported on Acquires
         self.counts_tokens = counts_tokens  # False on TP ranks > 0: rank 0 counts the tokens they share
 
     def register(self, pages: EnginePagesLike) -> None:
@@ -189,7 +190,8 @@ class WorkerSide:
         daemon_request_id = self._daemon_request_id("load", spec.request_id)
         try:
             acquired = session.acquire(daemon_request_id, list(blocks.block_hashes), 0,
-                                       token_ids=list(blocks.token_ids), query_counted=True)
+                                       token_ids=list(blocks.token_ids), query_counted=True, load_every_hit=True,
+                                       recompute_s_per_token=self.prefill_cost.s_per_token)
         except KvtierError as error:
             self.link.failed(session, error)
             log.warning("kvtierd connector: acquire for loading %s failed (%s: %s)", spec.request_id,
@@ -307,7 +309,8 @@ class WorkerSide:
     def _acquire_to_store(self, session: Session, daemon_request_id: str, blocks: GroupBlocks):
         """Acquire `blocks` to store them (no hit, no query); counted in `stats` with its Release."""
         hashes, tokens = list(blocks.block_hashes), list(blocks.token_ids)
-        acquired = session.acquire(daemon_request_id, hashes, 0, token_ids=tokens, for_store=True)
+        acquired = session.acquire(daemon_request_id, hashes, 0, token_ids=tokens, for_store=True,
+                                   recompute_s_per_token=self.prefill_cost.s_per_token)
         self._count_store_rpcs(2, hashes, tokens)
         return acquired
 

@@ -14,6 +14,11 @@ than recompute are a documented failure of peers (SGLang #26305, #31600).
 - Expected recompute time: the tokens times the layout's recompute cost (recompute_cost.py: the
   engines' measured prefill, or policy.recompute_s_per_token). Unknown: every hit is loaded.
 
+A declined tier is measured again now and then: at most every REMEASURE_INTERVAL_S per layout
+and tier, a declined hit from below T1 is read into T1 in the background (`Remeasures`, never
+waited for by the request, which recomputes), so a disk that was slow once is not shunned for
+ever. T1's path (host → device) is measured by every upload from any tier.
+
 The decision is made where the engine is promised its hit: a Lookup answers which trailing
 blocks of its hit are declined (LookupResponse.num_declined_blocks), and an Acquire that loads
 what a Lookup promised (AcquireRequest.load_every_hit) is not weighed again, so a promise is
@@ -22,6 +27,8 @@ never broken for cost. An Acquire without a Lookup weighs its own hits the same 
 
 from __future__ import annotations
 
+import threading
+import time
 from collections.abc import Callable, Sequence
 
 from kvtierd.movers.copy_engine import Bandwidth
@@ -29,6 +36,7 @@ from kvtierd.tier import LOWER_TIERS, Tier, TierCounts
 
 # One hop of a load into T0: its bandwidth estimate and the bytes that cross it.
 Hop = tuple[Bandwidth, int]
+REMEASURE_INTERVAL_S = 60.0  # the least time between two background reads of one declined tier
 
 
 def expected_load_s(path: Sequence[Hop]) -> float:
@@ -62,3 +70,23 @@ def declined(hits: TierCounts, load_path: Callable[[Tier, int], Sequence[Hop]], 
 def from_tier(hits: TierCounts, tier: Tier) -> TierCounts:
     """`hits`' blocks in `tier` and the tiers below it (a prefix broken at `tier`)."""
     return TierCounts(*(count if t.level >= tier.level else 0 for t, count in hits.items()))
+
+
+class Remeasures:
+    """When a declined tier is due to be read again in the background, to measure its path anew.
+    Thread-safe; the first is due an interval after it was made (a tier is declined only once
+    measured, so just measured)."""
+
+    def __init__(self, interval_s: float = REMEASURE_INTERVAL_S) -> None:
+        self.interval_s = interval_s
+        self._last_s: dict[Tier, float] = dict.fromkeys(LOWER_TIERS, time.monotonic())
+        self._lock = threading.Lock()
+
+    def due(self, tier: Tier) -> bool:
+        """Whether `tier` is due (and, if so, it is not again for an interval)."""
+        now = time.monotonic()
+        with self._lock:
+            if now - self._last_s[tier] < self.interval_s:
+                return False
+            self._last_s[tier] = now
+            return True

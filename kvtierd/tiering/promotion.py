@@ -80,6 +80,7 @@ class Promoter:
         self.offloader = offloader  # reserves T1 slots (spilling T1's victims to T2 by policy)
         self.reads = LowerReads(tiers, offloader)
         self.levels: list[LowerTier] = lower_tiers(tiers, self.reads)  # T1, T2, T3 when present, in chain order
+        self.remeasures = load_decision.Remeasures()  # declined tiers read again in the background, now and then
         self._pending: dict[object, Ticket] = {}
         self._lock = threading.Lock()
 
@@ -232,6 +233,8 @@ class Promoter:
             if not load_decision.worth_loading(num_blocks * block_size, level.load_path(num_blocks), cost):
                 level.release(segment)
                 declined = TierCounts.of(level.tier, num_blocks)
+                if level.tier is not Tier.T1 and self.tiers.host is not None and self.remeasures.due(level.tier):
+                    self.tiers.dispatch(functools.partial(_start_read, level, segment))  # into T1, measured
                 segment = Segment(level.tier, [])
             segments.append(segment)
             start += len(segment.metas)
@@ -324,5 +327,5 @@ class Promoter:
 
 
 def _start_read(level: LowerTier, segment: Segment) -> None:
-    """A prefetch's read into T1 (its Transfer is not waited for)."""
+    """A prefetch's (or a re-measure's) read into T1 (its Transfer is not waited for)."""
     level.read(segment)

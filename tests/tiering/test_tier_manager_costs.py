@@ -10,6 +10,7 @@ import pytest
 
 from kvtierd.index.query_counting import QueryCounting
 from kvtierd.tier import TierCounts
+from kvtierd.tiering.load_decision import Remeasures
 from kvtierd.tiering.tier_config import EdgePolicy
 from tests.factories import BLOCK_SIZE, NAMESPACE, tokens
 from tests.tiering.test_tier_manager_ssd import ssd_config
@@ -63,6 +64,22 @@ def test_an_acquire_loads_the_fast_tier_and_recomputes_from_the_first_slow_one(m
     assert stats.num_skipped_slow_blocks == TierCounts(t2=2)
     assert stats.t2.num_hit_blocks == 0 and stats.t1.num_hit_blocks == 2
     manager.release("b")
+    manager.drain()
+    assert manager.tiers.ssd_read.num_samples == 1  # the disk was not read (a re-measure is not due yet)
+
+
+def test_a_declined_disk_is_read_again_in_the_background_once_due(make):
+    """Not by the request (it recomputes): into T1, measuring the disk anew."""
+    manager = make()
+    t1_then_slow_t2(manager)
+    manager.report_recompute(FAST_RECOMPUTE_S)
+    manager.promoter.remeasures = Remeasures(interval_s=0.0)
+    acquisition = manager.acquire("b", CHAIN, 0, PROMPT)
+    assert acquisition.num_t2_blocks == 0 and acquisition.ticket.wait(10) == 2
+    manager.release("b")
+    manager.drain()
+    assert manager.tiers.ssd_read.num_samples == 2
+    assert manager.lookup(CHAIN, PROMPT) == TierCounts(t0=2, t1=2)  # blocks 2-3 came up into T1
 
 
 def test_a_lookup_answers_what_an_acquire_would_decline_and_counts_it_once_as_a_query(make):

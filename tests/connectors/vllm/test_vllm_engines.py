@@ -27,6 +27,7 @@ from kvtierd.launch.daemon_process import WRITE_THROUGH, DaemonProcess, small_da
 from tests.connectors.vllm.engine_process import EngineProcess, engine_env
 
 ENGINE_MAIN = pathlib.Path(__file__).with_name("vllm_engine_main.py")
+REPO = ENGINE_MAIN.parents[3]
 READY_LINE = "vllm_engine_main: ready"  # printed by ENGINE_MAIN once the LLM is built
 
 # The tiny Llama: CPU_ATTN takes head sizes 32, 64, 80, ... and block sizes that are multiples of 32.
@@ -256,6 +257,38 @@ def test_blocks_corrupted_on_ssd_never_reach_the_engine_with_prefetch_on(referen
                for n, p in zip(warm["num_cached_tokens"], SHARED_PROMPTS)), warm
     assert warm["output_token_ids"] == expected(reference, SHARED_PROMPTS)
     assert pool.num_corrupted_blocks > 0, pool
+
+
+@pytest.mark.timeout(900)
+def test_a_disk_slower_than_vllm_s_prefill_is_not_promised_and_vllm_computes_the_same_tokens(
+        reference, engines, short_dir):
+    """SSD reads slowed on purpose (tests/server/slow_t2_serve.py). A stores; B loads the prefixes
+    from T2 (the disk never measured: a first guess declines nothing) and so measures it; C, a
+    new engine, is weighed against the cost A's and B's workers measured and reported for the
+    model: the Lookup declines T2, vLLM computes those blocks, no load fails, the tokens are the
+    reference's, and the connector's vllm:kvtierd_declined_slow_tokens counts them."""
+    args = small_daemon_args(short_dir, t0_bytes=f"{NUM_T0_BLOCKS * BYTES_PER_BLOCK}B", host_bytes="64MiB",
+                             ssd_bytes="128MiB", extra=WRITE_THROUGH)
+    env = {"SLOW_T2_READ_DELAY_S": "0.5", "PYTHONPATH": str(REPO)}
+    with DaemonProcess(args, env=env, module="tests.server.slow_t2_serve") as daemon, \
+            KvtierClient(daemon.address) as client:
+        def only_in_t2() -> None:
+            assert wait_until(lambda: written_through(client), timeout_s=30), the_pool(client)
+            client.evict(tiers=["t0", "t1"])
+
+        engines("a", SHARED_PROMPTS, daemon.address).result()
+        only_in_t2()
+        measuring = engines("b", SHARED_PROMPTS, daemon.address).result()
+        only_in_t2()
+        declined = engines("c", SHARED_PROMPTS, daemon.address).result()
+        pool = the_pool(client)
+    loaded = measuring["kvtierd_loaded_tokens"]  # from T2, or from T1 where the prefetch from T2 landed first
+    assert loaded.get("t1", 0) + loaded.get("t2", 0) > 0, measuring
+    assert measuring["output_token_ids"] == declined["output_token_ids"] == expected(reference, SHARED_PROMPTS)
+    assert declined["kvtierd_declined_tokens"].get("t2", 0) >= SHARED_PREFIX_LEN, declined
+    assert "t2" not in declined["kvtierd_loaded_tokens"] and "disk" not in declined["cached_tokens_by_source"]
+    assert declined["kvtierd_failed_load_blocks"] == 0 and pool.num_failed_load_blocks == 0, (declined, pool)
+    assert tier(pool, "t2").num_declined_blocks > 0 and pool.recompute_source == "measured", pool
 
 
 @pytest.mark.timeout(600)

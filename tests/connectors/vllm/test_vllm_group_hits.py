@@ -13,6 +13,7 @@ from kvtierd.connectors.vllm.group_hits import (
     leading_presence,
     needed_positions,
     request_hit,
+    without_declined,
 )
 from kvtierd.connectors.vllm.kv_groups import EngineGroups, GroupKind, ServedGroup
 from kvtierd.connectors.vllm.scheduler import LookupQuery
@@ -70,7 +71,28 @@ def test_one_lookup_asks_a_chain_per_attention_group_and_one_per_candidate_state
                                                                               num_t2_blocks=1),
                pb.ChainHits(), pb.ChainHits(num_hit_blocks=1, num_t1_blocks=1), pb.ChainHits(num_hit_blocks=1,
                                                                                             num_t0_blocks=1)]
-    assert group_presence(ENGINE, answers, 3) == [[T0, T0, T0], [T0, T2, ABSENT], [ABSENT, T1, T0]]
+    assert group_presence(ENGINE, answers, 3) == ([[T0, T0, T0], [T0, T2, ABSENT], [ABSENT, T1, T0]], TierCounts())
+
+
+def test_a_chain_s_declined_blocks_are_its_last_from_the_lowest_tier_up():
+    hits = TierCounts(t0=1, t1=2, t2=2, t3=1)
+    assert without_declined(hits, 0) == (hits, TierCounts())
+    assert without_declined(hits, 3) == (TierCounts(t0=1, t1=2), TierCounts(t2=2, t3=1))
+    assert without_declined(hits, 4) == (TierCounts(t0=1, t1=1), TierCounts(t1=1, t2=2, t3=1))
+    assert without_declined(hits, 99) == (TierCounts(), hits)  # never more than the hit
+
+
+def test_blocks_the_daemon_declines_are_no_hit_and_the_full_group_s_are_reported():
+    """The sliding group's T2 block and the full group's two T2 blocks are declined as slower than
+    recompute, and so is the state in T1: vLLM computes them all."""
+    answers = [pb.ChainHits(num_hit_blocks=3, num_t0_blocks=2, num_t2_blocks=1, num_declined_blocks=1),
+               pb.ChainHits(num_hit_blocks=3, num_t0_blocks=1, num_t2_blocks=2, num_declined_blocks=2),
+               pb.ChainHits(num_hit_blocks=1, num_t0_blocks=1),
+               pb.ChainHits(num_hit_blocks=1, num_t1_blocks=1, num_declined_blocks=1), pb.ChainHits()]
+    presence, declined = group_presence(ENGINE, answers, 3)
+    assert presence == [[T0, T0, ABSENT], [T0, ABSENT, ABSENT], [T0, ABSENT, ABSENT]]
+    assert declined == TierCounts(t2=2)
+    assert request_hit(ENGINE.groups, presence).num_blocks == 1
 
 
 @pytest.mark.parametrize("num_candidates", [1, 7, 64])

@@ -14,7 +14,8 @@ Prints `vllm_engine_main: ready` once the engine is built (before generating), t
 OUT_JSON: per prompt (in order) the output token ids and `num_cached_tokens`, plus the import,
 start-up and generate seconds, the engine's preemption count, and vLLM's
 `vllm:prompt_tokens_cached_by_source` (connectors/vllm/metrics.py: the tier kvtierd served each
-cached token from, as vLLM reports it) and the connector's own `vllm:kvtierd_loaded_tokens`.
+cached token from, as vLLM reports it) and the connector's own `vllm:kvtierd_loaded_tokens`,
+`vllm:kvtierd_declined_slow_tokens` and `vllm:kvtierd_failed_load_blocks`.
 `--hold-s` keeps the engine (and its connector sessions) alive that long after OUT_JSON is
 written, printing
 `vllm_engine_main: holding`.
@@ -81,7 +82,13 @@ def main() -> None:
     from vllm import LLM, SamplingParams
     from vllm.inputs import TokensPrompt
 
-    from kvtierd.connectors.vllm.metrics import cached_tokens_by_source, loaded_tokens_by_tier
+    from kvtierd.connectors.vllm.metrics import (
+        FAILED_LOAD_BLOCKS,
+        cached_tokens_by_source,
+        counter_total,
+        declined_tokens_by_tier,
+        loaded_tokens_by_tier,
+    )
     imported = time.monotonic()
     llm = LLM(**engine_kwargs(args))
     built = time.monotonic()
@@ -96,6 +103,8 @@ def main() -> None:
         "num_preemptions": num_preemptions(llm),
         "cached_tokens_by_source": cached_tokens_by_source(llm),
         "kvtierd_loaded_tokens": loaded_tokens_by_tier(llm),
+        "kvtierd_declined_tokens": declined_tokens_by_tier(llm),
+        "kvtierd_failed_load_blocks": counter_total(llm, FAILED_LOAD_BLOCKS),
         "import_s": round(imported - started, 2),
         "startup_s": round(built - imported, 2),
         "generate_s": round(generated - built, 3),

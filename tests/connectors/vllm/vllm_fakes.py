@@ -110,6 +110,10 @@ class Request:
     def num_tokens(self) -> int:
         return len(self.all_token_ids)
 
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
     def append_output(self, token_id: int) -> None:
         """A decoded token; a block it fills gets its hash, as vLLM's block hasher adds it."""
         self.all_token_ids.append(token_id)
