@@ -14,6 +14,7 @@ import dataclasses
 
 import torch
 
+from kvtierd.connectors.reference.paged_attention_metadata import PagedAttentionMetadata
 from kvtierd.errors import InvalidArgument
 
 
@@ -31,7 +32,7 @@ class SequenceChunk:
 
 @dataclasses.dataclass(frozen=True, slots=True)
 class ForwardBatch:
-    """Flattened ("varlen") tensors for LlamaModel.forward and paged_attention.
+    """Flattened ("varlen") tensors for LlamaModel.forward, and the attention metadata built from them.
 
     Invariants: `query_start_loc[-1] == len(input_ids)`; `context_lens[s]` is the end position of
     sequence s's chunk; `slot_block_ids` / `slot_offsets` address, in order, the tokens selected by
@@ -47,6 +48,7 @@ class ForwardBatch:
     slot_block_ids: torch.Tensor  # [num_writes] int64
     slot_offsets: torch.Tensor  # [num_writes] int64
     last_token_index: torch.Tensor  # [num_seqs] int64: each sequence's last token, for its logits
+    attention: PagedAttentionMetadata  # the same tables, lengths and starts, grouped for every layer's attention
 
     @classmethod
     def build(cls, chunks: list[SequenceChunk], block_size: int, device: torch.device | str = "cpu") -> ForwardBatch:
@@ -77,4 +79,5 @@ class ForwardBatch:
             return torch.tensor(values, dtype=torch.int64, device=device)
 
         return cls(tensor(input_ids), tensor(positions), tensor(starts), tensor(context_lens), tensor(tables),
-                   tensor(write_index), tensor(slot_blocks), tensor(slot_offsets), tensor(starts[1:]) - 1)
+                   tensor(write_index), tensor(slot_blocks), tensor(slot_offsets), tensor(starts[1:]) - 1,
+                   PagedAttentionMetadata.build(tables, context_lens, starts, block_size, device))

@@ -6,6 +6,8 @@ tables and reads every sequence's context back from there (paged_attention.py). 
 the pool — computed in this pass, earlier, by another process, or restored from T1/T2 — is
 what the model attends to. The math follows transformers' LlamaForCausalLM (the oracle in
 tests/connectors/reference/test_llama_oracle.py): RMSNorm in fp32, rotate-half RoPE, SiLU-gated MLP.
+Q, K and V come from one matmul (their weights concatenated at load), as do the MLP's gate and
+up projections, and RoPE turns Q and K together: fewer, larger kernels per layer.
 """
 
 from __future__ import annotations
@@ -22,14 +24,17 @@ from kvtierd.errors import InvalidArgument
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    hidden = x.float()
-    hidden = hidden * torch.rsqrt(hidden.pow(2).mean(-1, keepdim=True) + eps)
-    return weight * hidden.to(x.dtype)
+    """transformers' LlamaRMSNorm: normalized in fp32, rounded to x's dtype, then scaled."""
+    return weight * F.rms_norm(x.float(), (x.shape[-1],), eps=eps).to(x.dtype)
 
 
 def rotate_half(x: torch.Tensor) -> torch.Tensor:
     half = x.shape[-1] // 2
     return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+
+
+QKV = "self_attn.qkv_proj.weight"  # [q_proj; k_proj; v_proj], built at load
+GATE_UP = "mlp.gate_up_proj.weight"  # [gate_proj; up_proj]
 
 
 class LlamaModel:
@@ -50,6 +55,10 @@ class LlamaModel:
         self.w = {name: tensor.to(self.device, dtype) for name, tensor in weights.items()}
         if config.tie_word_embeddings:
             self.w["lm_head.weight"] = self.w["model.embed_tokens.weight"]
+        for layer in range(config.num_hidden_layers):
+            p = f"model.layers.{layer}."
+            self.w[p + QKV] = torch.cat([self.w.pop(p + f"self_attn.{x}_proj.weight") for x in "qkv"])
+            self.w[p + GATE_UP] = torch.cat([self.w.pop(p + f"mlp.{x}_proj.weight") for x in ("gate", "up")])
         exponents = torch.arange(0, config.head_dim, 2, dtype=torch.int64).float() / config.head_dim
         self.inv_freq = (1.0 / (config.rope_theta ** exponents)).to(self.device)
 
@@ -76,23 +85,22 @@ class LlamaModel:
         num_tokens = batch.input_ids.shape[0]
         cos, sin = self.rope(batch.positions)
         x = F.embedding(batch.input_ids, w["model.embed_tokens.weight"])
+        num_q, num_kv = c.num_attention_heads, c.num_key_value_heads
         for layer in range(c.num_hidden_layers):
             p = f"model.layers.{layer}."
             h = rms_norm(x, w[p + "input_layernorm.weight"], c.rms_norm_eps)
-            q = (h @ w[p + "self_attn.q_proj.weight"].T).view(num_tokens, c.num_attention_heads, c.head_dim)
-            k = (h @ w[p + "self_attn.k_proj.weight"].T).view(num_tokens, c.num_key_value_heads, c.head_dim)
-            v = (h @ w[p + "self_attn.v_proj.weight"].T).view(num_tokens, c.num_key_value_heads, c.head_dim)
-            q = q * cos + rotate_half(q) * sin
-            k = k * cos + rotate_half(k) * sin
+            qkv = (h @ w[p + QKV].T).view(num_tokens, num_q + 2 * num_kv, c.head_dim)
+            qk = qkv[:, :num_q + num_kv]
+            qk = qk * cos + rotate_half(qk) * sin
+            q, k, v = qk[:, :num_q], qk[:, num_q:], qkv[:, num_q + num_kv:]
             key_cache, value_cache = pool[:, layer, 0], pool[:, layer, 1]
             write = batch.write_token_index
             write_kv(key_cache, value_cache, k[write], v[write], batch.slot_block_ids, batch.slot_offsets)
-            attended = paged_attention(q, key_cache, value_cache, batch.block_tables, batch.context_lens,
-                                       batch.query_start_loc)
+            attended = paged_attention(q, key_cache, value_cache, batch.attention)
             x = x + attended.reshape(num_tokens, -1) @ w[p + "self_attn.o_proj.weight"].T
             h = rms_norm(x, w[p + "post_attention_layernorm.weight"], c.rms_norm_eps)
-            gated = F.silu(h @ w[p + "mlp.gate_proj.weight"].T) * (h @ w[p + "mlp.up_proj.weight"].T)
-            x = x + gated @ w[p + "mlp.down_proj.weight"].T
+            gate, up = (h @ w[p + GATE_UP].T).chunk(2, dim=-1)
+            x = x + (F.silu(gate) * up) @ w[p + "mlp.down_proj.weight"].T
         if not all_logits:
             x = x[batch.last_token_index]
         x = rms_norm(x, w["model.norm.weight"], c.rms_norm_eps)

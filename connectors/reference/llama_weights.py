@@ -45,18 +45,19 @@ def expected_shapes(config: LlamaConfig) -> dict[str, tuple[int, ...]]:
     return shapes
 
 
-def random_weights(config: LlamaConfig, seed: int = 0, dtype: torch.dtype = torch.float32) -> dict[str, torch.Tensor]:
+def random_weights(config: LlamaConfig, seed: int = 0, dtype: torch.dtype = torch.float32,
+                   device: str | torch.device = "cpu") -> dict[str, torch.Tensor]:
     """Weights drawn from `seed`: matrices N(0, 1/fan_in) so activations keep unit scale through
-    the layers (and greedy decoding has clear winners), embeddings N(0, 1), norms near 1."""
-    generator = torch.Generator().manual_seed(seed)
+    the layers (and greedy decoding has clear winners), embeddings N(0, 1), norms near 1. Drawn
+    on `device` by its own generator (a seed gives other weights on another device type)."""
+    generator = torch.Generator(device=device).manual_seed(seed)
     weights = {}
     for name, shape in expected_shapes(config).items():
+        tensor = torch.randn(shape, generator=generator, device=device)
         if len(shape) == 1:
-            tensor = 1.0 + 0.1 * torch.randn(shape, generator=generator)
-        elif name == "model.embed_tokens.weight":
-            tensor = torch.randn(shape, generator=generator)
-        else:
-            tensor = torch.randn(shape, generator=generator) / math.sqrt(shape[1])
+            tensor = 1.0 + 0.1 * tensor
+        elif name != "model.embed_tokens.weight":
+            tensor /= math.sqrt(shape[1])
         weights[name] = tensor.to(dtype)
     return weights
 

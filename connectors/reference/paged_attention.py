@@ -12,9 +12,11 @@ in the cache, the new ones included, so the queries of sequence `s` sit at posit
 to its own (causal, bottom-right aligned). Prefill, prefill of an uncached suffix and decode are
 one case.
 
-`paged_kv_cache.write_kv` stores new K and V into their slots; `paged_attention` reads them back. On CUDA with
-CuPy, kernels/paged_attention.cu computes the same thing in one launch (tested against this
-torch code under the gpu marker); everywhere else this module's torch code runs.
+`paged_kv_cache.write_kv` stores new K and V into their slots; `paged_attention` reads them back:
+per group of sequences (paged_attention_metadata.py), one gather of the group's blocks into
+dense `[seqs, kv_heads, keys, head_dim]` views, then torch's `scaled_dot_product_attention` in
+the query's dtype (fp32 accumulation inside; flash or memory-efficient attention on CUDA, its
+fused CPU kernel on the CPU). The same code runs on every device.
 """
 
 from __future__ import annotations
@@ -24,70 +26,102 @@ import math
 import torch
 import torch.nn.functional as F
 
-from kvtierd.connectors.reference.paged_attention_cuda import paged_attention_cuda, uses_paged_kernel
+from kvtierd.connectors.reference.paged_attention_metadata import AttentionGroup, PagedAttentionMetadata
 from kvtierd.connectors.reference.paged_kv_cache import check_cache_pair
 from kvtierd.errors import InvalidArgument
-from kvtierd.units import ceil_div
+
+_WIDE_DTYPE = torch.int64  # blocks are gathered as 8-byte words: a quarter of the elements of bf16
 
 
 def paged_attention(query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
-                    block_tables: torch.Tensor, context_lens: torch.Tensor, query_start_loc: torch.Tensor,
-                    scale: float | None = None) -> torch.Tensor:
-    """Attention output `[num_tokens, num_heads, head_dim]` for varlen `query` (see the module doc).
+                    metadata: PagedAttentionMetadata, scale: float | None = None) -> torch.Tensor:
+    """Attention output `[num_tokens, num_heads, head_dim]`, in the query's dtype, for the varlen
+    `query` the metadata describes (see the module doc).
 
     Grouped-query attention: query head `h` reads KV head `h // (num_heads // num_kv_heads)`.
-    Softmax runs in fp32; the result has the query's dtype.
     """
     check_cache_pair(key_cache, value_cache)
+    if query.dim() != 3:
+        raise InvalidArgument(f"query must be [num_tokens, num_heads, head_dim], got {tuple(query.shape)}")
     num_tokens, num_heads, head_dim = query.shape
-    num_kv_heads = key_cache.shape[2]
-    if num_heads % num_kv_heads or key_cache.shape[3] != head_dim:
+    num_blocks, block_size, num_kv_heads, cache_head_dim = key_cache.shape
+    if num_kv_heads == 0 or num_heads % num_kv_heads or cache_head_dim != head_dim:
         raise InvalidArgument(f"{num_heads} query heads of {head_dim} cannot read {num_kv_heads} KV heads "
-                              f"of {key_cache.shape[3]}")
-    num_seqs = context_lens.shape[0]
-    if query_start_loc.shape[0] != num_seqs + 1 or int(query_start_loc[-1]) != num_tokens:
-        raise InvalidArgument("query_start_loc must hold num_seqs + 1 offsets ending at num_tokens")
+                              f"of {cache_head_dim}")
+    if num_tokens != metadata.num_tokens or block_size != metadata.block_size:
+        raise InvalidArgument(f"the metadata describes {metadata.num_tokens} query tokens in blocks of "
+                              f"{metadata.block_size}, got {num_tokens} tokens and blocks of {block_size}")
+    if metadata.max_block_id >= num_blocks:
+        raise InvalidArgument(f"block ids must be in [0, {num_blocks}), the batch reads block {metadata.max_block_id}")
     if scale is None:
         scale = 1.0 / math.sqrt(head_dim)
-    if uses_paged_kernel(query, key_cache):
-        return paged_attention_cuda(query, key_cache, value_cache, block_tables, context_lens, query_start_loc,
-                                    scale)
-    return paged_attention_reference(query, key_cache, value_cache, block_tables, context_lens, query_start_loc,
-                                     scale)
-
-
-def gather_context(cache: torch.Tensor, block_table: torch.Tensor, context_len: int) -> torch.Tensor:
-    """The first `context_len` tokens of one sequence, contiguous: `[context_len, kv_heads, head_dim]`."""
-    block_size = cache.shape[1]
-    num_blocks = ceil_div(context_len, block_size)
-    blocks = cache.index_select(0, block_table[:num_blocks])
-    return blocks.reshape(num_blocks * block_size, *cache.shape[2:])[:context_len]
-
-
-def paged_attention_reference(query, key_cache, value_cache, block_tables, context_lens, query_start_loc,
-                              scale: float) -> torch.Tensor:
-    """The torch implementation: per sequence, gather its context, then scaled_dot_product_attention
-    (whose enable_gqa maps query head h to KV head h // group without copying the KV)."""
+    if len(metadata.groups) == 1 and _covers(metadata.groups[0].token_rows, num_tokens):
+        return _attend(query, key_cache, value_cache, metadata.groups[0], scale)
     out = torch.empty_like(query)
-    starts = query_start_loc.tolist()
-    lens = context_lens.tolist()
-    for s, context_len in enumerate(lens):
-        start, end = starts[s], starts[s + 1]
-        num_queries = end - start
-        if num_queries == 0:
-            continue
-        if not num_queries <= context_len:
-            raise InvalidArgument(f"sequence {s} has {num_queries} queries but a context of {context_len}")
-        table = block_tables[s]
-        keys = gather_context(key_cache, table, context_len).float()
-        values = gather_context(value_cache, table, context_len).float()
-        q = query[start:end].float().transpose(0, 1)  # [heads, queries, dim]
-        k, v = keys.transpose(0, 1), values.transpose(0, 1)  # [heads, context, dim]
-        if num_queries == 1:  # the last position sees everything
-            mask = None
-        else:  # query i (position context_len - num_queries + i) sees key j <= that position
-            query_positions = torch.arange(context_len - num_queries, context_len, device=query.device).unsqueeze(1)
-            mask = torch.arange(context_len, device=query.device).unsqueeze(0) <= query_positions
-        attended = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, enable_gqa=True)
-        out[start:end] = attended.transpose(0, 1).to(query.dtype)
+    for group in metadata.groups:
+        rows = group.token_rows
+        if isinstance(rows, slice):
+            out[rows] = _attend(query[rows], key_cache, value_cache, group, scale)
+        else:
+            out.index_copy_(0, rows, _attend(query.index_select(0, rows), key_cache, value_cache, group, scale))
     return out
+
+
+def paged_attention_varlen(query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
+                           block_tables, context_lens, query_start_loc, scale: float | None = None) -> torch.Tensor:
+    """`paged_attention` with its metadata built here from the batch's tensors (read back to the
+    host once): for one call; a model builds the metadata once per forward pass instead."""
+    metadata = PagedAttentionMetadata.build(block_tables, context_lens, query_start_loc, key_cache.shape[1],
+                                            query.device)
+    return paged_attention(query, key_cache, value_cache, metadata, scale)
+
+
+def gather_keys(cache: torch.Tensor, group: AttentionGroup) -> torch.Tensor:
+    """The group's keys (or values) dense: `[num_seqs, kv_heads, num_keys, head_dim]` in the
+    query-side layout SDPA takes (a view of one gathered copy; padding keys past a context hold
+    block 0's)."""
+    num_blocks_read, block_size, num_kv_heads, head_dim = group.block_ids.shape[0], *cache.shape[1:]
+    wide = as_wide_words(cache)
+    blocks = wide.index_select(0, group.block_ids)
+    if wide is not cache:
+        blocks = blocks.view(cache.dtype)
+    keys_per_seq = num_blocks_read // group.num_seqs * block_size
+    keys = blocks.view(group.num_seqs, keys_per_seq, num_kv_heads, head_dim)[:, :group.num_keys]
+    return keys.transpose(1, 2)
+
+
+def as_wide_words(cache: torch.Tensor) -> torch.Tensor:
+    """`cache` reinterpreted as 8-byte words along its last dim when its layout allows (the same
+    bytes, fewer elements for index_select to move one by one), else `cache` itself."""
+    ratio = _WIDE_DTYPE.itemsize // cache.element_size()
+    if ratio <= 1 or cache.stride(-1) != 1 or cache.shape[-1] % ratio or cache.storage_offset() % ratio \
+            or any(stride % ratio for stride in cache.stride()[:-1]):
+        return cache
+    return cache.view(_WIDE_DTYPE)
+
+
+def _covers(rows: slice | torch.Tensor, num_tokens: int) -> bool:
+    return isinstance(rows, slice) and rows == slice(0, num_tokens)
+
+
+def _attend(query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor, group: AttentionGroup,
+            scale: float) -> torch.Tensor:
+    """The group's output rows `[num_seqs * num_queries, num_heads, head_dim]`."""
+    keys = gather_keys(key_cache, group).to(query.dtype)
+    values = gather_keys(value_cache, group).to(query.dtype)
+    num_seqs, num_queries = group.num_seqs, group.num_queries
+    _, num_heads, head_dim = query.shape
+    num_kv_heads = keys.shape[1]
+    if group.causal:  # square: SDPA's own causal mask, and its GQA (flash attention takes both)
+        q = query.reshape(num_seqs, num_queries, num_heads, head_dim).transpose(1, 2)
+        attended = F.scaled_dot_product_attention(q, keys, values, is_causal=True, scale=scale,
+                                                  enable_gqa=num_heads != num_kv_heads)
+        return attended.transpose(1, 2).reshape(-1, num_heads, head_dim)
+    # Keys before the first query: a mask. The query heads of one KV head are packed as extra
+    # query rows (no GQA inside SDPA: its masked kernels take equal head counts).
+    group_size = num_heads // num_kv_heads
+    q = query.reshape(num_seqs, num_queries, num_kv_heads, group_size, head_dim)
+    q = q.transpose(1, 2).reshape(num_seqs, num_kv_heads, num_queries * group_size, head_dim)
+    attended = F.scaled_dot_product_attention(q, keys, values, attn_mask=group.key_mask(group_size), scale=scale)
+    attended = attended.view(num_seqs, num_kv_heads, num_queries, group_size, head_dim).transpose(1, 2)
+    return attended.reshape(-1, num_heads, head_dim)

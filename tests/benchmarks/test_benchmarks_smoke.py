@@ -30,17 +30,20 @@ def install_redis_server() -> None:
                                               ("bench_daemon_rpc.py", 6), ("bench_store_path.py", 2),
                                               pytest.param("bench_put_get.py", 4, marks=pytest.mark.cluster),
                                               pytest.param("bench_ttft.py", 2, marks=pytest.mark.weights),
+                                              ("bench_ttft.py --device cpu --dtype bfloat16", 1),
+                                              ("bench_paged_attention.py", 2),
                                               ("bench_chat_throughput.py", 1),
                                               pytest.param("bench_t3.py", 6, marks=pytest.mark.cluster),
                                               pytest.param("bench_vllm.py", 4,
                                                            marks=[pytest.mark.vllm, pytest.mark.timeout(1800)])])
 @pytest.mark.slow  # a quick round of a benchmark is still tens of seconds
 def test_benchmark_prints_ratios(script, num_rows):
+    script, *flags = script.split()  # "bench_x.py --flag value": the GPU run's code path on the CPU
     if script in NEEDS_REDIS_SERVER:
         install_redis_server()
     timeout_s = 1700 if script in SLOW else 300
-    out = subprocess.run([sys.executable, str(BENCHMARKS / script), "--quick"], capture_output=True, text=True,
-                         check=True, timeout=timeout_s).stdout
+    out = subprocess.run([sys.executable, str(BENCHMARKS / script), "--quick", *flags], capture_output=True,
+                         text=True, check=True, timeout=timeout_s).stdout
     verdict_rows = [line for line in out.splitlines() if re.search(r"\b(PASS|MISS)$", line)]
     assert len(verdict_rows) == num_rows, out
     assert all(re.search(r"\d+\.\d+x", line) for line in verdict_rows), out

@@ -11,14 +11,12 @@ from pathlib import Path
 
 import pytest
 
-from kvtierd.connectors.reference import paged_attention_cuda
 from kvtierd.movers import cuda_kernels, fp8_codec, layout_kernels
 
 KERNEL_DIR = Path(__file__).resolve().parents[2] / "kernels"
 ARCHS = ("sm_80", "sm_90")
 SOURCES = sorted(KERNEL_DIR.glob("*.cu"))
-WRAPPER_KERNEL_NAMES = {**layout_kernels.KERNEL_NAMES, **fp8_codec.KERNEL_NAMES,
-                        **paged_attention_cuda.KERNEL_NAMES}
+WRAPPER_KERNEL_NAMES = {**layout_kernels.KERNEL_NAMES, **fp8_codec.KERNEL_NAMES}
 
 
 def _find_nvcc() -> str | None:

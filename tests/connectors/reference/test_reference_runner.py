@@ -173,7 +173,7 @@ def test_a_batch_of_requests_with_their_own_tables_matches_recompute(tmp_path, r
 @pytest.mark.gpu
 def test_on_cuda_a_prefix_restored_from_t1_matches_the_cpu_recompute(tmp_path):
     """The daemon's pool in GPU memory (CUDA IPC), the model on the GPU: a T1 restore gives the
-    tokens of the CPU recompute (fp32, so greedy choices agree), and the CUDA kernel served it."""
+    tokens of the CPU recompute (fp32, so greedy choices agree), attention through SDPA on the GPU."""
     from kvtierd.connectors.reference.llama_model import LlamaModel
     from kvtierd.connectors.reference.llama_weights import random_weights
 
