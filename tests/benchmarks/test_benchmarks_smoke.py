@@ -32,7 +32,7 @@ def install_redis_server() -> None:
                                               pytest.param("bench_ttft.py", 2, marks=pytest.mark.weights),
                                               ("bench_ttft.py --device cpu --dtype bfloat16", 1),
                                               ("bench_paged_attention.py", 2),
-                                              ("bench_chat_throughput.py", 1),
+                                              ("bench_chat_throughput.py", 1), ("bench_slow_tier.py", 1),
                                               pytest.param("bench_t3.py", 6, marks=pytest.mark.cluster),
                                               pytest.param("bench_vllm.py", 4,
                                                            marks=[pytest.mark.vllm, pytest.mark.timeout(1800)])])

@@ -54,6 +54,23 @@ def test_the_timer_brackets_prefill_forwards_on_the_cpu_and_skips_the_rest():
     assert cost.num_samples == 1
 
 
+@pytest.mark.gpu
+def test_on_cuda_the_timer_reads_a_forward_from_its_events_once_they_completed():
+    """The bracket is two timing events; the sample is taken at a later step, never waited for."""
+    cost = PrefillCost(min_tokens=16)
+    timer = ForwardTimer(cost)
+    timer.device = torch.device("cuda")
+    a = torch.randn(2048, 2048, device="cuda")
+    timer.step_started(StepMetadata(num_scheduled_tokens=64, num_prefill_tokens=64))
+    for _ in range(20):
+        a = a @ a / 2048  # the forward, launched
+    timer.step_ended()
+    assert cost.num_samples == 0  # read once completed, at a later step
+    torch.cuda.synchronize()
+    timer.step_started(StepMetadata(num_scheduled_tokens=1, num_prefill_tokens=0))
+    assert cost.num_samples == 1 and cost.s_per_token > 0
+
+
 def test_declined_tokens_become_vllm_s_counter_by_tier():
     registry = CollectorRegistry()
 
