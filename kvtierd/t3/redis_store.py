@@ -12,7 +12,8 @@ Health is what the nodes did last: a node answers until a call to it fails, and 
 succeeds. `probe()` asks every node (PING; the topology first while unknown), so that the daemon
 knows the store before its first request and keeps knowing it with no traffic: the daemon
 probes at start and every `remote.probe_interval_s` (`start_probing`). A half-open breaker's
-probe is such a call: a node still dead fails it and stays unreachable.
+probe is such a call: a node still dead fails it and stays unreachable. `num_reachable` says,
+from that knowledge alone, how far a chain's keys stay on reachable nodes (what a Lookup promises).
 
 Called from the movers' threads and executors, never from the event loop: each call may wait up
 to the socket timeout per node.
@@ -55,6 +56,7 @@ class RedisStore:
         self._nodes: dict[Address, StoreNode] = {}
         self._slot_nodes: list[StoreNode | None] | None = None  # slot → owner; None: not read yet
         self._masters: list[StoreNode] = []  # the distinct owners in the last slot table read
+        self._unowned_slots = False  # that table has slots no master serves
         self._seeds = CircuitBreaker(config.breaker_failures, config.breaker_open_s)  # topology reads
         self._parallel = concurrent.futures.ThreadPoolExecutor(max_parallel_nodes, thread_name_prefix="kvtierd-t3")
         self.num_errors = 0
@@ -180,6 +182,26 @@ class RedisStore:
         finally:
             node.client.connection_pool.release(connection)
 
+    def num_reachable(self, keys: Sequence[bytes]) -> int:
+        """How many leading `keys` live on nodes known reachable now (StoreNode.reachable); 0 with no
+        slot table. Asks no node: one that died since its last call (or PING) is not known yet."""
+        with self._lock:
+            table = self._slot_nodes
+        if table is None:
+            return 0
+        down = {node for node in self._serving_nodes() if not node.reachable}
+        for position, key in enumerate(keys):
+            node = self._owner(table, key)
+            if node is None or node in down:
+                return position
+        return len(keys)
+
+    def all_reachable(self) -> bool:
+        """Every slot has a master and every master is known reachable: num_reachable is every key."""
+        with self._lock:
+            known = self._slot_nodes is not None and not self._unowned_slots
+        return known and all(node.reachable for node in self._serving_nodes())
+
     def health(self) -> StoreHealth:
         nodes = self._serving_nodes()
         states = [node.breaker.state for node in nodes] + [self._seeds.state]
@@ -246,16 +268,19 @@ class RedisStore:
         slot_nodes = self._slot_table()
         if slot_nodes is None:
             return {}
-        if self.mode == "single":
-            node = slot_nodes[0]
-            return {node: list(range(len(keys)))} if node is not None else {}
         groups: dict[StoreNode, list[int]] = {}
-        # key_slot(key) without its hash-tag search: our keys have none (RemoteConfig, RemoteTier.key)
-        owners = [slot_nodes[crc_hqx(key, 0) & (REDIS_CLUSTER_HASH_SLOTS - 1)] for key in keys]
-        for position, node in enumerate(owners):
+        for position, key in enumerate(keys):
+            node = self._owner(slot_nodes, key)
             if node is not None:  # a slot no master serves: a miss
                 groups.setdefault(node, []).append(position)
         return groups
+
+    def _owner(self, slot_nodes: list[StoreNode | None], key: bytes) -> StoreNode | None:
+        """The node of `key` in a slot table (None: no master serves its slot)."""
+        if self.mode == "single":
+            return slot_nodes[0]
+        # key_slot(key) without its hash-tag search: our keys have none (RemoteConfig, RemoteTier.key)
+        return slot_nodes[crc_hqx(key, 0) & (REDIS_CLUSTER_HASH_SLOTS - 1)]
 
     def _serving_nodes(self) -> list[StoreNode]:
         """The nodes that own slots (every node known while the slot table is unknown)."""
@@ -286,6 +311,7 @@ class RedisStore:
         with self._lock:
             self._slot_nodes = table
             self._masters = list({id(node): node for node in table if node is not None}.values())
+            self._unowned_slots = None in table
         return table
 
     def _read_topology(self) -> list[StoreNode | None]:

@@ -11,6 +11,14 @@ pipeline per node; chain_probe.py: Lookup, and an Acquire that follows without a
 first value missing, short, of another layout, another chain or with a bad checksum ends the run:
 the blocks before it are hits, it and the rest are misses, and a bad value is counted by reason.
 
+Only reachable blocks are promised: a probe's answer ends before the chain's first block whose
+store node the daemon knows unreachable (RedisStore.num_reachable: its last call failed or its
+breaker is not closed), after the probe's own calls, so a node this probe found dead counts too.
+Its first and last keys are asked, not the ones between: a node that died since its last call
+(a request's, or the PING every remote.probe_interval_s) and holds only blocks between them is not
+known yet; those are promised once, and the load that follows finds them missing (misses) and
+marks the node, so that no probe after it promises them.
+
 Hits and misses: a block asked of the store counts once, as a hit or a miss. `load` counts what
 it was asked to read (hits: verified and loaded; misses: gone since the probe, refused). A probe
 counts the blocks it did not find present as misses — absent, after the chain's first absent
@@ -117,8 +125,12 @@ class RemoteTier:
         return answer.num_present
 
     def probe_chains(self, chains: Sequence[Sequence[DaemonKey]], count_misses: bool = False) -> list[int]:
-        """`probe` of each chain, every chain's keys asked at once (one or two round trips)."""
+        """`probe` of each chain, every chain's keys asked at once (one or two round trips), each
+        answer ending before its first block on a node known unreachable (module doc)."""
         leading = probe_chains(chains, self.key, self.store.exists)
+        if not self.store.all_reachable():
+            leading = [self.store.num_reachable([self.key(h) for h in chain[:n]]) if n > 1 else n
+                       for chain, n in zip(chains, leading)]
         for chain, num_present in zip(chains, leading):
             if chain:
                 self._recent.remember(chain, num_present, count_misses)

@@ -326,6 +326,23 @@ def test_probing_on_its_thread_sees_a_node_die_with_no_traffic(redis_cluster):
         assert not store.health().serving
 
 
+def test_keys_on_a_node_known_dead_end_the_reachable_run_and_only_a_call_makes_it_known(redis_cluster):
+    """num_reachable asks no node: right after a master is killed every key still counts (not known
+    yet); once a probe found it dead, a run of keys ends before its first key on that master."""
+    cluster = redis_cluster
+    owned = keys_per_node(cluster, 3, "reach")
+    victim, live = cluster.ports[1], cluster.ports[0]
+    run = [owned[live][0], owned[cluster.ports[2]][0], owned[victim][0], owned[live][1]]
+    with open_store(cluster) as store:
+        assert bounded(store.probe).serving
+        assert store.all_reachable() and store.num_reachable(run) == 4
+        kill_node(cluster, victim)
+        assert store.all_reachable() and store.num_reachable(run) == 4  # nothing asked it since
+        assert bounded(store.probe).num_open_nodes == 1
+        assert not store.all_reachable()
+        assert (store.num_reachable(run), store.num_reachable(run[:2]), store.num_reachable(owned[victim])) == (2, 2, 0)
+
+
 # ------------------------------------------------------------------------------------------------ credentials, TLS
 
 
