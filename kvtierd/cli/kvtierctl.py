@@ -185,7 +185,8 @@ def run_against_daemon(args: argparse.Namespace) -> int:
         for line in notes:
             print(f"note: {line}")
         if not problems:
-            print(f"healthy: {client.target} answers; no leaked blocks; no T2 errors"
+            print(f"healthy: {client.target} answers; no leaked blocks; "
+                  + ("no T2 errors" if stats.ssd.enabled else "T2 off (ssd.directory '' or ssd.capacity_bytes 0)")
                   + ("; the shared store (T3) answers" if stats.remote.enabled else ""))
         return EXIT_PROBLEMS if problems else 0
 

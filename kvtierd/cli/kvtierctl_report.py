@@ -177,6 +177,8 @@ def health_problems(stats: pb.StatsResponse) -> tuple[list[str], list[str]]:
     if stats.draining:
         problems.append("draining: new sessions are refused and gRPC Health is NOT_SERVING "
                         "(`kvtierctl drain --resume` admits them again)")
+    if stats.ssd.problem:  # the node runs without the T2 its configuration wants
+        problems.append(f"T2 (SSD) is off: {stats.ssd.problem}")
     for pool in stats.pools:
         name = pool.layout.model_id
         held = pool.num_blocks - pool.num_free_blocks

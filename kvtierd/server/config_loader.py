@@ -3,7 +3,8 @@ environment variables, then command-line flags; a later source overrides an earl
 
 A laptop needs no file: a unix socket under $XDG_RUNTIME_DIR (or /tmp/kvtierd-<uid>), a 256 MiB
 device pool per layout, and per node 1 GiB of host memory and 4 GiB of SSD under the user's cache
-directory (bounded, when not set, by the slot files there plus half the free space).
+directory (bounded, when not set, by the slot files there plus half the free space; none below
+64 MiB). `given_keys` records which keys a source set, so that a default can be told from a choice.
 
 One key, three spellings: `[ssd] capacity_bytes = "8GiB"` in the file, KVTIERD_SSD_CAPACITY_BYTES
 in the environment, `--set ssd.capacity_bytes=8GiB` on the command line (the top-level `log_level`
@@ -46,23 +47,24 @@ def load_config(path: str | None = None, environ: Mapping[str, str] = os.environ
     section validates itself as it is built."""
     settings: dict[str, object] = {"server.socket": default_socket_path(environ),
                                    "ssd.directory": default_ssd_dir(environ)}
+    given: set[str] = set()  # the keys a source set; the others keep their defaults
     path = path if path is not None else environ.get(CONFIG_ENV) or None
     if path is not None:
         for key, value in _file_items(path):
-            _apply(settings, key, value, f"config file {path}")
+            given.add(_apply(settings, key, value, f"config file {path}"))
     for name in sorted(environ):
         if name.startswith("KVTIERD_") and name != CONFIG_ENV and not name.startswith(FOREIGN_ENV_PREFIXES):
             if name not in ENV_KEYS:
                 raise InvalidArgument(f"unknown environment variable {name}{_suggest(name, ENV_KEYS)}; "
                                       f"kvtierd serve reads {CONFIG_ENV} and KVTIERD_<SECTION>_<KEY>")
-            _apply(settings, ENV_KEYS[name], environ[name], name)
+            given.add(_apply(settings, ENV_KEYS[name], environ[name], name))
     for key, value in overrides.items():
         if value is not None:
-            _apply(settings, key, value, "the command line")
+            given.add(_apply(settings, key, value, "the command line"))
     if "ssd.capacity_bytes" not in settings and settings.get("ssd.directory"):  # the default: bounded by the disk
         settings["ssd.capacity_bytes"] = default_capacity_bytes(str(settings["ssd.directory"]),
                                                                 DEFAULT_SSD_CAPACITY_BYTES)
-    return _build(settings)
+    return _build(settings, frozenset(given))
 
 
 def _file_items(path: str) -> Iterator[tuple[str, object]]:
@@ -86,7 +88,8 @@ def _flatten(table: Mapping[str, object], prefix: str = "") -> Iterator[tuple[st
             yield f"{prefix}{name}", value
 
 
-def _apply(settings: dict[str, object], key: str, value: object, source: str) -> None:
+def _apply(settings: dict[str, object], key: str, value: object, source: str) -> str:
+    """Set `key` to `value` converted to its type; returns the key."""
     parts = key.split(".")
     if parts[0] == "quotas" and len(parts) >= 3 and parts[-1] in QUOTA_KEYS:
         value_type: type = int
@@ -96,6 +99,7 @@ def _apply(settings: dict[str, object], key: str, value: object, source: str) ->
         known = [f"quotas.<tenant>.{name}" for name in QUOTA_KEYS] if parts[0] == "quotas" else KEY_TYPES
         raise InvalidArgument(f"unknown config key {key!r} in {source}{_suggest(key, known)}")
     settings[key] = _convert(key, value_type, value, source)
+    return key
 
 
 def _convert(key: str, value_type: type, value: object, source: str) -> object:
@@ -122,7 +126,7 @@ def _suggest(name: str, known: Iterable[str]) -> str:
     return f" (did you mean {close[0]}?)" if close else ""
 
 
-def _build(settings: Mapping[str, object]) -> DaemonConfig:
+def _build(settings: Mapping[str, object], given_keys: frozenset[str]) -> DaemonConfig:
     sections: dict[str, dict[str, object]] = {name: {} for name in SECTIONS}
     quotas: dict[str, dict[str, int]] = {}
     for key, value in settings.items():
@@ -133,4 +137,4 @@ def _build(settings: Mapping[str, object]) -> DaemonConfig:
             sections[parts[0]][parts[1]] = value
     return DaemonConfig(**{name: SECTIONS[name](**values) for name, values in sections.items()},
                         quotas={tenant: Quota(**values) for tenant, values in quotas.items()},
-                        log_level=str(settings.get("log_level", "info")))
+                        log_level=str(settings.get("log_level", "info")), given_keys=given_keys)

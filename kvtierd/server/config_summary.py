@@ -6,6 +6,7 @@ from __future__ import annotations
 import os
 
 from kvtierd.server.daemon_config import DaemonConfig
+from kvtierd.server.ssd_state import no_room_problem, off_by_choice
 from kvtierd.t3.remote_config import RemoteConfig, format_endpoints
 from kvtierd.tiering.tier_config import PolicyConfig
 
@@ -35,8 +36,9 @@ def config_lines(config: DaemonConfig) -> list[str]:
                  f"{format_bytes(host.capacity_bytes // pool.max_layouts)} for each layout, codec {host.codec}")
     lines.append(f"T2 ssd: {format_bytes(ssd.capacity_bytes)} for the node in {ssd.directory} (files grow as "
                  f"written, shared by the layouts), codec {ssd.codec}, "
-                 f"durability {ssd.durability}{', O_DIRECT' if ssd.o_direct else ''}" if ssd.directory
-                 else "T2 ssd: off")
+                 f"durability {ssd.durability}{', O_DIRECT' if ssd.o_direct else ''}" if ssd.enabled
+                 else f"T2 ssd: OFF: {no_room_problem(config)}" if not off_by_choice(config)
+                 else "T2 ssd: off" + (" (ssd.capacity_bytes = 0)" if ssd.directory else ""))
     recompute = ("load a lower-tier hit only when faster than recomputing it, at "
                  + (f"{policy.recompute_s_per_token:g} s/token (policy.recompute_s_per_token)"
                     if policy.recompute_s_per_token > 0 else "the engines' measured cost (every hit until measured)"))

@@ -44,6 +44,9 @@ class DaemonConfig:
     remote: RemoteConfig = dataclasses.field(default_factory=RemoteConfig)
     quotas: dict[str, Quota] = dataclasses.field(default_factory=dict)  # tenant -> quota
     log_level: str = "info"  # "debug" | "info" | "warning" | "error" | "critical"
+    # The dotted keys a source set (file, KVTIERD_* variable, flag); the others hold defaults. Not a
+    # key itself: load_config fills it, so that a default can be told from a choice (ssd_state.py).
+    given_keys: frozenset[str] = frozenset()
 
     def __post_init__(self) -> None:
         require_choice("log_level", self.log_level, LOG_LEVELS)

@@ -55,6 +55,7 @@ from kvtierd.server.interceptor import StatusInterceptor
 from kvtierd.server.listeners import SocketFile, add_port, apply_socket_access, bind_fd_socket, bind_unix_socket
 from kvtierd.server.server_config import ServerConfig, admin_tenant_names
 from kvtierd.server.servicer import KvTierServicer
+from kvtierd.server.ssd_state import SsdHealth, no_room_problem, node_ssd_message, off_by_choice
 from kvtierd.server.startup_checks import check_machine, socket_group_id
 from kvtierd.t0.shm_segment import remove_orphaned_segments
 from kvtierd.tiering.tier_config import TierConfig
@@ -63,6 +64,7 @@ from kvtierd.wire.conversions import READ_CHUNK_OPTIONS
 from kvtierd.wire.fd_passing import fd_socket_path
 
 if TYPE_CHECKING:  # the registry imports the store's client only where T3 is on
+    from kvtierd.t2.ssd_probe import DirectoryProbe
     from kvtierd.t3.redis_store import RedisStore
 
 log = logging.getLogger("kvtierd")
@@ -138,11 +140,16 @@ class Daemon:
         self.fd_socket_file: SocketFile | None = None  # its fd socket, `<socket>.fds`
         self.fd_listener: FdListener | None = None  # serves the fd socket once started
         self.ssd_lock: DirectoryLock | None = None  # held on ssd.directory while T2 is on
+        self.ssd_probe: DirectoryProbe | None = None  # what start-up found in ssd.directory (None: T2 off)
+        self.ssd_problem = ""  # why the node runs without the T2 it wants (ssd_state.py)
         self._tasks: list[asyncio.Task] = []
         self._stopped = asyncio.Event()
 
     async def start(self) -> None:
-        check_machine(self.config)
+        self.ssd_probe = check_machine(self.config)
+        self.ssd_problem = no_room_problem(self.config)
+        if self.ssd_problem:
+            log.warning("running without T2: %s", self.ssd_problem)
         server_config = self.config.server
         if self.publisher is not None:
             try:
@@ -156,6 +163,7 @@ class Daemon:
                      ("grpc.so_reuseport", 0), *READ_CHUNK_OPTIONS])
         self.servicer = KvTierServicer(self.registry, self.sessions, self.feed, operations=self.operations,
                                        on_drain=self._set_serving)
+        self.servicer.node_ssd = node_ssd_message(self.config, self.ssd_problem, self.ssd_probe)
         server.add_generic_rpc_handlers((kvtier_handlers(self.servicer),))
         health_pb2_grpc.add_HealthServicer_to_server(self.health, server)
         reflection.enable_server_reflection([SERVICE_NAME, health.SERVICE_NAME, reflection.SERVICE_NAME], server)
@@ -191,6 +199,10 @@ class Daemon:
         await self._set_serving(False)
         self._tasks = [asyncio.create_task(self.sessions.run_reaper(min(1.0, server_config.lease_s / 4))),
                        asyncio.create_task(self.feed.run())]
+        if not off_by_choice(self.config):  # T2's health known before ready, then followed
+            ssd_health = SsdHealth(self.health, self.config, self.ssd_problem, self.registry.pools)
+            await ssd_health.update()
+            self._tasks.append(asyncio.create_task(ssd_health.follow()))
         store = self.registry.remote_store
         if store is not None:  # probed before ready: a healthy store is serving from the first second
             await asyncio.to_thread(store.start_probing, store.config.probe_interval_s)
@@ -268,6 +280,9 @@ class Daemon:
             if self.publisher.replay_endpoint:
                 lines.append(f"kvtierd: kv event replay on {self.publisher.replay_endpoint}")
         lines.append(f"kvtierd: tenants from {self.authenticator.describe()}")
+        if self.ssd_probe is not None and self.ssd_probe.o_direct_refused:
+            lines.append(f"kvtierd: T2 in {self.config.ssd.directory} uses buffered I/O: "
+                         f"{self.ssd_probe.o_direct_refused}")
         return config_lines(self.config) + planning_lines(self.config) + lines
 
     def request_stop(self) -> None:

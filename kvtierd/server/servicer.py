@@ -74,6 +74,7 @@ class KvTierServicer(kvtier_pb2_grpc.KvTierServicer):
         self.transfers = BlockTransfers(sessions.quotas)  # Put and Get
         self._shutdown = asyncio.Event()  # set at SIGTERM: long-lived streams end at once
         self.fd_listener: FdListener | None = None  # the fd socket's server (serve.py sets it)
+        self.node_ssd = pb.SsdStats()  # the node's T2 as start-up found it (serve.py sets it; ssd_state.py)
 
     def begin_shutdown(self) -> None:
         """End every KeepAlive and Events stream now (sessions are then reclaimed), so that the
@@ -295,7 +296,7 @@ class KvTierServicer(kvtier_pb2_grpc.KvTierServicer):
         return pb.StatsResponse(pools=[pool_stats(pool) for pool in self.registry.pools()],
                                 num_sessions=len(self.sessions), num_reclaimed_refs=self.sessions.num_reclaimed_refs,
                                 version=__version__, remote=remote_store_message(self.registry.remote_store),
-                                draining=self.operations.draining)
+                                draining=self.operations.draining, ssd=self.node_ssd)
 
     # ----------------------------------------------------------------------------- operations
 

@@ -7,10 +7,11 @@ from __future__ import annotations
 
 import os
 
-from kvtierd.units import ALIGNMENT_BYTES
+from kvtierd.units import ALIGNMENT_BYTES, MiB
 
 SLOT_FILE_NAME = "kvtierd-slots.bin"
 DEFAULT_FREE_FRACTION = 0.5  # of the free space, what a default SSD budget may add to the slot files there
+MIN_DEFAULT_BUDGET_BYTES = 64 * MiB  # a default budget below this is none: 32 blocks of a Llama-3-8B layout
 
 
 def layout_slot_files(directory: str) -> dict[str, int]:
@@ -55,9 +56,11 @@ def free_bytes(path: str) -> int | None:
 
 def default_capacity_bytes(directory: str, default: int, fraction: float = DEFAULT_FREE_FRACTION) -> int:
     """The SSD budget when the operator set none: `default`, bounded by the slot files already in
-    `directory` plus `fraction` of the free space (a restart keeps what it had)."""
+    `directory` plus `fraction` of the free space (a restart keeps what it had); 0 (no room for
+    T2) where that bound is below MIN_DEFAULT_BUDGET_BYTES."""
     free = free_bytes(directory)
     if free is None:
         return default
     bound = slot_files_bytes(directory) + int(free * fraction)
-    return min(default, bound // ALIGNMENT_BYTES * ALIGNMENT_BYTES)
+    budget = min(default, bound // ALIGNMENT_BYTES * ALIGNMENT_BYTES)
+    return budget if budget >= MIN_DEFAULT_BUDGET_BYTES else 0

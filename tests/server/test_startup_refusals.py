@@ -23,12 +23,25 @@ from kvtierd.server.directory_lock import LOCK_FILE_NAME
 
 SMALL = ["--metrics-port", "-1", "--device", "cpu", "--t0-bytes", "4MiB", "--host-bytes", "8MiB",
          "--ssd-bytes", "16MiB"]
+NO_SSD_BYTES = SMALL[:-2]  # the SSD budget left to its default, bounded by the disk
 FILE_TEXT = "a regular file, not a socket\n"
 MISSING = "missing.pem"  # a file name nobody creates
-# A read-only directory that holds even for root: a read-only tmpfs mounted over `$0` in a mount
-# namespace of the daemon's own (nothing outside it sees the mount).
-READ_ONLY_MOUNT = ["unshare", "--mount", "--map-root-user", "sh", "-c",
-                   'mount -t tmpfs -o ro,size=64k kvtierd-ro "$0" && exec "$@"']
+NOT_CREATABLE = "/proc/kvtierd-nope"  # mkdir says ENOENT there, even to root
+# Root without CAP_DAC_OVERRIDE (and what could stand in for it) obeys a directory's mode like anyone.
+AS_ROOT_WITHOUT_OVERRIDE = ["setpriv", "--bounding-set=-dac_override,-dac_read_search",
+                            "--inh-caps=-dac_override,-dac_read_search"] if os.geteuid() == 0 else []
+
+
+def tmpfs_over(options: str, fill: bool = False) -> list[str]:
+    """A command prefix: a tmpfs mounted with `options` over `$0` in a mount namespace of the
+    daemon's own (nothing outside it sees the mount), filled up first with `fill`."""
+    then = ' && { cat /dev/zero > "$0/fill" 2>/dev/null; true; }' if fill else ""
+    return ["unshare", "--mount", "--map-root-user", "sh", "-c",
+            f'mount -t tmpfs -o {options} kvtierd-tmp "$0"{then} && exec "$@"']
+
+
+# A read-only directory that holds even for root: a read-only tmpfs.
+READ_ONLY_MOUNT = tmpfs_over("ro,size=64k")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -53,8 +66,12 @@ class Place:
         return self.short / "afile"
 
     @property
-    def read_only(self) -> Path:  # read-only for a case run with read_only_mount
+    def read_only(self) -> Path:  # read-only for a case run with read_only_mount; a tmpfs with `mount`
         return self.tmp / "read-only"
+
+    @property
+    def mode_0555(self) -> Path:  # a directory nobody may write in (but root with CAP_DAC_OVERRIDE)
+        return self.tmp / "mode-0555"
 
     @property
     def missing(self) -> Path:
@@ -67,6 +84,10 @@ class Case:
     flags: Callable[[Place], list]  # after the base flags, so they override them
     names: tuple[str, ...]  # what the error line must name: the flag, the config key
     read_only_mount: bool = False
+    mount: str = ""  # the options of a tmpfs mounted over `read_only` ("": none)
+    fill: bool = False  # that tmpfs filled up before the daemon starts
+    base: tuple[str, ...] = tuple(SMALL)  # the flags before `flags`
+    prefix: tuple[str, ...] = ()  # a command the daemon runs under
 
 
 def tls(place: Place, **files: Path) -> list:
@@ -96,6 +117,19 @@ CASES = (
          ("--ssd-dir", "ssd.directory", "not writable"), read_only_mount=True),
     Case("ssd-bytes-beyond-free-room", lambda p: ["--ssd-bytes", "1000TiB"],
          ("--ssd-bytes", "ssd.capacity_bytes", "free")),
+    Case("ssd-directory-not-creatable", lambda p: ["--ssd-dir", NOT_CREATABLE],
+         ("--ssd-dir", "ssd.directory", f"cannot create the directory {NOT_CREATABLE}"), base=tuple(NO_SSD_BYTES)),
+    Case("ssd-directory-not-creatable-with-a-budget", lambda p: ["--ssd-dir", NOT_CREATABLE],
+         ("--ssd-dir", "ssd.directory", f"cannot create the directory {NOT_CREATABLE}")),
+    Case("ssd-directory-is-a-file", lambda p: ["--ssd-dir", p.afile],
+         ("--ssd-dir", "ssd.directory", "afile is not a directory")),
+    Case("ssd-directory-mode-0555", lambda p: ["--ssd-dir", p.mode_0555],
+         ("--ssd-dir", "ssd.directory", "not writable", "Permission denied"), prefix=tuple(AS_ROOT_WITHOUT_OVERRIDE)),
+    Case("ssd-filesystem-full", lambda p: ["--ssd-dir", p.read_only / "ssd"],
+         ("--ssd-dir", "ssd.directory", "not writable", "No space left on device"), mount="size=256k", fill=True),
+    Case("ssd-filesystem-without-room-for-a-default-budget", lambda p: ["--ssd-dir", p.read_only / "ssd"],
+         ("--ssd-dir", "ssd.directory", "no room for T2", "--ssd-bytes (ssd.capacity_bytes) not set", "64.0 MiB"),
+         mount="size=1m", base=tuple(NO_SSD_BYTES)),
     Case("host-bytes-beyond-memory", lambda p: ["--host-bytes", "100TiB"],
          ("--host-bytes", "host.capacity_bytes", "memory")),
     Case("t0-bytes-beyond-dev-shm", lambda p: ["--device", "cpu", "--t0-bytes", "100TiB"],
@@ -181,15 +215,19 @@ def assert_refused(status: int, stdout: str, stderr: str, names: tuple[str, ...]
 def test_a_start_up_mistake_is_one_line_naming_the_setting_and_leaves_nothing(case, short_dir, tmp_path,
                                                                              busy_port, read_only_mounts):
     """Exit 2, one `kvtierd: error:` line naming the setting, and every path as it was before."""
-    if case.read_only_mount and not read_only_mounts:
-        pytest.skip("no read-only mount here (unshare --mount --map-root-user failed); root writes everywhere else")
+    if (case.read_only_mount or case.mount) and not read_only_mounts:
+        pytest.skip("no tmpfs mount here (unshare --mount --map-root-user failed); root writes everywhere else")
     place = Place(short_dir, tmp_path / "place", busy_port)
     place.tmp.mkdir()
     place.read_only.mkdir()
+    place.mode_0555.mkdir(mode=0o555)
     place.afile.write_text(FILE_TEXT)
     before = snapshot(place.short, place.tmp)
-    args = ["--socket", place.socket, "--ssd-dir", place.ssd, *SMALL, *case.flags(place)]
+    args = ["--socket", place.socket, "--ssd-dir", place.ssd, *case.base, *case.flags(place)]
     prefix = [*READ_ONLY_MOUNT, place.read_only] if case.read_only_mount else []
+    if case.mount:
+        prefix = [*tmpfs_over(case.mount, case.fill), place.read_only]
+    prefix += case.prefix
     assert_refused(*serve_until_refused(args, tmp_path, prefix), case.names)
     assert snapshot(place.short, place.tmp) == before
 
