@@ -9,6 +9,10 @@
 //   engine chunk (layer, kv, engine block b): cache[layer] + (kv * num_engine_blocks + b) * chunk_bytes
 //   slot chunk   (slot i, layer, kv):         slots + ((i * num_layers + layer) * 2 + kv) * chunk_bytes
 //
+// kv_copy_cells moves pages between an engine allocation and a pool whatever the layout: both are
+// seen as arrays of cells of cell_bytes bytes, and cell dst_cells[i] of dst gets cell src_cells[i]
+// of src (a null index array means cell i of that side), so a load or store of any ids is one launch.
+//
 // The kernels copy raw bytes, never values, so they are bit exact for every dtype.
 // Each chunk is copied in units of unit_bytes (16, 8, 4, 2 or 1); the caller picks the
 // largest unit that divides chunk_bytes and the address of every base pointer.
@@ -80,5 +84,20 @@ extern "C" __global__ void kv_scatter_blocks(const u64* __restrict__ layer_ptrs,
   for (long long chunk = blockIdx.x; chunk < num_chunks; chunk += gridDim.x) {
     copy_chunk(engine_chunk(layer_ptrs, block_ids, chunk, num_layers, num_engine_blocks, chunk_bytes),
                slots + chunk * chunk_bytes, chunk_bytes, unit_bytes);
+  }
+}
+
+// dst cell dst_cells[i] = src cell src_cells[i] for every i < num_cells; a null index array is the
+// identity (cell i). Cells are validated by the caller; a cell named twice as a destination gets
+// one of its sources' bytes. Launch as the kernels above, grid.x walking cells.
+extern "C" __global__ void kv_copy_cells(unsigned char* __restrict__ dst,
+                                         const long long* __restrict__ dst_cells,
+                                         const unsigned char* __restrict__ src,
+                                         const long long* __restrict__ src_cells,
+                                         long long num_cells, long long cell_bytes, int unit_bytes) {
+  for (long long cell = blockIdx.x; cell < num_cells; cell += gridDim.x) {
+    const long long dst_cell = dst_cells != nullptr ? dst_cells[cell] : cell;
+    const long long src_cell = src_cells != nullptr ? src_cells[cell] : cell;
+    copy_chunk(dst + dst_cell * cell_bytes, src + src_cell * cell_bytes, cell_bytes, unit_bytes);
   }
 }

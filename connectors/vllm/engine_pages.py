@@ -15,25 +15,22 @@ share pages only with engines of the same layout.
 A pool slot is `[slot_num_layers, page_nbytes]` bytes; group g's block fills its first
 `len(layers of g)` rows in vLLM's layer order. Layers of one group that alias the same bytes are
 vLLM's shared caches: each name still has its row, so every group's block has the same shape.
+
+A load or store of a group's blocks is one gather-and-scatter of cells (page_cells.py,
+cell_moves.py): a fixed number of tensor ops and copies per call, whatever the ids (a pool after
+churn hands out one run per block) and however many layers share the engine's allocation.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import torch
 
+from kvtierd.connectors.vllm.cell_moves import HostStaging, move_cells
 from kvtierd.connectors.vllm.kv_groups import EngineGroups, ServedGroup, UnsupportedModel
-
-
-def contiguous_runs(pool_block_ids: Sequence[int]) -> Iterator[tuple[int, int, int]]:
-    """(offset in the list, first pool block id, length) of each run of consecutive ids."""
-    start = 0
-    for index in range(1, len(pool_block_ids) + 1):
-        if index == len(pool_block_ids) or pool_block_ids[index] != pool_block_ids[index - 1] + 1:
-            yield start, pool_block_ids[start], index - start
-            start = index
+from kvtierd.connectors.vllm.page_cells import PageCells, group_cells
 
 
 def _first_view(cache: torch.Tensor | Sequence[torch.Tensor]) -> torch.Tensor:
@@ -82,11 +79,23 @@ def _page_view(cache: torch.Tensor | Sequence[torch.Tensor], num_blocks: int, pa
     return flat.as_strided((num_blocks, page_nbytes), (stride, 1), offset)
 
 
+def _checked_ids(block_ids: Sequence[int], limit: int, what: str) -> torch.Tensor:
+    """`block_ids` as a 1-D int64 CPU tensor, each in [0, limit), or ValueError."""
+    ids = torch.as_tensor(block_ids, dtype=torch.int64).cpu()
+    if ids.dim() != 1:
+        raise ValueError(f"{what} must be a list of ids, got shape {tuple(ids.shape)}")
+    if ids.numel() and (int(ids.min()) < 0 or int(ids.max()) >= limit):
+        raise ValueError(f"{what} must be in [0, {limit}), got {int(ids.min())}..{int(ids.max())}")
+    return ids
+
+
 class EnginePages:
     """Byte views of every served group's pages and the copies to and from pool slots.
 
-    Invariant: `pages[g][j]` is `[num_engine_blocks, page_nbytes]` uint8 over layer j of served
-    group g (its j-th layer name), on `device`; the views never outlive the engine's caches.
+    Invariants: `pages[g][j]` is `[num_engine_blocks, *page dims]` uint8 over layer j of served
+    group g (its j-th layer name), the page dims in memory order, on `device`; `cells[g]` places
+    the same pages as cells of the allocations they live in (page_cells.py); neither outlives the
+    engine's caches. A copy checks every id before it writes a byte.
     """
 
     def __init__(self, kv_caches: Mapping[str, Any], engine: EngineGroups, kv_cache_config: Any,
@@ -103,31 +112,44 @@ class EnginePages:
             group.group_id: [_page_view(kv_caches[name], num_blocks, engine.page_nbytes, strides.get(name))
                              for name in group.layer_names]
             for group in engine.groups}
+        self.cells: dict[int, list[PageCells]] = {
+            group_id: group_cells(pages, num_blocks) for group_id, pages in self.pages.items()}
         self.device = self.pages[engine.groups[0].group_id][0].device
+        self._staging = HostStaging(pinned=self.device.type == "cuda")
 
-    def _pool_rows(self, pool: torch.Tensor) -> torch.Tensor:
-        """The pool `[num_blocks, ...]` as `[num_blocks, slot_num_layers, page_nbytes]` bytes."""
-        rows = pool.view(torch.uint8).view(pool.shape[0], self.engine.slot_num_layers, self.engine.page_nbytes)
-        assert rows.data_ptr() == pool.data_ptr()
-        return rows
+    def _pool_bytes(self, pool: torch.Tensor) -> torch.Tensor:
+        """The pool `[num_blocks, ...]` as 1-D bytes, after checking it is slots of `slot_num_layers` pages."""
+        slot_nbytes = self.engine.slot_num_layers * self.engine.page_nbytes
+        if pool.dim() == 0 or not pool.is_contiguous() or pool.numel() * pool.element_size() != \
+                pool.shape[0] * slot_nbytes:
+            raise ValueError(f"a pool of {tuple(pool.shape)} {pool.dtype} is not contiguous slots of {slot_nbytes} "
+                             f"bytes ({self.engine.slot_num_layers} pages of {self.engine.page_nbytes})")
+        return pool.view(-1).view(torch.uint8)
 
     def to_pool(self, group: ServedGroup, engine_block_ids: Sequence[int], pool: torch.Tensor,
                 pool_block_ids: Sequence[int]) -> None:
         """pool[pool_block_ids[i]] = the group's engine block engine_block_ids[i]."""
-        rows = self._pool_rows(pool)
-        engine_ids = torch.tensor(list(engine_block_ids), dtype=torch.int64, device=self.device)
-        for offset, first, length in contiguous_runs(pool_block_ids):
-            ids = engine_ids[offset:offset + length]
-            for layer, pages in enumerate(self.pages[group.group_id]):
-                rows[first:first + length, layer].view(length, *pages.shape[1:]).copy_(pages.index_select(0, ids))
+        self._copy(group, engine_block_ids, pool, pool_block_ids, to_pool=True)
 
     def from_pool(self, group: ServedGroup, pool: torch.Tensor, pool_block_ids: Sequence[int],
                   engine_block_ids: Sequence[int]) -> None:
         """The group's engine block engine_block_ids[i] = pool[pool_block_ids[i]]."""
-        rows = self._pool_rows(pool)
-        engine_ids = torch.tensor(list(engine_block_ids), dtype=torch.int64, device=self.device)
-        for offset, first, length in contiguous_runs(pool_block_ids):
-            ids = engine_ids[offset:offset + length]
-            for layer, pages in enumerate(self.pages[group.group_id]):
-                pages.index_copy_(0, ids, rows[first:first + length, layer].view(length, *pages.shape[1:])
-                                  .to(self.device))
+        self._copy(group, engine_block_ids, pool, pool_block_ids, to_pool=False)
+
+    def _copy(self, group: ServedGroup, engine_block_ids: Sequence[int], pool: torch.Tensor,
+              pool_block_ids: Sequence[int], *, to_pool: bool) -> None:
+        """One move of cells per allocation the group's layers live in (one in vLLM 0.32)."""
+        engine_ids = _checked_ids(engine_block_ids, self.num_engine_blocks, "engine block ids")
+        pool_ids = _checked_ids(pool_block_ids, pool.shape[0] if pool.dim() else 0, "pool block ids")
+        if engine_ids.numel() != pool_ids.numel():
+            raise ValueError(f"{engine_ids.numel()} engine blocks for {pool_ids.numel()} pool blocks")
+        pool_bytes = self._pool_bytes(pool)
+        if not engine_ids.numel():
+            return
+        for cells in self.cells[group.group_id]:
+            engine_cells = cells.engine_cells(engine_ids)
+            pool_cells = cells.pool_cells(pool_ids, self.engine.slot_num_layers)
+            if to_pool:
+                move_cells(pool_bytes, pool_cells, cells.storage, engine_cells, cells.cell_nbytes, self._staging)
+            else:
+                move_cells(cells.storage, engine_cells, pool_bytes, pool_cells, cells.cell_nbytes, self._staging)

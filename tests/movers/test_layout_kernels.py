@@ -1,5 +1,6 @@
-"""Gather/scatter between per-layer engine caches and block-major slots: exact bytes, only the
-named blocks, validation before any write; the CUDA kernel matches the torch reference."""
+"""Gather/scatter between per-layer engine caches and block-major slots, and cells of one buffer onto
+cells of another: exact bytes, only the named blocks, validation before any write, one gather and one
+scatter whatever the ids; the CUDA kernels match the torch reference."""
 
 from __future__ import annotations
 
@@ -8,12 +9,15 @@ import torch
 
 from kvtierd.errors import InvalidArgument
 from kvtierd.movers.layout_kernels import (
+    copy_cells,
+    copy_cells_reference,
     gather_blocks,
     gather_blocks_reference,
     scatter_blocks,
     scatter_blocks_reference,
     uses_cuda_kernel,
 )
+from tests.aten_ops import AtenOps
 from tests.factories import small_layout
 
 NUM_ENGINE_BLOCKS = 6
@@ -183,6 +187,93 @@ def test_bad_scatter_inputs_raise_and_change_nothing(case):
     assert all(same_bytes(cache, old) for cache, old in zip(caches, before))
 
 
+# --- copy_cells: named cells of one buffer onto named cells of another ---------------------------
+
+def cell_buffers(num_dst_cells: int, num_src_cells: int, cell_nbytes: int, offset: int = 0, device: str = "cpu"):
+    """(dst, src): 1-D uint8 buffers of random bytes starting `offset` bytes into allocations of their own."""
+    generator = torch.Generator().manual_seed(cell_nbytes + offset)
+    dst, src = (torch.randint(0, 256, (n * cell_nbytes + offset,), dtype=torch.uint8, generator=generator)
+                .to(device)[offset:] for n in (num_dst_cells, num_src_cells))
+    return dst, src
+
+
+def expected_cells(dst: torch.Tensor, dst_cells, src: torch.Tensor, src_cells, cell_nbytes: int) -> bytes:
+    """dst's bytes after the copy, cell by cell in Python (None: cell i)."""
+    out, source = bytearray(dst.cpu().numpy().tobytes()), src.cpu().numpy().tobytes()
+    count = len(dst_cells if dst_cells is not None else src_cells)
+    for i in range(count):
+        d = i if dst_cells is None else dst_cells[i]
+        s = i if src_cells is None else src_cells[i]
+        out[d * cell_nbytes:(d + 1) * cell_nbytes] = source[s * cell_nbytes:(s + 1) * cell_nbytes]
+    return bytes(out)
+
+
+CELL_CASES = [([9, 0, 4, 2], [3, 3, 0, 7]),  # shuffled, a source cell read twice
+              (None, [6, 1, 5]),  # a gather into contiguous cells
+              ([8, 1, 5], None)]  # a scatter from contiguous cells
+
+
+@pytest.mark.parametrize("offset", [0, 3])
+@pytest.mark.parametrize("cell_nbytes", [1, 6, 64, 4096])
+@pytest.mark.parametrize("dst_cells, src_cells", CELL_CASES, ids=["both", "gather", "scatter"])
+@pytest.mark.parametrize("with_staging", [False, True])
+def test_copy_cells_writes_exactly_the_named_cells(dst_cells, src_cells, cell_nbytes, offset, with_staging):
+    """Cell dst_cells[i] gets src cell src_cells[i] (None: cell i), every other byte of dst stays, at any
+    cell size and alignment, through a given staging buffer or a fresh one."""
+    dst, src = cell_buffers(10, 8, cell_nbytes, offset)
+    expected = expected_cells(dst, dst_cells, src, src_cells, cell_nbytes)
+    staging = torch.empty(4 * cell_nbytes + 8, dtype=torch.uint8) if with_staging else None
+    copy_cells(dst, dst_cells, src, src_cells, cell_nbytes, staging=staging)
+    assert dst.numpy().tobytes() == expected
+
+
+@pytest.mark.parametrize("dst_cells, src_cells", CELL_CASES, ids=["both", "gather", "scatter"])
+def test_copy_cells_is_one_gather_and_one_scatter_whatever_the_ids(dst_cells, src_cells):
+    """The torch path (CPU; CUDA without CuPy) issues the same ops for every cell its own run as for one
+    run: an index_select and an index_copy_, one of them where a side is contiguous."""
+    counts = []
+    for shuffled in (False, True):
+        dst, src = cell_buffers(16, 16, 64)
+        count = len(dst_cells if dst_cells is not None else src_cells)
+        runs = list(range(count)) if not shuffled else [15 - 2 * i for i in range(count)]
+        with AtenOps() as ops:
+            copy_cells(dst, None if dst_cells is None else runs, src, None if src_cells is None else runs[::-1], 64)
+        counts.append(ops.data_ops())
+    expected = {"index_select": 1} if dst_cells is None else \
+        {"index_copy_": 1} if src_cells is None else {"index_select": 1, "index_copy_": 1}
+    assert counts == [expected, expected]
+
+
+def test_copy_cells_reference_matches_copy_cells():
+    dst, src = cell_buffers(10, 8, 24, 1)
+    expected = dst.clone()
+    copy_cells_reference(expected, [1, 7, 2], src, [0, 0, 5], 24)
+    copy_cells(dst, [1, 7, 2], src, [0, 0, 5], 24)
+    assert torch.equal(dst, expected)
+
+
+BAD_CELL_CASES = {
+    "dst cell out of range": lambda dst, src: copy_cells(dst, [0, 10], src, [0, 1], 16),
+    "negative src cell": lambda dst, src: copy_cells(dst, [0, 1], src, [0, -1], 16),
+    "lengths differ": lambda dst, src: copy_cells(dst, [0, 1], src, [0], 16),
+    "no ids at all": lambda dst, src: copy_cells(dst, None, src, None, 16),
+    "contiguous side too short": lambda dst, src: copy_cells(dst, list(range(9)), src, None, 16),
+    "cell size zero": lambda dst, src: copy_cells(dst, [0], src, [0], 0),
+    "not bytes": lambda dst, src: copy_cells(dst.view(torch.int16), [0], src.view(torch.int16), [0], 16),
+    "2-D buffer": lambda dst, src: copy_cells(dst.view(10, 16), [0], src, [0], 16),
+    "overlapping buffers": lambda dst, src: copy_cells(dst[:80], [0], dst[64:], [1], 16),
+}
+
+
+@pytest.mark.parametrize("case", sorted(BAD_CELL_CASES))
+def test_bad_copy_cells_inputs_raise_invalid_argument_and_change_nothing(case):
+    dst, src = cell_buffers(10, 8, 16)
+    before = dst.clone()
+    with pytest.raises(InvalidArgument):
+        BAD_CELL_CASES[case](dst, src)
+    assert torch.equal(dst, before)
+
+
 # --- CUDA: the kernel writes exactly the reference's bytes ---------------------------------
 
 GPU_GEOMETRIES = [dict(), dict(num_layers=3, block_size=16, num_kv_heads=8, head_dim=128),
@@ -249,3 +340,32 @@ def test_cuda_gather_runs_on_torchs_current_stream(cupy_kernels):
         copy = slots.clone()  # ordered after the kernel only if it ran on `stream`
     stream.synchronize()
     assert same_bytes(copy.cpu(), gather_blocks_reference([c.cpu() for c in caches], list(range(64))))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("offset", [0, 2, 8])
+@pytest.mark.parametrize("cell_nbytes", [6, 64, 65536])
+@pytest.mark.parametrize("dst_cells, src_cells", CELL_CASES, ids=["both", "gather", "scatter"])
+def test_cuda_copy_cells_matches_reference(cupy_kernels, dst_cells, src_cells, cell_nbytes, offset):
+    """The kernel writes the named cells as the Python reference does, at any alignment (its copy unit
+    shrinks to what the addresses allow), a contiguous side or none."""
+    dst, src = cell_buffers(10, 8, cell_nbytes, offset, device="cuda")
+    assert uses_cuda_kernel(dst)
+    expected = expected_cells(dst, dst_cells, src, src_cells, cell_nbytes)
+    copy_cells(dst, dst_cells, src, src_cells, cell_nbytes)
+    torch.cuda.synchronize()
+    assert dst.cpu().numpy().tobytes() == expected
+
+
+@pytest.mark.gpu
+def test_cuda_copy_cells_of_a_fragmented_512_mib_store_match_reference(cupy_kernels):
+    """The connector's case at the issue's size: 256 blocks x 32 layers of 64 KiB pages, every block its
+    own run on both sides, in one launch; the bytes of the torch reference."""
+    num_pages, cell_nbytes = 256 * 32, 65536
+    dst, src = cell_buffers(2 * num_pages, 2 * num_pages, cell_nbytes, device="cuda")
+    src_cells = torch.randperm(2 * num_pages)[:num_pages]
+    dst_cells = torch.randperm(num_pages) * 2
+    expected = dst.clone()
+    copy_cells_reference(expected, dst_cells, src, src_cells, cell_nbytes)
+    copy_cells(dst, dst_cells, src, src_cells, cell_nbytes)
+    assert torch.equal(dst, expected)
