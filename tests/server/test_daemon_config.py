@@ -309,7 +309,7 @@ def test_a_cuda_pool_is_shared_by_fd_unless_the_daemon_has_no_fd_socket():
     assert config.pool.cuda_share == "fd" and pool_settings(config).pool.cuda_share == "fd"
     assert any("a CUDA pool is shared by POSIX fd over the fd socket" in line for line in config_lines(config))
     tcp_only = load_config(environ={}, overrides={"pool.device": "cuda", "server.socket": "",
-                                                  "server.tcp": "127.0.0.1:0"})
+                                                  "server.tcp": "127.0.0.1:0", "server.insecure_tcp": "true"})
     assert pool_settings(tcp_only).pool.cuda_share == "ipc"
     assert any("by cudaIpc handle (no unix socket, so no fd socket)" in line for line in config_lines(tcp_only))
     explicit = load_config(environ={}, overrides={"pool.device": "cuda", "pool.cuda_share": "ipc"})
