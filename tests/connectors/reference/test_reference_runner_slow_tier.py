@@ -20,7 +20,7 @@ from kvtierd.tier import Tier
 from tests.connectors.reference.connector_factories import TOY, prompt, toy_model
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
-READ_DELAY_S = 0.5  # per read of a run of slots: 10 blocks of 2 KiB load at ~40 kB/s, the runner prefills in ms
+READ_DELAY_S = 1.5  # per read of a run of slots: 10 blocks of 2 KiB load at ~14 kB/s; the runner prefills in ms
 LAYOUT = TOY.layout("toy-llama", 4)  # 2 KiB a block
 MODEL = toy_model()
 PROMPT = prompt(31, 42)  # 10 full blocks and 2 tokens

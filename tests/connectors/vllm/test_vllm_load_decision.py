@@ -21,7 +21,7 @@ from kvtierd.launch.daemon_process import WRITE_THROUGH, DaemonProcess, small_da
 from tests.connectors.vllm.vllm_fakes import BLOCK_SIZE, Engine, Request, prompt
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
-READ_DELAY_S = 0.3  # per read of a run of SSD slots: 5 blocks load at ~100 kB/s, the fake forward takes microseconds
+READ_DELAY_S = 1.0  # per read of a run of SSD slots: 5 blocks load at ~30 kB/s, the fake forward takes microseconds
 
 
 def load_spec(is_async: bool) -> LoadSpec:
