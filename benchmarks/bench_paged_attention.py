@@ -5,7 +5,9 @@ step of 32 sequences at 4,096 keys each, the prefill of one 4,096-token prompt (
 64-token suffix of a 4,096-token prompt whose first 4,032 tokens are cached (what a prefix hit
 computes). On the CPU in fp32, smaller: 8 x 2,048 keys, 1,024 tokens, 64 after 960.
 Ours: `paged_attention` reading K and V from a block-major pool through shuffled block tables,
-its metadata built once beforehand (the model builds it once per forward pass, for all layers).
+its metadata built once beforehand (the model builds it once per forward pass, for all layers):
+on CUDA the decode step runs its Triton kernel (blocks read in place), the rest SDPA over the
+gathered blocks; a context row on CUDA gives the decode step through SDPA too.
 Baseline, same run: `torch.nn.functional.scaled_dot_product_attention` on the same K and V
 gathered once, untimed, into contiguous [batch, kv_heads, keys, head_dim] tensors (enable_gqa;
 is_causal for the prefill, causal_lower_right for the suffix): attention with no paging at all,
@@ -52,9 +54,11 @@ class Case:
     dense_k: torch.Tensor  # [batch, kv_heads, keys, head_dim]
     dense_v: torch.Tensor
     mask: object  # None (decode), "causal" (prefill) or a CausalBias (suffix)
+    triton_decode: bool = True
 
     def ours(self) -> torch.Tensor:
-        return paged_attention(self.query, self.key_cache, self.value_cache, self.metadata)
+        return paged_attention(self.query, self.key_cache, self.value_cache, self.metadata,
+                               triton_decode=self.triton_decode)
 
     def sdpa(self) -> torch.Tensor:
         if self.mask == "causal":
@@ -112,10 +116,14 @@ def main(argv: Sequence[str] | None = None) -> int:
         raise SystemExit("bench_paged_attention: --device cuda, but torch.cuda.is_available() is false")
     rounds, warmup = (3, 1) if args.quick else (20, 3)
     num_decodes, decode_keys, prefill_tokens, suffix_tokens = SIZES[device][args.quick]
-    cases = [make_case(f"decode, {num_decodes} x {decode_keys} keys", num_decodes, decode_keys, 1, True, device, 1),
+    decode = make_case(f"decode, {num_decodes} x {decode_keys} keys", num_decodes, decode_keys, 1, True, device, 1)
+    cases = [decode,
              make_case(f"prefill, {prefill_tokens} tokens", 1, prefill_tokens, prefill_tokens, True, device, 2),
              make_case(f"suffix, {suffix_tokens} tokens after {prefill_tokens - suffix_tokens} cached", 1,
                        prefill_tokens, suffix_tokens, False, device, 3)]
+    if device == "cuda":
+        cases.insert(1, dataclasses.replace(decode, name=f"{decode.name}, SDPA over gathered blocks", judged=False,
+                                            triton_decode=False))
     where = torch.cuda.get_device_name() if device == "cuda" else f"the CPU ({torch.get_num_threads()} threads)"
     _report.print_header(f"Paged attention on {where}: {NUM_HEADS} heads / {NUM_KV_HEADS} KV heads of {HEAD_DIM}, "
                          f"block {BLOCK_SIZE}, {str(DTYPES[device]).removeprefix('torch.')}", args.quick)

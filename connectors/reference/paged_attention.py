@@ -16,7 +16,8 @@ one case.
 per group of sequences (paged_attention_metadata.py), one gather of the group's blocks into
 dense `[seqs, kv_heads, keys, head_dim]` views, then torch's `scaled_dot_product_attention` in
 the query's dtype (fp32 accumulation inside; flash or memory-efficient attention on CUDA, its
-fused CPU kernel on the CPU). The same code runs on every device.
+fused CPU kernel on the CPU). The same code runs on every device, but for decode steps in
+bf16/fp16 on CUDA, which paged_attention_triton.py's kernel computes reading the blocks in place.
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ import torch
 import torch.nn.functional as F
 
 from kvtierd.connectors.reference.paged_attention_metadata import AttentionGroup, PagedAttentionMetadata
+from kvtierd.connectors.reference.paged_attention_triton import paged_decode_triton, uses_triton_decode
 from kvtierd.connectors.reference.paged_kv_cache import check_cache_pair
 from kvtierd.errors import InvalidArgument
 
@@ -34,11 +36,14 @@ _WIDE_DTYPE = torch.int64  # blocks are gathered as 8-byte words: a quarter of t
 
 
 def paged_attention(query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
-                    metadata: PagedAttentionMetadata, scale: float | None = None) -> torch.Tensor:
+                    metadata: PagedAttentionMetadata, scale: float | None = None, *,
+                    triton_decode: bool = True) -> torch.Tensor:
     """Attention output `[num_tokens, num_heads, head_dim]`, in the query's dtype, for the varlen
     `query` the metadata describes (see the module doc).
 
     Grouped-query attention: query head `h` reads KV head `h // (num_heads // num_kv_heads)`.
+    Decode groups run paged_attention_triton.py's kernel where it takes the tensors (bf16/fp16 on
+    CUDA with Triton) unless `triton_decode` is False; everything else runs SDPA.
     """
     check_cache_pair(key_cache, value_cache)
     if query.dim() != 3:
@@ -55,25 +60,28 @@ def paged_attention(query: torch.Tensor, key_cache: torch.Tensor, value_cache: t
         raise InvalidArgument(f"block ids must be in [0, {num_blocks}), the batch reads block {metadata.max_block_id}")
     if scale is None:
         scale = 1.0 / math.sqrt(head_dim)
+    triton_decode = triton_decode and uses_triton_decode(query, key_cache, value_cache)
     if len(metadata.groups) == 1 and _covers(metadata.groups[0].token_rows, num_tokens):
-        return _attend(query, key_cache, value_cache, metadata.groups[0], scale)
+        return _attend(query, key_cache, value_cache, metadata.groups[0], scale, triton_decode)
     out = torch.empty_like(query)
     for group in metadata.groups:
         rows = group.token_rows
         if isinstance(rows, slice):
-            out[rows] = _attend(query[rows], key_cache, value_cache, group, scale)
+            out[rows] = _attend(query[rows], key_cache, value_cache, group, scale, triton_decode)
         else:
-            out.index_copy_(0, rows, _attend(query.index_select(0, rows), key_cache, value_cache, group, scale))
+            attended = _attend(query.index_select(0, rows), key_cache, value_cache, group, scale, triton_decode)
+            out.index_copy_(0, rows, attended)
     return out
 
 
 def paged_attention_varlen(query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
-                           block_tables, context_lens, query_start_loc, scale: float | None = None) -> torch.Tensor:
+                           block_tables, context_lens, query_start_loc, scale: float | None = None, *,
+                           triton_decode: bool = True) -> torch.Tensor:
     """`paged_attention` with its metadata built here from the batch's tensors (read back to the
     host once): for one call; a model builds the metadata once per forward pass instead."""
     metadata = PagedAttentionMetadata.build(block_tables, context_lens, query_start_loc, key_cache.shape[1],
                                             query.device)
-    return paged_attention(query, key_cache, value_cache, metadata, scale)
+    return paged_attention(query, key_cache, value_cache, metadata, scale, triton_decode=triton_decode)
 
 
 def gather_keys(cache: torch.Tensor, group: AttentionGroup) -> torch.Tensor:
@@ -105,8 +113,10 @@ def _covers(rows: slice | torch.Tensor, num_tokens: int) -> bool:
 
 
 def _attend(query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor, group: AttentionGroup,
-            scale: float) -> torch.Tensor:
+            scale: float, triton_decode: bool) -> torch.Tensor:
     """The group's output rows `[num_seqs * num_queries, num_heads, head_dim]`."""
+    if triton_decode and not group.causal and group.num_queries == 1:
+        return paged_decode_triton(query, key_cache, value_cache, group, scale)
     keys = gather_keys(key_cache, group).to(query.dtype)
     values = gather_keys(value_cache, group).to(query.dtype)
     num_seqs, num_queries = group.num_seqs, group.num_queries

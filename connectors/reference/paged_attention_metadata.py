@@ -44,6 +44,7 @@ class AttentionGroup:
     num_keys: int  # keys per sequence after padding: the group's longest context
     block_ids: torch.Tensor  # [num_seqs * num_blocks] int64, on the batch's device
     token_rows: slice | torch.Tensor  # a slice when the rows are consecutive, else int64 row ids
+    context_lens: torch.Tensor  # [num_seqs] int64: each sequence's context, <= num_keys
     last_key_positions: torch.Tensor | None  # [num_seqs, num_queries] int64: the last key each query sees
     _masks: dict[int, torch.Tensor | None] = dataclasses.field(default_factory=dict)
 
@@ -151,4 +152,6 @@ def _group(causal: bool, seqs: list[int], lens: list[int], starts: list[int], ta
         last_key_positions = torch.tensor([[lens[seq] - num_queries + i for i in range(num_queries)] for seq in seqs],
                                           dtype=torch.int64, device=device)
     return AttentionGroup(causal, len(seqs), num_queries, num_keys,
-                          torch.tensor(block_ids, dtype=torch.int64, device=device), token_rows, last_key_positions)
+                          torch.tensor(block_ids, dtype=torch.int64, device=device), token_rows,
+                          torch.tensor([lens[seq] for seq in seqs], dtype=torch.int64, device=device),
+                          last_key_positions)

@@ -7,6 +7,9 @@ marker): the same results, and bf16 runs on the flash and memory-efficient kerne
 from __future__ import annotations
 
 import dataclasses
+import os
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -19,6 +22,7 @@ from kvtierd.connectors.reference.paged_attention import (
     paged_attention_varlen,
 )
 from kvtierd.connectors.reference.paged_attention_metadata import PagedAttentionMetadata
+from kvtierd.connectors.reference.paged_attention_triton import num_splits, uses_triton_decode
 from kvtierd.errors import InvalidArgument
 from tests.connectors.reference.paged_batches import LAYER, make_batch, naive_attention, per_sequence_reference
 
@@ -175,6 +179,51 @@ def test_no_query_tokens_give_an_empty_output():
     assert out.shape == (0, 8, 64)
 
 
+def test_decode_splits_fill_the_device_and_stay_long():
+    """Off CUDA the device counts 4 SMs: 2 programs each, splits of at least 256 keys."""
+    cpu = torch.device("cpu")
+    assert num_splits(1, 2, 1000, cpu) == 4
+    assert num_splits(1, 2, 300, cpu) == 2
+    assert num_splits(8, 2, 5000, cpu) == 1
+
+
+def test_cpu_tensors_never_take_the_triton_kernel():
+    batch = make_batch(dtype=torch.bfloat16)
+    assert not uses_triton_decode(batch.query, batch.key_cache, batch.value_cache)
+
+
+TRITON_INTERPRETER_CHECK = """
+import torch
+from kvtierd.connectors.reference import paged_attention as module
+from kvtierd.connectors.reference.paged_attention import paged_attention_varlen
+from tests.connectors.reference.paged_batches import make_batch, per_sequence_reference
+launches = []
+kernel = module.paged_decode_triton
+module.paged_decode_triton = lambda *args: launches.append(args[3].num_seqs) or kernel(*args)
+for lens, head_dim, block_size, heads in [((1000,), 64, 16, (8, 2)), ((1, 1000), 80, 5, (6, 3)),
+                                          ((257, 513, 1000, 3), 32, 32, (4, 1)), ((65, 64, 63), 128, 1, (4, 4))]:
+    batch = make_batch(lens, (1,) * len(lens), num_heads=heads[0], num_kv_heads=heads[1], head_dim=head_dim,
+                       block_size=block_size, dtype=torch.float16, seed=head_dim)
+    torch.testing.assert_close(paged_attention_varlen(*batch.args()).float(),
+                               per_sequence_reference(batch).float(), atol=2e-3, rtol=4e-3)
+assert launches == [1, 2, 4, 3], launches
+print("ok")
+"""
+
+
+@pytest.mark.slow  # the interpreter runs the kernel in numpy: ~30 s
+def test_triton_decode_kernel_in_the_interpreter_matches_reference():
+    """Where Triton is installed, its interpreter runs the decode kernel on CPU tensors: splits,
+    empty splits past a short context, head_dim 80, block sizes 1 to 32, MHA / GQA / MQA. fp16 only:
+    the interpreter does not emulate bf16 tl.dot (the gpu tests cover bf16)."""
+    pytest.importorskip("triton")
+    env = dict(os.environ, TRITON_INTERPRET="1")
+    done = subprocess.run([sys.executable, "-c", TRITON_INTERPRETER_CHECK], capture_output=True, text=True,
+                          env=env, timeout=600, cwd=os.path.dirname(os.path.dirname(os.path.dirname(
+                              os.path.dirname(os.path.abspath(__file__))))))
+    assert done.returncode == 0 and done.stdout.strip() == "ok", done.stdout + done.stderr
+
+
 # --- bad input ---------------------------------------------------------------------------------
 
 def _with(batch, **changes) -> tuple:
@@ -279,7 +328,32 @@ def test_cuda_bf16_runs_on_flash_and_memory_efficient_kernels_only(case):
     batch = make_batch(context_lens, num_queries, num_heads=32, num_kv_heads=8, head_dim=128,
                        dtype=torch.bfloat16, seed=12).to("cuda")
     with sdpa_kernel([SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION]):
-        out = paged_attention_varlen(*batch.args())
+        out = paged_attention_varlen(*batch.args(), triton_decode=False)  # decodes through SDPA too
+    assert_close_to_reference(out, batch)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", (torch.float16, torch.bfloat16), ids=str)
+def test_cuda_decodes_read_blocks_in_place_with_the_triton_kernel(dtype, sdpa_calls):
+    """Six decodes of 1 to 4,097 keys (splits, empty splits, a context ending mid-block) at
+    Llama-3-8B's attention: no SDPA call, the reference's result, and the SDPA path's."""
+    context_lens = (1, 17, 300, 1025, 4097, 2049)
+    batch = make_batch(context_lens, (1,) * 6, num_heads=32, num_kv_heads=8, head_dim=128, dtype=dtype,
+                       seed=14).to("cuda")
+    assert uses_triton_decode(batch.query, batch.key_cache, batch.value_cache)
+    out = paged_attention_varlen(*batch.args())
+    assert not sdpa_calls
+    assert_close_to_reference(out, batch)
+    atol, rtol = TOLERANCES[dtype]
+    torch.testing.assert_close(out, paged_attention_varlen(*batch.args(), triton_decode=False), atol=atol, rtol=rtol)
+
+
+@pytest.mark.gpu
+def test_cuda_mixed_batch_takes_sdpa_for_prefills_and_the_kernel_for_decodes(sdpa_calls):
+    """A whole prefill and a suffix (two SDPA calls) beside decodes (the kernel), in one call."""
+    batch = make_batch((200, 300, 50, 90, 1), (200, 40, 1, 1, 1), dtype=torch.bfloat16, seed=15).to("cuda")
+    out = paged_attention_varlen(*batch.args())
+    assert len(sdpa_calls) == 2
     assert_close_to_reference(out, batch)
 
 
@@ -291,6 +365,7 @@ def test_cuda_metadata_lives_on_the_device_and_the_layer_reads_nothing_back():
                                             batch.query_start_loc.tolist(), 16, "cuda")
     assert all(group.block_ids.is_cuda for group in metadata.groups)
     on_cuda = batch.to("cuda")
+    paged_attention(on_cuda.query, on_cuda.key_cache, on_cuda.value_cache, metadata, batch.scale)  # compiles
     torch.cuda.synchronize()
     torch.cuda.set_sync_debug_mode("error")  # a synchronizing call (a .item(), a .tolist()) raises
     try:
