@@ -49,11 +49,7 @@ import asyncio
 import collections
 import contextlib
 import os
-import re
-import shutil
-import signal
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -67,6 +63,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from benchmarks import _report, bench_daemon_rpc  # noqa: E402
+from benchmarks._profile import py_spy, stop_py_spy, summarize_profile  # noqa: E402
 from benchmarks.bench_redis_clients import connection_class  # noqa: E402
 from benchmarks.bench_ttft import FULL, QUICK  # noqa: E402
 from kvtierd.block_hash import Namespace, pack_token_ids  # noqa: E402
@@ -320,23 +317,6 @@ class MachineCpu:
 
 # --------------------------------------------------------------------------------------------- profile
 
-def py_spy(pid: int, output: Path) -> subprocess.Popen:
-    binary = shutil.which("py-spy")
-    if binary is None:
-        raise SystemExit("bench_t3 --profile: py-spy is not installed (pip install py-spy)")
-    output.parent.mkdir(parents=True, exist_ok=True)
-    process = subprocess.Popen([binary, "record", "--pid", str(pid), "--format", "raw", "--rate", "250",
-                                "--threads", "--nonblocking", "-o", str(output)],
-                               stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    time.sleep(1.0)  # attached
-    return process
-
-
-def stop_py_spy(process: subprocess.Popen) -> None:
-    process.send_signal(signal.SIGINT)
-    process.wait(60)
-
-
 def profile_put_get(state: PutGetRounds, a_pid: int, b_pid: int, directory: Path) -> list[str]:
     """py-spy on node A during 10 Puts, then on node B during 10 Gets (each after its Put); top frames."""
     lines = []
@@ -352,32 +332,6 @@ def profile_put_get(state: PutGetRounds, a_pid: int, b_pid: int, directory: Path
         finally:
             stop_py_spy(recorder)
         lines += summarize_profile(name, output)
-    return lines
-
-
-def summarize_profile(name: str, path: Path, top: int = 10) -> list[str]:
-    """The frames of kvtierd and redis-py with the most samples, inclusive (anywhere on the stack) and
-    self (on top: what the thread was running, C code included), by thread family (kvtierd-t3_0, _1, ...
-    as kvtierd-t3_*)."""
-    if not path.exists():
-        return [f"profile {name}: py-spy wrote nothing ({path})"]
-    inclusive, own, total = collections.Counter(), collections.Counter(), 0
-    entry = ("kvtierd/cli/", "kvtierd/server/serve.py", "kvtierd/server/interceptor.py")
-    for line in path.read_text().splitlines():
-        stack, _, count = line.rpartition(" ")
-        thread, _, frames = stack.partition(";") if stack.startswith("thread (") else ("", "", stack)
-        family = re.sub(r"_\d+$", "_*", thread.partition(": ")[2])
-        frames = frames.split(";")
-        total += int(count)
-        for frame in dict.fromkeys(frames):
-            if ("kvtierd/" in frame or "redis/" in frame) and not any(e in frame for e in entry):
-                inclusive[(family, frame)] += int(count)
-        own[(family, frames[-1])] += int(count)
-    lines = [f"profile {name}: {total} samples of busy threads at 250 Hz ({path}); kvtierd / redis-py frames by "
-             "samples with the frame anywhere on the stack, then samples with it on top:"]
-    for title, counter in (("incl", inclusive), ("self", own)):
-        for (family, frame), count in counter.most_common(top):
-            lines.append(f"  {title} {100 * count / max(total, 1):5.1f}%  {family[:18]:18}  {frame}")
     return lines
 
 

@@ -1,15 +1,20 @@
 """The event feed: every pool's index events, drained by one pump, to the Events stream and to the
 KV event publisher (ZMQ, vLLM's wire format) when one is on.
 
-A pump drains each pool's device-tier event queue every `period_s` (take_events is atomic) into
-the history (event_history.py): each event gets the next sequence number, and every Events
-subscriber reads from its own cursor there, seeing only its own tenant's blocks (with the tenant
-prefix taken off) and the pool-wide CLEARED. Nothing is queued per subscriber: one that does not
+A pump drains each pool's device-tier event queue (take_events is atomic) into the history
+(event_history.py): each event gets the next sequence number, and every Events subscriber reads
+from its own cursor there, seeing only its own tenant's blocks (with the tenant prefix taken off)
+and the pool-wide CLEARED. Nothing is queued per subscriber: one that does not
 keep up falls behind the bounded history and gets LOST, never unbounded memory.
+
+The pump runs when there is something to drain: each pool's event queues ring the feed's doorbell
+when they go from empty to not empty (index_events.EventQueue), and the pump then drains every
+pool, at most once per `period_s` (the events of a busy period go out together). An idle daemon
+wakes for no event, and a busy one wakes no more often than the period.
 
 With a publisher, the same pump also hands it each pool's events of every tenant, the host (T1)
 and SSD (T2) tiers' too when `lower_tiers`: their slot indexes queue events only from the
-moment `enable_lower_tiers` switches them on, as each pool is created.
+moment `watch` switches them on, as each pool is created.
 """
 
 from __future__ import annotations
@@ -64,14 +69,25 @@ class EventFeed:
         self.lower_tiers = lower_tiers and publisher is not None
         self.history = EventHistory(history_events, feed_id or secrets.randbits(63) or 1)
         self._appended = asyncio.Event()  # set, then replaced, when the history grows
+        self._due = asyncio.Event()  # set (on the loop) once some pool queued events since the last pump
+        self._loop: asyncio.AbstractEventLoop | None = None  # run's, once it runs
 
-    def enable_lower_tiers(self, pool: LayoutPool) -> None:
-        """Switch on the T1/T2 events of a new pool (PoolRegistry.on_created; any thread)."""
+    def watch(self, pool: LayoutPool) -> None:
+        """Pump when a new pool queues events, and switch on its T1/T2 events when `lower_tiers`
+        (PoolRegistry.on_created; any thread)."""
+        pool.manager.index.set_event_doorbell(self._ring)
         if self.lower_tiers:
             tiers = pool.manager.tiers
             for tier in (tiers.host, tiers.ssd):
                 if tier is not None:
-                    tier.enable_events(MAX_PENDING_EVENTS)
+                    tier.enable_events(MAX_PENDING_EVENTS, self._ring)
+
+    def _ring(self) -> None:
+        """The pools' doorbell (any thread, under an index lock): wake the pump. Before `run` has
+        started, nothing: its first pump drains whatever was queued."""
+        loop = self._loop
+        if loop is not None and not loop.is_closed():
+            loop.call_soon_threadsafe(self._due.set)
 
     def subscribe(self, tenant: Tenant, layout: Layout | None, resume_after_seq: int | None = None,
                   feed_id: int = 0) -> Subscription:
@@ -113,12 +129,16 @@ class EventFeed:
         return pool_events.num_events - len(device_events)
 
     async def run(self) -> None:
+        """Pump now, then whenever a doorbell rang, at most once per `period_s`."""
+        self._loop = asyncio.get_running_loop()
         while True:
+            self._due.clear()  # a ring from now on is seen: its set runs on this loop, after the pump
             try:
                 self.pump_once()
             except Exception:  # a bad event must not stop the feed for everyone
                 log.exception("event pump failed")
             await asyncio.sleep(self.period_s)
+            await self._due.wait()
 
 
 def to_message(event: BlockStored | BlockRemoved | AllBlocksCleared, model_id: str) -> pb.Event:

@@ -17,7 +17,7 @@ from kvtierd.errors import FailedPrecondition, InvalidArgument
 from kvtierd.index.eviction import EvictionHook, Evictor
 from kvtierd.index.free_queue import FreeBlockQueue
 from kvtierd.index.hash_to_blocks import HashToBlocks
-from kvtierd.index.index_events import AllBlocksCleared, BlockStored, EventQueue, IndexEvent
+from kvtierd.index.index_events import AllBlocksCleared, BlockStored, Doorbell, EventQueue, IndexEvent
 from kvtierd.index.index_metrics import IndexObserver
 from kvtierd.index.kv_block import KVBlock
 from kvtierd.index.prefix_match import check_hashes, match_prefix, pack_prompt_tokens
@@ -153,6 +153,12 @@ class BlockCache:
         """Every event since the last call, atomically; empty unless events were enabled."""
         with self._lock:
             return self._events.take() if self._events is not None else []
+
+    def set_event_doorbell(self, doorbell: Doorbell) -> None:
+        """Ring `doorbell` whenever events wait to be taken (EventQueue); nothing unless events are on."""
+        with self._lock:
+            if self._events is not None:
+                self._events.set_doorbell(doorbell)
 
     # ----------------------------------------------------------------------------- internals
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+from collections.abc import Callable
 
 from kvtierd.daemon_key import DaemonKey
 from kvtierd.token_bytes import TokenBytes
@@ -39,22 +40,37 @@ class AllBlocksCleared:
 
 IndexEvent = BlockStored | BlockRemoved | AllBlocksCleared
 
+# Rung when an event queue goes from empty to not empty, under the index's lock, on whichever thread
+# queued the event: it must not block (the event feed's schedules a wake-up of its pump).
+Doorbell = Callable[[], None]
+
 
 class EventQueue:
-    """Pending events, oldest first, bounded: when full the oldest is dropped and counted.
+    """Pending events, oldest first, bounded: when full the oldest is dropped and counted. The
+    doorbell, when set, is rung each time the queue goes from empty to not empty, and at once when
+    set on a queue that holds events: a consumer that takes every event after each ring misses none.
 
     Not thread-safe on its own: the block index holds its lock around every call.
     """
 
-    def __init__(self, max_pending: int) -> None:
+    def __init__(self, max_pending: int, doorbell: Doorbell | None = None) -> None:
         assert max_pending > 0
         self._pending: collections.deque[IndexEvent] = collections.deque(maxlen=max_pending)
         self.num_dropped = 0
+        self._doorbell = doorbell
+
+    def set_doorbell(self, doorbell: Doorbell) -> None:
+        self._doorbell = doorbell
+        if self._pending:
+            doorbell()
 
     def put(self, event: IndexEvent) -> None:
+        was_empty = not self._pending
         if len(self._pending) == self._pending.maxlen:
             self.num_dropped += 1
         self._pending.append(event)
+        if was_empty and self._doorbell is not None:
+            self._doorbell()
 
     def take(self) -> list[IndexEvent]:
         """Every pending event; the queue is empty afterwards."""

@@ -27,7 +27,7 @@ from collections.abc import Callable, Sequence
 
 from kvtierd.daemon_key import DaemonKey
 from kvtierd.errors import InvalidArgument
-from kvtierd.index.index_events import BlockRemoved, BlockStored, EventQueue, IndexEvent
+from kvtierd.index.index_events import BlockRemoved, BlockStored, Doorbell, EventQueue, IndexEvent
 from kvtierd.index.slot_entry import BlockMeta, SlotEntry, StorePlan
 from kvtierd.token_bytes import TokenBytes, matching_blocks
 
@@ -248,15 +248,18 @@ class SlotIndex:
 
     # ----------------------------------------------------------------------------- events
 
-    def enable_events(self, max_pending: int) -> None:
-        """Queue events from now on, at most `max_pending` (the oldest are dropped, counted); the
-        READY entries already here (restored from disk) are queued first, as stored, oldest first."""
+    def enable_events(self, max_pending: int, doorbell: Doorbell | None = None) -> None:
+        """Queue events from now on, at most `max_pending` (the oldest are dropped, counted), ringing
+        `doorbell` whenever some wait to be taken (EventQueue); the READY entries already here
+        (restored from disk) are queued first, as stored, oldest first."""
         with self._lock:
             if self._events is None:
                 self._events = EventQueue(max_pending)
                 for entry in self._entries.values():
                     if not entry.storing:
                         self._events.put(_stored(entry))
+            if doorbell is not None:
+                self._events.set_doorbell(doorbell)
 
     def take_events(self) -> list[IndexEvent]:
         """Every event since the last call, atomically; empty unless events were enabled."""

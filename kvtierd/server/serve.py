@@ -126,7 +126,7 @@ class Daemon:
         self.operations = Operations(self.registry, self.sessions, admin_tenant_names(server_config), known)
         self.publisher = kv_event_publisher(config, self.operations.name_of)
         self.feed = EventFeed(self.registry, publisher=self.publisher, lower_tiers=config.events.lower_tiers)
-        self.registry.on_created.append(self.feed.enable_lower_tiers)
+        self.registry.on_created.append(self.feed.watch)
         self.metrics.add_tenant_source(self.operations.usage_rows, quotas.limits)
         # health.py imports its asyncio servicer as `aio`, an alias pyright does not take for an export
         self.health = health.aio.HealthServicer()  # pyright: ignore[reportAttributeAccessIssue]

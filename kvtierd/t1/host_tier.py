@@ -10,7 +10,7 @@ import torch
 
 from kvtierd.daemon_key import DaemonKey
 from kvtierd.index.extent_slot_index import ExtentSlotIndex
-from kvtierd.index.index_events import IndexEvent
+from kvtierd.index.index_events import Doorbell, IndexEvent
 from kvtierd.index.slot_index import slots_within
 from kvtierd.layout import Layout
 from kvtierd.movers.block_codec import make_codec
@@ -65,9 +65,9 @@ class HostTier:
     def used_bytes(self) -> int:
         return self.index.num_used_slots * self.slab.stride
 
-    def enable_events(self, max_pending: int) -> None:
+    def enable_events(self, max_pending: int, doorbell: Doorbell | None = None) -> None:
         """Queue stored/removed events of this tier (SlotIndex.enable_events), for the KV event feed."""
-        self.index.enable_events(max_pending)
+        self.index.enable_events(max_pending, doorbell)
 
     def take_events(self) -> list[IndexEvent]:
         return self.index.take_events()

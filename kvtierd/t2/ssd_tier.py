@@ -40,7 +40,7 @@ import xxhash
 from kvtierd.daemon_key import DaemonKey
 from kvtierd.errors import FailedPrecondition, InvalidArgument
 from kvtierd.index.extent_slot_index import ExtentSlotIndex
-from kvtierd.index.index_events import IndexEvent
+from kvtierd.index.index_events import Doorbell, IndexEvent
 from kvtierd.index.slot_entry import BlockMeta, SlotEntry
 from kvtierd.index.slot_index import slots_within
 from kvtierd.layout import Layout
@@ -160,8 +160,9 @@ class SsdTier:
         """The stored keys (hash, parent, token ids) of the leading held blocks named."""
         return self._index.metas(hashes)
 
-    def enable_events(self, max_pending: int) -> None:  # stored/removed events, for the KV event feed
-        self._index.enable_events(max_pending)
+    def enable_events(self, max_pending: int, doorbell: Doorbell | None = None) -> None:
+        """Queue stored/removed events (SlotIndex.enable_events), for the KV event feed."""
+        self._index.enable_events(max_pending, doorbell)
 
     def take_events(self) -> list[IndexEvent]:
         return self._index.take_events()

@@ -339,6 +339,25 @@ def test_events_are_drained_once_and_bounded():
     assert make_index().take_events() == []  # events off by default
 
 
+def test_the_event_doorbell_rings_when_the_queue_goes_from_empty_to_not_empty():
+    """One ring per batch of events between two takes; a doorbell set on a queue holding events rings at once."""
+    index = make_index(6, max_pending_events=100)
+    run_request(index, "a", PROMPT)  # three stored events, no doorbell yet
+    rings = []
+    index.set_event_doorbell(lambda: rings.append(len(rings)))
+    assert rings == [0]
+    run_request(index, "b", tokens(300, BLOCK_SIZE))  # more events while some wait: no ring
+    assert rings == [0] and len(index.take_events()) == 4
+    run_request(index, "c", tokens(500, BLOCK_SIZE))
+    assert rings == [0, 1]
+    index.free("a")
+    index.free("b")
+    index.take_events()
+    assert index.evict(hashes(PROMPT)) == 3 and rings == [0, 1, 2]  # removals ring too
+    make_index().set_event_doorbell(lambda: rings.append(-1))  # events off: never rung
+    assert rings == [0, 1, 2]
+
+
 def test_metrics_hooks_report_tokens_evictions_and_gaps():
     index, stats, clock = stats_index(3)
     run_request(index, "a", PROMPT)  # t=1000: 3 blocks committed

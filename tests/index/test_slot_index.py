@@ -241,3 +241,19 @@ def test_event_queue_is_bounded_and_counts_what_it_dropped():
     index.enable_events(max_pending=3)
     store(index, chain(5))
     assert [e.block_id for e in index.take_events()] == [2, 3, 4] and index.num_dropped_events == 2
+
+
+def test_enabled_events_ring_the_doorbell_once_per_batch_between_takes():
+    """Entries restored before enabling ring at once; a store's events ring once until taken; a failed store, never."""
+    index = SlotIndex(4)
+    metas = chain(4)
+    store(index, metas[:1])
+    rings = []
+    index.enable_events(max_pending=100, doorbell=lambda: rings.append(len(rings)))
+    assert rings == [0]
+    store(index, metas[1:3])
+    assert rings == [0] and len(index.take_events()) == 3
+    store(index, metas[3:4], success=False)
+    assert rings == [0]
+    store(index, metas[3:4])
+    assert rings == [0, 1]
