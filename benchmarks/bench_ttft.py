@@ -7,11 +7,13 @@ Two row sets from one run, both on the reference runner (connectors/), fp32 on t
 2. a random-weight Llama of 8 layers, hidden 1024 (160 M parameters): 2,048 random tokens + 64
    new ones. Goal: a T1 hit >= 5x faster than recompute.
 Ours: the request through a real `kvtierd serve` whose T0/T1/T2 hold the prefix (T1: after Puts
-of other blocks pushed it out of T0; T2: after a restart, which empties T0 and T1). Baseline,
-same machine, same run, measured before each of ours: the FASTEST recompute of the same model
-with the same weights, of two: the reference runner on a private pool that recomputes everything
-(what a runner without kvtierd does), and transformers' LlamaForCausalLM with SDPA attention
-(prefill of the last position's logits, no cache). Every restored request must produce the
+of other blocks pushed it out of T0; T2: after a restart, which empties T0 and T1), told to load
+every hit (policy.recompute_s_per_token = 1 s: by default a hit slower than recompute is
+declined, and its row would time a recompute). Baseline, same machine, same run, measured
+before each of ours: the FASTEST recompute of the same model with the same weights, of two: the
+reference runner on a private pool that recomputes everything (what a runner without kvtierd
+does), and transformers' LlamaForCausalLM with SDPA attention (prefill of the last position's
+logits, no cache). Every restored request must produce the
 recompute's first token (in bf16/fp16: one the recompute scores within 5 % of its best logit).
 (vLLM reports 2-22x for CPU offloading on an H100.)
 
@@ -156,7 +158,7 @@ class Bench:
             self.directory, t0_bytes=str(2 * request_bytes), host_bytes=str(6 * request_bytes),
             ssd_bytes=str(16 * request_bytes),
             extra=[*ONE_LAYOUT, "--device", str(self.model.device), "--set", "policy.t0_to_t1=write_through",
-                   "--set", "policy.recompute_s_per_token=0"]))
+                   "--set", "policy.recompute_s_per_token=1"]))  # load every hit: each row times its tier
         self.client = KvtierClient(self.daemon.address, timeout_s=120.0)
         self.runner = ReferenceRunner(self.model, KvtierdConnector(self.client.attach(self.layout)))
 
