@@ -49,6 +49,7 @@ class ForwardBatch:
     slot_offsets: torch.Tensor  # [num_writes] int64
     last_token_index: torch.Tensor  # [num_seqs] int64: each sequence's last token, for its logits
     attention: PagedAttentionMetadata  # the same tables, lengths and starts, grouped for every layer's attention
+    writes_every_token: bool  # write_token_index is 0 .. num_tokens - 1 (no cached token recomputed)
 
     @classmethod
     def build(cls, chunks: list[SequenceChunk], block_size: int, device: torch.device | str = "cpu") -> ForwardBatch:
@@ -74,10 +75,12 @@ class ForwardBatch:
             context_lens.append(end)
         max_blocks = max(len(chunk.block_table) for chunk in chunks)
         tables = [chunk.block_table + [0] * (max_blocks - len(chunk.block_table)) for chunk in chunks]
-
-        def tensor(values) -> torch.Tensor:
-            return torch.tensor(values, dtype=torch.int64, device=device)
-
-        return cls(tensor(input_ids), tensor(positions), tensor(starts), tensor(context_lens), tensor(tables),
-                   tensor(write_index), tensor(slot_blocks), tensor(slot_offsets), tensor(starts[1:]) - 1,
-                   PagedAttentionMetadata.build(tables, context_lens, starts, block_size, device))
+        last_token_index = [start - 1 for start in starts[1:]]
+        fields = (input_ids, positions, starts, context_lens, [b for table in tables for b in table], write_index,
+                  slot_blocks, slot_offsets, last_token_index)
+        # One host-to-device copy for all of them (each its own copy would be a dozen on a GPU).
+        flat = torch.tensor([v for field in fields for v in field], dtype=torch.int64).to(device)
+        views = list(flat.split([len(field) for field in fields]))
+        views[4] = views[4].view(len(tables), max_blocks)
+        return cls(*views, PagedAttentionMetadata.build(tables, context_lens, starts, block_size, device),
+                   writes_every_token=write_index == list(range(len(input_ids))))

@@ -29,8 +29,10 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
 
 
 def rotate_half(x: torch.Tensor) -> torch.Tensor:
+    """The halves of the last dim swapped: with a sine whose first half is negated, `x * cos +
+    rotate_half(x) * signed_sin` is transformers' rotate-half RoPE, bit for bit (a sign flip is exact)."""
     half = x.shape[-1] // 2
-    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+    return torch.cat((x[..., half:], x[..., :half]), dim=-1)
 
 
 QKV = "self_attn.qkv_proj.weight"  # [q_proj; k_proj; v_proj], built at load
@@ -72,10 +74,11 @@ class LlamaModel:
             raise InvalidArgument(f"the pool is {pool.dtype} on {pool.device}, the model {self.dtype} on {self.device}")
 
     def rope(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """cos and sin `[num_tokens, 1, head_dim]` (broadcast over heads)."""
+        """cos and the signed sin (first half negated, see rotate_half) `[num_tokens, 1, head_dim]`,
+        broadcast over heads."""
         freqs = positions.to(self.device).float().unsqueeze(1) * self.inv_freq.unsqueeze(0)
-        angles = torch.cat((freqs, freqs), dim=-1)
-        return angles.cos().to(self.dtype).unsqueeze(1), angles.sin().to(self.dtype).unsqueeze(1)
+        cos, sin = freqs.cos().to(self.dtype), freqs.sin().to(self.dtype)
+        return torch.cat((cos, cos), dim=-1).unsqueeze(1), torch.cat((-sin, sin), dim=-1).unsqueeze(1)
 
     @torch.inference_mode()
     def forward(self, batch: ForwardBatch, pool: torch.Tensor, *, all_logits: bool = False) -> torch.Tensor:
@@ -91,11 +94,12 @@ class LlamaModel:
             h = rms_norm(x, w[p + "input_layernorm.weight"], c.rms_norm_eps)
             qkv = (h @ w[p + QKV].T).view(num_tokens, num_q + 2 * num_kv, c.head_dim)
             qk = qkv[:, :num_q + num_kv]
-            qk = qk * cos + rotate_half(qk) * sin
+            qk = torch.addcmul(qk * cos, rotate_half(qk), sin)
             q, k, v = qk[:, :num_q], qk[:, num_q:], qkv[:, num_q + num_kv:]
             key_cache, value_cache = pool[:, layer, 0], pool[:, layer, 1]
-            write = batch.write_token_index
-            write_kv(key_cache, value_cache, k[write], v[write], batch.slot_block_ids, batch.slot_offsets)
+            if not batch.writes_every_token:
+                k, v = k[batch.write_token_index], v[batch.write_token_index]
+            write_kv(key_cache, value_cache, k, v, batch.slot_block_ids, batch.slot_offsets)
             attended = paged_attention(q, key_cache, value_cache, batch.attention)
             x = x + attended.reshape(num_tokens, -1) @ w[p + "self_attn.o_proj.weight"].T
             h = rms_norm(x, w[p + "post_attention_layernorm.weight"], c.rms_norm_eps)
