@@ -80,7 +80,7 @@ class ForwardBatch:
                   slot_blocks, slot_offsets, last_token_index)
         # One host-to-device copy for all of them (each its own copy would be a dozen on a GPU).
         flat = torch.tensor([v for field in fields for v in field], dtype=torch.int64).to(device)
-        views = list(flat.split([len(field) for field in fields]))
-        views[4] = views[4].view(len(tables), max_blocks)
-        return cls(*views, PagedAttentionMetadata.build(tables, context_lens, starts, block_size, device),
+        ids, pos, query_starts, lens, table_ids, writes, blocks, offsets, last = flat.split([len(f) for f in fields])
+        return cls(ids, pos, query_starts, lens, table_ids.view(len(tables), max_blocks), writes, blocks, offsets, last,
+                   PagedAttentionMetadata.build(tables, context_lens, starts, block_size, device),
                    writes_every_token=write_index == list(range(len(input_ids))))
