@@ -23,8 +23,10 @@ Store (started in `wait_for_save`, after the forward wrote the step's KV): a job
 Acquire its blocks (the parent stored before, then the step's new blocks: hits first, then fresh
 blocks), copy the engine pages of the fresh ones into the pool (on CUDA: on a side stream that
 waits for an event recorded after the forward), Commit them with their hashes and tokens
-(parent: the previous block's hash, or the root for a chain's first block), Release: three RPCs
-carrying the new blocks and one more, never the request's whole chain. A daemon that lost the
+(parent: the previous block's hash, or the root for a chain's first block) and release the
+request in the same call: two RPCs carrying the new blocks and one more, never the request's
+whole chain (a separate Release only where the store stops before its Commit, or for a daemon
+that predates releasing on Commit). A daemon that lost the
 parent gets the chain from position 0 when the offer carries it (`earlier`), else the store is
 dropped. A failure drops the store, logged and counted (`num_dropped_stores`); a later request
 with the same prefix stores it again (`stats` counts what stores sent). Full-attention pages stay the request's
@@ -258,13 +260,14 @@ class WorkerSide:
     def _store(self, spec: StoreSpec, offer: GroupStore, event, pages_read: threading.Event | None) -> None:
         """One group's offer; `pages_read` (volatile offers) is set once the engine pages are read or skipped."""
         session = None
+        held = True  # the daemon may hold the store's request: released at the end, unless its Commit did
         daemon_request_id = self._daemon_request_id("store", spec.request_id)
         try:
             session = self.link.session()
             if session is None:
                 self._count_dropped("the daemon cannot be reached", spec.request_id)
             else:
-                self._store_with(session, daemon_request_id, spec, offer, event, pages_read)
+                held = self._store_with(session, daemon_request_id, spec, offer, event, pages_read)
         except Exception as error:  # KvtierError or a failed copy: the store is dropped
             if isinstance(error, KvtierError) and session is not None:
                 self.link.failed(session, error)
@@ -272,11 +275,13 @@ class WorkerSide:
         finally:
             if pages_read is not None:
                 pages_read.set()
-            if session is not None:
-                self._release_after(session, daemon_request_id, None)
+            if session is not None and held:
+                self._release_store(session, daemon_request_id)
 
     def _store_with(self, session: Session, daemon_request_id: str, spec: StoreSpec, offer: GroupStore, event,
-                    pages_read: threading.Event | None) -> None:
+                    pages_read: threading.Event | None) -> bool:
+        """Acquire, copy, Commit (releasing the request in the same call); whether the daemon still
+        holds the request (the caller releases it then)."""
         blocks = offer.blocks
         acquired = self._acquire_to_store(session, daemon_request_id, blocks)
         num_hits = acquired.num_t0_hit_blocks + acquired.num_loading_blocks
@@ -284,14 +289,14 @@ class WorkerSide:
             if offer.earlier is None:  # the chain cannot reach this step's blocks
                 self._count_dropped(f"the daemon no longer holds block {blocks.first_position} of group "
                                     f"{blocks.group_id}, the parent of this step's blocks", spec.request_id)
-                return
-            self._release_after(session, daemon_request_id, None)
+                return True
+            self._release_store(session, daemon_request_id)
             blocks = offer.earlier.then(blocks)  # vLLM's own cache still has them: store from position 0
             acquired = self._acquire_to_store(session, daemon_request_id, blocks)
             num_hits = acquired.num_t0_hit_blocks + acquired.num_loading_blocks
         fresh_block_ids = acquired.block_ids[num_hits:blocks.num_blocks]
         if not fresh_block_ids:
-            return
+            return True
         assert num_hits or blocks.first_position == 0 or offer.volatile, "a mid-chain commit needs its parent"
         self._copy_to_pool(self._groups[blocks.group_id], blocks.engine_block_ids[num_hits:], session.pool.tensor,
                            fresh_block_ids, event)
@@ -299,20 +304,26 @@ class WorkerSide:
             pages_read.set()
         block_size = len(blocks.token_ids) // blocks.num_blocks
         hashes, tokens = list(blocks.block_hashes[num_hits:]), list(blocks.token_ids[num_hits * block_size:])
-        session.commit(daemon_request_id, fresh_block_ids, hashes, tokens,
-                       blocks.block_hashes[num_hits - 1] if num_hits else None)
+        committed = session.commit_and_release(daemon_request_id, fresh_block_ids, hashes, tokens,
+                                               blocks.block_hashes[num_hits - 1] if num_hits else None)
         self._count_store_rpcs(1, hashes, tokens)
         self.num_stored_blocks += len(fresh_block_ids)
         self.stats.add("stored_blocks", len(fresh_block_ids))
         self.stats.add("stored_bytes", len(fresh_block_ids) * self._groups[blocks.group_id].block_nbytes)
+        return not committed.released
 
     def _acquire_to_store(self, session: Session, daemon_request_id: str, blocks: GroupBlocks):
-        """Acquire `blocks` to store them (no hit, no query); counted in `stats` with its Release."""
+        """Acquire `blocks` to store them (no hit, no query); counted in `stats`."""
         hashes, tokens = list(blocks.block_hashes), list(blocks.token_ids)
         acquired = session.acquire(daemon_request_id, hashes, 0, token_ids=tokens, for_store=True,
                                    recompute_s_per_token=self.prefill_cost.s_per_token)
-        self._count_store_rpcs(2, hashes, tokens)
+        self._count_store_rpcs(1, hashes, tokens)
         return acquired
+
+    def _release_store(self, session: Session, daemon_request_id: str) -> None:
+        """Release a store's request (one its Commit did not release), counted in `stats`."""
+        self._count_store_rpcs(1, (), ())
+        self._release_after(session, daemon_request_id, None)
 
     def _count_store_rpcs(self, num_rpcs: int, block_hashes: Sequence[bytes], token_ids: Sequence[int]) -> None:
         self.stats.add("store_rpcs", num_rpcs)

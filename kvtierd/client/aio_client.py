@@ -19,6 +19,7 @@ from kvtierd.client.block_data import BlockData, PutResult, PutStream, TokenIds
 from kvtierd.client.calls import (
     AcquireResult,
     Call,
+    CommitResult,
     SessionBase,
     attach_call,
     drain_call,
@@ -178,6 +179,12 @@ class AsyncSession(SessionBase):
     async def commit(self, request_id: str, block_ids: Sequence[int], block_hashes: Sequence[bytes],
                      token_ids: TokenIds, parent_hash: bytes | None) -> int:
         return await self._client._run(self._commit(request_id, block_ids, block_hashes, token_ids, parent_hash))
+
+    async def commit_and_release(self, request_id: str, block_ids: Sequence[int], block_hashes: Sequence[bytes],
+                                 token_ids: TokenIds, parent_hash: bytes | None) -> CommitResult:
+        """As Session.commit_and_release."""
+        return await self._client._run(self._commit(request_id, block_ids, block_hashes, token_ids, parent_hash,
+                                                    release=True))
 
     async def release(self, request_id: str) -> int:
         return await self._client._run(self._release(request_id))

@@ -93,6 +93,15 @@ class AcquireResult(AcquiredTierFields):
         return self.tier_blocks.num_lower_blocks
 
 
+@dataclasses.dataclass(frozen=True, slots=True)
+class CommitResult:
+    """A Commit that asked to release its request too: `released` is False from a daemon that
+    predates the ask, which leaves the request held (release it with Release)."""
+
+    num_committed_blocks: int
+    released: bool
+
+
 class SessionBase:
     """The fields of an attached session and the calls it makes; Session and AsyncSession run them.
 
@@ -168,10 +177,15 @@ class SessionBase:
         return Call("Wait", request, lambda r: r.num_ready_blocks, timeout_s=wait_s + WAIT_MARGIN_S)
 
     def _commit(self, request_id: str, block_ids: Sequence[int], block_hashes: Sequence[bytes], token_ids: TokenIds,
-                parent_hash: bytes | None) -> Call:
+                parent_hash: bytes | None, release: bool = False) -> Call:
+        """Commit (parsed: the blocks committed), or with `release` commit and release (parsed: a
+        CommitResult)."""
         request = pb.CommitRequest(session_id=self.session_id, request_id=request_id, block_ids=list(block_ids),
                                    block_hashes=hash_list(block_hashes), token_ids=optional_tokens(token_ids),
-                                   parent_hash=bytes(self.root_hash if parent_hash is None else parent_hash))
+                                   parent_hash=bytes(self.root_hash if parent_hash is None else parent_hash),
+                                   release=release)
+        if release:
+            return Call("Commit", request, lambda r: CommitResult(r.num_committed_blocks, r.released))
         return Call("Commit", request, lambda r: r.num_committed_blocks)
 
     def _release(self, request_id: str) -> Call:

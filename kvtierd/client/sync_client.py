@@ -27,6 +27,7 @@ from kvtierd.client.block_data import BlockData, PutResult, PutStream, TokenIds
 from kvtierd.client.calls import (
     AcquireResult,
     Call,
+    CommitResult,
     SessionBase,
     attach_call,
     drain_call,
@@ -39,7 +40,7 @@ from kvtierd.errors import FailedPrecondition
 from kvtierd.layout import Layout
 from kvtierd.v1 import kvtier_pb2 as pb
 
-__all__ = ["KvtierClient", "Session", "EventStream", "TlsOptions", "AcquireResult", "PutResult",
+__all__ = ["KvtierClient", "Session", "EventStream", "TlsOptions", "AcquireResult", "CommitResult", "PutResult",
            "AsyncKvtierClient", "AsyncSession"]
 
 log = logging.getLogger(__name__)
@@ -208,6 +209,12 @@ class Session(SessionBase):
         return self._client._run(self._commit(request_id, block_ids, block_hashes, token_ids, parent_hash))
 
     def release(self, request_id: str) -> int:
+    def commit_and_release(self, request_id: str, block_ids: Sequence[int], block_hashes: Sequence[bytes],
+                           token_ids: TokenIds, parent_hash: bytes | None) -> CommitResult:
+        """`commit`, then the request released, in one RPC (check `released`: see CommitResult)."""
+        return self._client._run(self._commit(request_id, block_ids, block_hashes, token_ids, parent_hash,
+                                              release=True))
+
         return self._client._run(self._release(request_id))
 
     def fork(self, request_id: str, child_request_id: str) -> list[int]:

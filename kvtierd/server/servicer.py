@@ -213,7 +213,9 @@ class KvTierServicer(kvtier_pb2_grpc.KvTierServicer):
         position = position_of(pool, pool.manager.block_table(key), list(request.block_ids), request.request_id)
         parent = parent_key(session.tenant, pool, position, request.parent_hash, held.first_parent)
         num_held = pool.manager.commit(key, position, keys, pack_token_ids(request.token_ids), parent)
-        return pb.CommitResponse(num_committed_blocks=num_held)
+        if request.release:
+            await self.sessions.release(session, request.request_id)
+        return pb.CommitResponse(num_committed_blocks=num_held, released=request.release)
 
     async def Release(self, request: pb.ReleaseRequest, context: Context) -> pb.ReleaseResponse:
         session = self._session(request.session_id)
