@@ -99,10 +99,25 @@ class TierCounts:
         """These counts with `tier`'s set to `count`."""
         return dataclasses.replace(self, **{tier.value: count})
 
+    def first(self, num_blocks: int) -> TierCounts:
+        """A chain's counts cut to its first `num_blocks` blocks (>= 0): the top tiers' come first."""
+        counts, left = [], num_blocks
+        for count in self:
+            counts.append(min(count, max(left, 0)))
+            left -= counts[-1]
+        return TierCounts(*counts)
+
     def __add__(self, other: TierCounts) -> TierCounts:
         if not isinstance(other, TierCounts):
             return NotImplemented
         return TierCounts(self.t0 + other.t0, self.t1 + other.t1, self.t2 + other.t2, self.t3 + other.t3)
+
+    def __sub__(self, other: TierCounts) -> TierCounts:
+        """Tier by tier; `other` is a part of these counts (no tier goes below 0)."""
+        if not isinstance(other, TierCounts):
+            return NotImplemented
+        assert all(a >= b for a, b in zip(self, other)), (self, other)
+        return TierCounts(self.t0 - other.t0, self.t1 - other.t1, self.t2 - other.t2, self.t3 - other.t3)
 
     def __radd__(self, other: int) -> TierCounts:
         """`sum(counts)` starts from 0."""

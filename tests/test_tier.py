@@ -36,6 +36,14 @@ def test_counts_add_tier_by_tier_and_sum_from_zero():
     assert (a.num_blocks, a.num_lower_blocks) == (10, 9)
 
 
+def test_a_chain_s_counts_cut_to_its_first_blocks_keep_the_top_tiers_and_subtract_tier_by_tier():
+    counts = TierCounts(t0=1, t1=2, t2=3, t3=4)
+    assert [counts.first(n) for n in (0, 1, 2, 4, 10, 99)] == [
+        TierCounts(), TierCounts(t0=1), TierCounts(t0=1, t1=1), TierCounts(t0=1, t1=2, t2=1), counts, counts]
+    assert counts.first(-3) == TierCounts()
+    assert counts - counts.first(4) == TierCounts(t2=2, t3=4)
+
+
 def test_counts_are_read_by_tier_and_unpack_top_down():
     counts = TierCounts.of(Tier.T2, 3).replace(Tier.T0, 1)
     assert (counts[Tier.T2], counts["t0"], counts[Tier.T3]) == (3, 1, 0)

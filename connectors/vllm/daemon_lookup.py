@@ -7,7 +7,15 @@ per-position presence (group_hits.py), combined over ranks and groups into the h
 daemon cannot be asked makes the lookup a miss: a hit is what every rank holds. The trailing
 blocks of a chain's hit that the daemon declines as slower to load than to recompute
 (num_declined_blocks) are no hit: vLLM computes them, and the hit says how many the first rank's
-first full-attention group declined, per tier (`RequestHit.declined`, for vLLM's metrics).
+primary group declined, per tier (`RequestHit.declined`, for vLLM's metrics).
+
+The query: a request's first lookup names its candidate positions as one query of the daemon's
+hit rate (LookupRequest.num_query_blocks, of the Lookup's first chain: the primary group's, asked
+first, group_hits.primary_group). Each rank's daemon counts it once, there: the query blocks, the
+hits it promises tier by tier, the declined ones; the loads that follow count nothing. So a pool's
+hit rate is vLLM's external hit rate over the tokens vLLM asks the connector about (docs/vllm.md),
+as long as the other groups and ranks hold what the primary group holds (they are stored
+together). A model of Mamba groups only names no query.
 """
 
 from __future__ import annotations
@@ -24,7 +32,7 @@ from kvtierd.connectors.vllm.group_hits import (
     RequestHit,
     across_ranks,
     leading_presence,
-    needed_positions,
+    primary_group,
     request_hit,
     without_declined,
 )
@@ -44,42 +52,51 @@ def _state_presence(hits) -> int:
     return next((tier.level + 1 for tier, count in hits_from_proto(hits).items() if count), ABSENT)
 
 
+def lookup_order(engine: EngineGroups) -> list[int]:
+    """The groups' indexes in the order one Lookup asks them: the primary group first (its chain is
+    the query), then the others in engine order."""
+    primary = primary_group(engine.groups)
+    return [primary] + [i for i in range(len(engine.groups)) if i != primary]
+
+
 def lookup_request(engine: EngineGroups, query: LookupQuery) -> tuple[list[bytes], list[int], list[int]]:
     """(block hashes, token ids, chain lengths) of the one Lookup that asks for every group."""
     num_positions = query.num_positions
     hashes: list[bytes] = []
     tokens: list[int] = []
     lengths: list[int] = []
-    for group, keys in zip(engine.groups, query.keys):
-        hashes.extend(keys)
+    for index in lookup_order(engine):
+        hashes.extend(query.keys[index])
         tokens.extend(query.token_ids)  # a Mamba group's chains of one carry their own blocks' tokens: the same list
-        lengths.extend([1] * num_positions if group.kind is GroupKind.MAMBA else [num_positions])
+        lengths.extend([1] * num_positions if engine.groups[index].kind is GroupKind.MAMBA else [num_positions])
     return hashes, tokens, lengths
 
 
 def num_query_blocks(engine: EngineGroups, query: LookupQuery) -> int:
-    """What the daemon counts as the query: the blocks a hit of every candidate would load (the
-    loads' Acquires then count the blocks they find as hits); 0 for a lookup asked again."""
-    if not query.count_query:
+    """What the daemon counts as the query, of the first chain (the primary group's): every
+    candidate position, as vLLM's hit is counted in positions; 0 for a lookup asked again, and for
+    a model of Mamba groups only (its first chain is one position's state)."""
+    if not query.count_query or engine.groups[primary_group(engine.groups)].kind is GroupKind.MAMBA:
         return 0
-    return sum(len(needed_positions(group, query.num_positions)) for group in engine.groups)
+    return query.num_positions
 
 
 def group_presence(engine: EngineGroups, chains: Sequence, num_positions: int) -> tuple[list[Presence], TierCounts]:
-    """Each group's presence from the chains' answers, in the order lookup_request asked them, and
-    what the daemon declined of the first full-attention group's chain."""
+    """Each group's presence (in engine order) from the chains' answers, in the order lookup_request
+    asked them, and what the daemon declined of the primary group's chain."""
     answers = iter(chains)
-    presence, first_declined = [], None
-    for group in engine.groups:
-        if group.kind is GroupKind.MAMBA:
-            presence.append([_state_presence(next(answers)) for _ in range(num_positions)])
+    presence: list[Presence] = [[] for _ in engine.groups]
+    primary_declined = TierCounts()
+    for index in lookup_order(engine):
+        if engine.groups[index].kind is GroupKind.MAMBA:
+            presence[index] = [_state_presence(next(answers)) for _ in range(num_positions)]
         else:
             answer = next(answers)
             kept, declined = without_declined(hits_from_proto(answer), answer.num_declined_blocks)
-            presence.append(leading_presence(kept, num_positions))
-            if group.kind is GroupKind.FULL and first_declined is None:
-                first_declined = declined
-    return presence, first_declined or TierCounts()
+            presence[index] = leading_presence(kept, num_positions)
+            if index == primary_group(engine.groups):
+                primary_declined = declined
+    return presence, primary_declined
 
 
 def _ask(link: DaemonLink, engine: EngineGroups, query: LookupQuery,

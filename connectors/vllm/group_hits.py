@@ -57,6 +57,16 @@ def across_ranks(per_rank: Sequence[Presence]) -> Presence:
     return [ABSENT if ABSENT in column else max(column) for column in zip(*per_rank)]
 
 
+def primary_group(groups: Sequence[ServedGroup]) -> int:
+    """The index of the group whose blocks stand for the hit (its tiers, the daemon's query): the
+    first full-attention group, else the first sliding-window one, else the first."""
+    for kind in (GroupKind.FULL, GroupKind.SLIDING):
+        index = next((i for i, group in enumerate(groups) if group.kind is kind), None)
+        if index is not None:
+            return index
+    return 0
+
+
 def needed_positions(group: ServedGroup, num_blocks: int) -> range:
     """The candidate positions a hit of `num_blocks` needs from `group`."""
     window = group.num_window_blocks
@@ -68,7 +78,7 @@ class RequestHit:
     """The blocks beyond the engine's own hit that every group can serve from the daemon."""
 
     num_blocks: int
-    tier_blocks: TierCounts  # of the first group's needed blocks: in T0, T1, T2, T3
+    tier_blocks: TierCounts  # of the primary group's needed blocks: in T0, T1, T2, T3
     all_in_t0: bool  # every needed block of every group is in T0: a synchronous copy serves it
     # held after the loadable ones but declined as slower than recompute (TP rank 0, first full group)
     declined: TierCounts = TierCounts()
@@ -100,7 +110,7 @@ def request_hit(groups: Sequence[ServedGroup], presence: Sequence[Presence]) -> 
 
 def _hit(groups: Sequence[ServedGroup], presence: Sequence[Presence], num_blocks: int) -> RequestHit:
     counts = [0] * len(Tier)
-    primary = next((i for i, g in enumerate(groups) if g.kind is GroupKind.FULL), 0)
+    primary = primary_group(groups)
     for p in needed_positions(groups[primary], num_blocks):
         counts[presence[primary][p] - 1] += 1
     all_in_t0 = all(presence_of[p] == T0 for group, presence_of in zip(groups, presence)

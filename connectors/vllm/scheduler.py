@@ -47,9 +47,12 @@ carries the blocks before the parent (`earlier`) to store from position 0 should
 lost the parent. A sliding-window group offers this step's blocks (vLLM frees out-of-window
 blocks next step: `volatile`); a Mamba group offers the state block when the step ends exactly
 on a block boundary (vLLM's align mode keeps the state at position i in that block; the next
-step moves the state on). A lookup counts as a query in the daemon's hit rate the first time a
-request asks for its positions (`LookupQuery.count_query`); the loads that follow count hits. The
-daemon leaves out of a hit what is slower to load than to recompute (vLLM computes it), counted then.
+step moves the state on). A request's first lookup is its query in the daemon's hit rate
+(`LookupQuery.count_query`): the daemon counts there the positions asked, the hit it promises and
+what it declines; later asks (polls, a new range after vLLM's own hit changed, a resumed
+preemption) and the loads count nothing, as vLLM's external_prefix_cache counters count a request
+once and leave preempted ones out (vllm/v1/metrics/stats.py, PrefixCacheStats.record). The
+daemon leaves out of a hit what is slower to load than to recompute (vLLM computes it).
 `request_finished` returns True (vLLM keeps the blocks) when any store was ever issued for the
 request; the worker reports it in `finished_sending` once its stores are done.
 """
@@ -78,7 +81,7 @@ class LookupQuery:
     first_position: int
     keys: tuple[tuple[bytes, ...], ...]  # per served group, in EngineGroups order
     token_ids: tuple[int, ...]  # block_size per candidate position
-    count_query: bool = False  # the request's first ask of these positions: the daemon counts it as a query
+    count_query: bool = False  # the request's first lookup: the daemon counts it as a query
 
     @property
     def num_positions(self) -> int:
@@ -121,7 +124,7 @@ class _Lookup:
     end_position: int
     future: concurrent.futures.Future
     started_at: float
-    count_query: bool = False  # the request's first ask of these positions: its declined hits are counted
+    count_query: bool = False  # the request's first lookup: its declined hits are counted
     answered_at: float | None = None
     observed: bool = False  # its round trip (and, for a query, its declined hits) is in the stats
 
@@ -150,7 +153,7 @@ class _Tracked:
     load_async: bool = False  # the answer given for the planned load
     num_local_computed_tokens: int = 0  # from the last get_num_new_matched_tokens call
     has_stores: bool = False  # a StoreSpec was issued: request_finished delays the free
-    counted_range: tuple[int, int] | None = None  # the positions of the last lookup counted as a query
+    query_counted: bool = False  # a lookup of the request went out as its query
     stores_begun: bool = False  # _store_spec has run for the request (its first step is behind)
 
 
@@ -207,8 +210,7 @@ class SchedulerSide:
         now = time.monotonic()
         if lookup is None or (lookup.first_position, lookup.end_position) != (first, end) or \
                 lookup.expired(now, self.lookup_ttl_s):
-            count_query = tracked.counted_range != (first, end)
-            tracked.counted_range = (first, end)
+            count_query, tracked.query_counted = not tracked.query_counted, True
             query = LookupQuery(first, tuple(tuple(keys[first:end]) for keys in tracked.keys.keys),
                                 tuple(request.all_token_ids[first * block_size:end * block_size]), count_query)
             lookup = tracked.lookup = _Lookup(first, end, self._executor.submit(self.lookup_fn, query), now,

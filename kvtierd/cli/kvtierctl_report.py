@@ -54,7 +54,7 @@ class StatsView:
         layout, before = pool.layout, self._previous_pool(pool)
         hits = {t.tier: t.num_hit_blocks for t in pool.tiers}
         if pool.HasField("t3"):
-            hits[Tier.T3] = pool.t3.num_hit_blocks
+            hits[Tier.T3] = pool.t3.num_query_hit_blocks  # the store's reads count prefetches too
         queries = pool.num_query_blocks
         rate = (f"hit rate {sum(hits.values()) / queries:.1%} of {queries * layout.block_size:,} query tokens ("
                 + ", ".join(f"{tier.upper()} {n / queries:.1%}" for tier, n in hits.items()) + ")"

@@ -182,7 +182,8 @@ class Session(SessionBase):
                num_query_blocks: int = 0) -> pb.LookupResponse:
         """The leading blocks held of the chain, tier by tier; with `chain_lengths`, of each of
         the consecutive chains `block_hashes` holds (`.chains`), each matched on its own.
-        `num_query_blocks`: blocks to count as one query of the daemon's hit rate.
+        `num_query_blocks`: count the first chain's leading blocks as one query of the daemon's hit
+        rate, its hits as answered (less the declined ones) tier by tier.
         `.num_declined_blocks` (per chain too): the trailing hits slower to load than to recompute."""
         return self._client._run(self._lookup(block_hashes, token_ids, prefetch, chain_lengths, num_query_blocks))
 
@@ -191,7 +192,7 @@ class Session(SessionBase):
                 parent_hash: bytes | None = None, recompute_s_per_token: float = 0.0,
                 load_every_hit: bool = False) -> AcquireResult:
         """`for_store`: the caller acquires to store blocks it computed; what it finds is no hit.
-        `query_counted`: a Lookup counted the query (num_query_blocks); only the hits count.
+        `query_counted`: a Lookup counted the query and its hits (num_query_blocks): count nothing.
         `parent_hash`: the chain continues the block of that hash (None: it starts at the root).
         `recompute_s_per_token`: the caller's measured cost of a prompt token (0: not measured),
         which the daemon weighs lower-tier hits against; `load_every_hit`: a Lookup decided what

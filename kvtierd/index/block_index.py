@@ -66,11 +66,11 @@ class BlockIndex(BlockCache):
             num_new_blocks = len(block_hashes) - len(hits) + num_extra_blocks
             return self._num_blocks_short([block for block in hits if block.ref_cnt == 0], num_new_blocks) <= 0
 
-    def count_query(self, num_tokens: int) -> None:
-        """Tokens asked for that no walk of this index counted as a query (a Lookup's query blocks,
-        Put's later batches, Get's misses): the observer's query count, without hits."""
+    def count_query(self, num_tokens: int, num_hit_tokens: int = 0) -> None:
+        """Tokens asked for that no walk of this index counted as a query (a Lookup's query, with
+        the T0 hits it promised; Put's later batches, Get's misses): the observer's counts."""
         if self._observer is not None and num_tokens:
-            self._observer.on_query(num_tokens, 0)
+            self._observer.on_query(num_tokens, num_hit_tokens)
 
     # ----------------------------------------------------------------------------- mutations
 
@@ -102,9 +102,8 @@ class BlockIndex(BlockCache):
             self.free_queue.remove_many(reused)
             table = hits + self._pop_free(num_new_blocks, now)
             self.tables[request_id] = table
-            if observer is not None and counting is not QueryCounting.NOTHING:
-                observer.on_query(len(block_hashes) * self.block_size if counting.counts_query else 0,
-                                  len(hits) * self.block_size)
+            if observer is not None and counting.counts:
+                observer.on_query(len(block_hashes) * self.block_size, len(hits) * self.block_size)
             return AllocatedBlocks([block.block_id for block in table], len(hits))
 
     def append_blocks(self, request_id: RequestId, num_blocks: int) -> list[int]:

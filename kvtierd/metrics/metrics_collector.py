@@ -63,12 +63,13 @@ class PoolSource:
 # attribute → (family kind, name without _total, help, labels after "model")
 _FAMILIES: dict[str, tuple[type, str, str, tuple[str, ...]]] = {
     "query_tokens": (CounterMetricFamily, "kvtierd_prefix_query_tokens",
-                     "Prompt tokens looked up in the block index (full blocks only).", ()),
+                     "Prompt tokens of prefix queries, full blocks only (an engine's Lookup that names its query, "
+                     "else the Acquire, Put or Get), each counted once.", ()),
     "hit_tokens": (CounterMetricFamily, "kvtierd_prefix_hit_tokens",
-                   "Prompt tokens served from a tier instead of recomputed (t0: found in the device pool; "
-                   "t1, t2: promoted from host or SSD).", ("tier",)),
-    "hit_blocks": (CounterMetricFamily, "kvtierd_prefix_hit_blocks", "Prefix blocks served from each tier.",
-                   ("tier",)),
+                   "Prompt tokens of queries served from a tier instead of recomputed, by the tier that held them "
+                   "(counted where the query is: a Lookup's promise, else the load).", ("tier",)),
+    "hit_blocks": (CounterMetricFamily, "kvtierd_prefix_hit_blocks", "Prefix blocks of queries served from each "
+                   "tier (as kvtierd_prefix_hit_tokens).", ("tier",)),
     "evictions": (CounterMetricFamily, "kvtierd_evictions", "Cached blocks evicted from each tier.", ("tier",)),
     "capacity": (GaugeMetricFamily, "kvtierd_tier_capacity_bytes", "Bytes each tier can hold.", ("tier",)),
     "used": (GaugeMetricFamily, "kvtierd_tier_used_bytes",
@@ -231,8 +232,8 @@ def _add_pool(families: Families, model: str, source: PoolSource, stats: Tiering
     for edge, num_blocks in stats.num_offloaded_blocks.items():
         add("offloaded_blocks", num_blocks, edge)
     if (t3 := stats.t3) is not None:
-        add("hit_blocks", t3.num_hit_blocks, Tier.T3)
-        add("hit_tokens", t3.num_hit_blocks * source.block_size_tokens, Tier.T3)
+        add("hit_blocks", stats.num_t3_hit_blocks, Tier.T3)  # of queries; kvtierd_t3_hit_blocks: the store's reads
+        add("hit_tokens", stats.num_t3_hit_blocks * source.block_size_tokens, Tier.T3)
         add("skipped_slow", stats.num_skipped_slow_blocks.t3, Tier.T3)
         for key, value in (("t3_hits", t3.num_hit_blocks), ("t3_misses", t3.num_miss_blocks),
                            ("t3_corrupt", t3.num_corrupt_blocks), ("t3_read_bytes", t3.read_bytes),

@@ -42,19 +42,22 @@ def pool_stats(pool: LayoutPool) -> pb.PoolStats:
                         num_failed_load_blocks=stats.num_failed_load_blocks,
                         num_failed_offload_blocks=stats.num_failed_offload_blocks,
                         t2_admitting=ssd.admitting if ssd else False, t2_reason=ssd.reason if ssd else "",
-                        t3=remote_tier_message(stats.t3, declined.t3) if stats.t3 is not None else None,
+                        t3=remote_tier_message(stats.t3, declined.t3, stats.num_t3_hit_blocks)
+                        if stats.t3 is not None else None,
                         recompute_s_per_token=recompute.s_per_token or 0.0, recompute_source=recompute.source,
                         num_recompute_reports=recompute.num_reports)
 
 
-def remote_tier_message(t3: RemoteTierStats, num_declined_blocks: int = 0) -> pb.RemoteTierStats:
+def remote_tier_message(t3: RemoteTierStats, num_declined_blocks: int = 0,
+                        num_query_hit_blocks: int = 0) -> pb.RemoteTierStats:
+    """The store's own counts of this layout's traffic, with the hit rate's T3 figures beside them."""
     return pb.RemoteTierStats(
         codec=t3.codec, num_hit_blocks=t3.num_hit_blocks, num_miss_blocks=t3.num_miss_blocks,
         num_corrupt_blocks=t3.num_corrupt_blocks, num_written_blocks=t3.num_written_blocks,
         num_failed_writes=t3.num_failed_writes, num_dropped_writes=t3.num_dropped_writes, read_bytes=t3.read_bytes,
         written_bytes=t3.written_bytes, write_backlog_bytes=t3.write_backlog_bytes,
         read_bytes_per_s=t3.read_bytes_per_s, write_bytes_per_s=t3.write_bytes_per_s,
-        num_declined_blocks=num_declined_blocks)
+        num_declined_blocks=num_declined_blocks, num_query_hit_blocks=num_query_hit_blocks)
 
 
 def remote_store_message(store: RedisStore | None) -> pb.RemoteStoreStats:

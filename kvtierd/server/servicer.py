@@ -145,8 +145,9 @@ class KvTierServicer(kvtier_pb2_grpc.KvTierServicer):
         manager = session.pool.manager
         chains = lookup_chains(keys, packed_tokens(request.token_ids), list(request.chain_lengths),
                                session.pool.layout.block_size)
-        if request.num_query_blocks > len(keys):
-            raise InvalidArgument(f"num_query_blocks ({request.num_query_blocks}) exceeds the {len(keys)} hashes")
+        if request.num_query_blocks > len(chains[0][0]):  # the query: the first chain's leading blocks
+            raise InvalidArgument(f"num_query_blocks ({request.num_query_blocks}) exceeds the first chain's "
+                                  f"{len(chains[0][0])} blocks")
         hits = [manager.lookup(chain_keys, chain_tokens, prefetch=request.prefetch and not manager.has_remote,
                                ask_remote=False) for chain_keys, chain_tokens in chains]
         if manager.has_remote:  # the shared store, for what the local tiers lack: a round trip, on a thread
@@ -156,12 +157,13 @@ class KvTierServicer(kvtier_pb2_grpc.KvTierServicer):
                                                   asks_store and request.num_query_blocks > 0)  # T3's misses count
                 hits = await call_blocking_if(asks_store, lookup_remote)
         total = sum(hits, TierCounts())
-        # what an Acquire would not load, being slower than recompute: counted once, with the query
-        declined = [manager.declined(h, count=request.num_query_blocks > 0).num_blocks for h in hits]
-        per_chain = ([pb.ChainHits(**hit_counts(h), num_declined_blocks=n) for h, n in zip(hits, declined)]
+        declined = [manager.declined(h) for h in hits]  # what an Acquire would not load: slower than recompute
+        per_chain = ([pb.ChainHits(**hit_counts(h), num_declined_blocks=d.num_blocks) for h, d in zip(hits, declined)]
                      if request.chain_lengths else [])
-        manager.count_query_blocks(request.num_query_blocks)  # once the lookup has been answered
-        return pb.LookupResponse(**hit_counts(total), chains=per_chain, num_declined_blocks=sum(declined))
+        if request.num_query_blocks:  # once the lookup has been answered; its loads count nothing again
+            manager.count_query(hits[0], declined[0], request.num_query_blocks)
+        return pb.LookupResponse(**hit_counts(total), chains=per_chain,
+                                 num_declined_blocks=sum(d.num_blocks for d in declined))
 
     async def Acquire(self, request: pb.AcquireRequest, context: Context) -> pb.AcquireResponse:
         session = self._session(request.session_id)
@@ -170,8 +172,7 @@ class KvTierServicer(kvtier_pb2_grpc.KvTierServicer):
         first_parent = acquire_parent(session.pool, request.parent_hash)
         self.sessions.check_quota(session, len(keys) + request.num_extra_blocks)
         manager, request_key = session.pool.manager, session.key(request.request_id)
-        counting = (QueryCounting.NOTHING if request.for_store else
-                    QueryCounting.HITS_ONLY if request.query_counted else QueryCounting.QUERY_AND_HITS)
+        counting = QueryCounting.NOTHING if request.for_store or request.query_counted else QueryCounting.QUERY_AND_HITS
         manager.report_recompute(request.recompute_s_per_token)  # before its hits are weighed (a bad value: no change)
         acquire = functools.partial(manager.acquire, request_key, keys, request.num_extra_blocks,
                                     packed_tokens(request.token_ids), counting=counting,

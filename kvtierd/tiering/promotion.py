@@ -133,10 +133,9 @@ class Promoter:
         n0 = allocation.num_hit_blocks
         answers = {} if num_t3_present is None else {Tier.T3: num_t3_present}
         segments, declined = self._claim(self.levels, block_hashes, token_bytes, n0,
-                                         self._cost(recompute_s_per_token), answers, counting.counts_hits)
-        if counting.counts_hits:
+                                         self._cost(recompute_s_per_token), answers, counting.counts)
+        if counting.counts:
             tiers.counters.count_hits(Tier.T0, n0)
-        if counting.counts_query:
             tiers.counters.count_queries(len(block_hashes))
             tiers.counters.count_skipped_slow(declined)
         writable = tiers.write_backs.when_landed(allocation.block_ids[n0:])
@@ -316,7 +315,7 @@ class Promoter:
                 num_committed = len(loaded)
             except KvtierError as e:  # the request went away meanwhile
                 log.info("promoted blocks of %r not committed: %s", request_id, e)
-        num_uncounted = num_committed if counting.counts_hits else 0
+        num_uncounted = num_committed if counting.counts else 0
         for segment in segments:  # the committed blocks, tier by tier in chain order
             num_hits = min(num_uncounted, len(segment.metas))
             tiers.counters.count_hits(segment.tier, num_hits)

@@ -20,10 +20,12 @@ class TierCounters:
     """Counts since start; written only through the `count_*` methods."""
 
     num_query_blocks: int = 0  # asked for by Acquire, Put and Get or named by a Lookup: the hit rate's denominator
-    num_hit_blocks: TierCounts = TierCounts()  # prefix hits served, by the tier that held them
+    # hits of queries, by the tier that held them: a Lookup's promise, or what an Acquire, Put or Get served
+    num_hit_blocks: TierCounts = TierCounts()
     # lower-tier hits of queries declined, by the tier that held them: recompute was expected faster
     num_skipped_slow_blocks: TierCounts = TierCounts()
-    num_failed_load_blocks: int = 0  # promotions that failed: a miss, never a hit
+    # promotions that failed (recomputed): never a hit of their Acquire; a Lookup's promise stays counted
+    num_failed_load_blocks: int = 0
     num_offloaded_blocks: dict[Edge, int] = dataclasses.field(  # by edge; into T3: queued for the store's writer
         default_factory=lambda: dict.fromkeys(Edge, 0))
     num_failed_offload_blocks: int = 0

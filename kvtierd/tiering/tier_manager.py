@@ -175,19 +175,23 @@ class TierManager:
         recompute_cost.py); a bad value raises InvalidArgument and changes nothing."""
         self.tiers.recompute.report(s_per_token)
 
-    def declined(self, hits: TierCounts, count: bool = False) -> TierCounts:
+    def declined(self, hits: TierCounts) -> TierCounts:
         """Of a lookup's `hits`, the lower-tier blocks an acquire would not load, being slower than
-        recomputing them (load_decision.py); counted as skipped when `count` (the chain is a query)."""
-        declined = self.promoter.declined(hits)
-        if count:
-            self.tiers.counters.count_skipped_slow(declined)
-        return declined
+        recomputing them (load_decision.py): the trailing ones."""
+        return self.promoter.declined(hits)
 
-    def count_query_blocks(self, num_blocks: int) -> None:
-        """Blocks a Lookup names as a query (the Acquires that load its hits count only their hits)."""
-        if num_blocks:
-            self.tiers.counters.count_queries(num_blocks)
-            self.tiers.index.count_query(num_blocks * self.tiers.index.block_size)
+    def count_query(self, hits: TierCounts, declined: TierCounts, num_query_blocks: int) -> None:
+        """A Lookup's query, counted once (query_counting.py): the chain's first `num_query_blocks`
+        blocks; of them, its `hits` (a lookup's, T3's included) up to the `declined` ones count as
+        hits tier by tier, the declined as skipped (recomputed), the rest as misses."""
+        counters, index = self.tiers.counters, self.tiers.index
+        asked = hits.first(num_query_blocks)
+        promised = hits.first(hits.num_blocks - declined.num_blocks).first(num_query_blocks)
+        counters.count_queries(num_query_blocks)
+        for tier, num_blocks in promised.items():
+            counters.count_hits(tier, num_blocks)
+        counters.count_skipped_slow(asked - promised)
+        index.count_query(num_query_blocks * index.block_size, promised.t0 * index.block_size)
 
     def lookup(self, block_hashes: list[DaemonKey], token_ids: PackableTokenIds | None = None, prefetch: bool = False,
                ask_remote: bool = True, count_misses: bool = False) -> TierCounts:

@@ -29,7 +29,7 @@ class TierUsage:
     capacity_bytes: int
     used_bytes: int
     num_cached_blocks: int  # blocks a lookup can hit
-    num_hit_blocks: int  # prefix hits served from this tier, since start
+    num_hit_blocks: int  # hits of queries in this tier, since start (query_counting.py)
     num_evictions: int  # cached blocks dropped to make room, since start
     codec: str  # how a slot holds a block ("raw", "fp8"); T0 holds the layout's dtype: "raw"
     num_quota_skips: int = 0  # T1/T2 stores refused because the tenant was at its quota
@@ -49,6 +49,7 @@ class TieringStats:
     ssd: SsdStats | None  # T2's health and I/O, when T2 is configured
     t3: RemoteTierStats | None  # this layout's traffic with the shared store, when T3 is configured
     num_query_blocks: int  # blocks asked for by Acquire, Put and Get, or named as a query by a Lookup
+    num_t3_hit_blocks: int  # hits of queries in T3, as each TierUsage's (t3.num_hit_blocks: the store's reads)
     num_skipped_slow_blocks: TierCounts  # lower-tier hits of queries declined as slower than recompute, by tier
     recompute: CostEstimate  # the cost those hits were weighed against (recompute_cost.py)
     num_failed_load_blocks: int
@@ -85,7 +86,8 @@ def tiering_stats(tiers: Tiers) -> TieringStats:
     return TieringStats(
         num_blocks=index.num_blocks, num_free_blocks=index.num_free_blocks, t0=t0, t1=t1, t2=t2, ssd=ssd,
         t3=tiers.remote.stats() if tiers.remote is not None else None,
-        num_query_blocks=counters.num_query_blocks, num_skipped_slow_blocks=counters.num_skipped_slow_blocks,
+        num_query_blocks=counters.num_query_blocks, num_t3_hit_blocks=hits.t3,
+        num_skipped_slow_blocks=counters.num_skipped_slow_blocks,
         num_failed_load_blocks=counters.num_failed_load_blocks, recompute=tiers.recompute.estimate(),
         num_failed_offload_blocks=counters.num_failed_offload_blocks,
         num_offloaded_blocks=dict(counters.num_offloaded_blocks),

@@ -288,10 +288,11 @@ def test_an_acquire_to_store_is_neither_a_query_nor_a_hit(tmp_path):
         assert (query - query_before, hits - hits_before) == (len(tokens), len(tokens))
 
 
-def test_a_lookup_names_the_query_and_the_load_counts_only_its_hits(tmp_path):
-    """An engine's first Lookup of a request counts the blocks a full hit would load
-    (num_query_blocks); the Acquire that loads the hits (query_counted) adds hits and no second
-    query; a Lookup that names more query blocks than hashes is refused and counts nothing."""
+def test_a_lookup_counts_the_query_and_its_hits_once_and_the_load_counts_nothing_again(tmp_path):
+    """An engine's first Lookup of a request counts, there, the blocks a full hit would load
+    (num_query_blocks, of its first chain) and the hits it promises; the Acquire that loads them
+    (query_counted) counts nothing; a Lookup naming more query blocks than its first chain holds is
+    refused and counts nothing."""
     tokens = prompt(12, 32)
     with DaemonProcess(small_daemon_args(str(tmp_path))) as daemon, KvtierClient(daemon.address) as client:
         session = client.attach(LAYOUT, map_pool=False)
@@ -303,21 +304,26 @@ def test_a_lookup_names_the_query_and_the_load_counts_only_its_hits(tmp_path):
         query_before, hits_before = prefix_token_counts(daemon.metrics_url)
 
         with pytest.raises(InvalidArgument, match="num_query_blocks"):
-            session.lookup(hashes, token_ids=tokens, num_query_blocks=len(hashes) + 1)
+            session.lookup(hashes, token_ids=tokens, chain_lengths=[6, 2], num_query_blocks=7)
         assert t0_stats(client).num_query_blocks == before.num_query_blocks
 
         answer = session.lookup(hashes, token_ids=tokens, num_query_blocks=len(hashes))
         assert answer.num_hit_blocks == 5
+        looked = t0_stats(client)
+        assert looked.num_query_blocks == before.num_query_blocks + len(hashes)
+        assert tier_hits(looked)["t0"] - tier_hits(before)["t0"] == 5
+        assert prefix_token_counts(daemon.metrics_url) == (query_before + 4 * len(hashes), hits_before + 4 * 5)
+
         load = session.acquire("load", hashes[:5], 0, token_ids=tokens[:20], query_counted=True)
         session.release("load")
-        after = t0_stats(client)
         assert load.num_t0_hit_blocks == 5
-        assert after.num_query_blocks == before.num_query_blocks + len(hashes)
-        hits = {t.tier: t.num_hit_blocks for t in after.tiers}["t0"] - {t.tier: t.num_hit_blocks
-                                                                         for t in before.tiers}["t0"]
-        assert hits == 5
-        query, hit_tokens = prefix_token_counts(daemon.metrics_url)
-        assert (query - query_before, hit_tokens - hits_before) == (4 * len(hashes), 4 * 5)
+        after = t0_stats(client)
+        assert (after.num_query_blocks, tier_hits(after)) == (looked.num_query_blocks, tier_hits(looked))
+        assert prefix_token_counts(daemon.metrics_url) == (query_before + 4 * len(hashes), hits_before + 4 * 5)
+
+
+def tier_hits(pool) -> dict[str, int]:
+    return {t.tier: t.num_hit_blocks for t in pool.tiers}
 
 
 def test_a_store_may_continue_a_chain_stored_before_naming_only_its_parent(tmp_path):

@@ -67,21 +67,6 @@ def test_an_uncounted_acquire_promotes_from_t1_without_counting_a_query_or_a_hit
     assert manager.stats().t0.num_hit_blocks == before.t0.num_hit_blocks + 4
 
 
-def test_a_lookup_counts_the_query_and_a_hits_only_acquire_counts_only_its_promoted_hits(manager):
-    """An engine's Lookup names the query (count_query_blocks); the Acquire that loads the hits
-    (HITS_ONLY) adds its T1 hits, once they landed, and no second query."""
-    chain = only_in_t1(manager)
-    before, queries_before = manager.stats(), manager.tiers.counters.num_query_blocks
-    manager.count_query_blocks(6)
-    acquisition = manager.acquire("load", chain, 0, PROMPT, counting=QueryCounting.HITS_ONLY)
-    assert acquisition.num_t1_blocks == 4 and acquisition.ticket.wait(10) == 4
-    manager.release("load")
-    after = manager.stats()
-    assert after.t1.num_hit_blocks == before.t1.num_hit_blocks + 4
-    assert after.t0.num_hit_blocks == before.t0.num_hit_blocks
-    assert manager.tiers.counters.num_query_blocks == queries_before + 6
-
-
 def test_a_t1_load_that_lands_before_acquire_returns_still_resolves_the_ticket(manager, monkeypatch):
     """The load may finish on the finalizer thread before the acquiring thread moves on; the
     ticket must resolve anyway (it once waited forever, and SIGTERM then hung on the release)."""

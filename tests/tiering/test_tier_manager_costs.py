@@ -88,9 +88,10 @@ def test_a_lookup_answers_what_an_acquire_would_decline_and_counts_it_once_as_a_
     manager.report_recompute(FAST_RECOMPUTE_S)
     hits = manager.lookup(CHAIN, PROMPT)
     assert hits == SPLIT  # where the blocks are: unchanged by the decision
-    assert manager.declined(hits) == TierCounts(t2=2)
+    declined = manager.declined(hits)
+    assert declined == TierCounts(t2=2)
     assert manager.stats().num_skipped_slow_blocks == TierCounts()  # asked again: not a query
-    manager.declined(hits, count=True)
+    manager.count_query(hits, declined, len(CHAIN))
     assert manager.stats().num_skipped_slow_blocks == TierCounts(t2=2)
 
 

@@ -3,15 +3,18 @@ before the end, the Mamba state at the end) over per-position presence, on every
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 
-from kvtierd.connectors.vllm.daemon_lookup import group_presence, lookup_request
+from kvtierd.connectors.vllm.daemon_lookup import group_presence, lookup_request, num_query_blocks
 from kvtierd.connectors.vllm.group_hits import (
     ABSENT,
     NO_HIT,
     across_ranks,
     leading_presence,
     needed_positions,
+    primary_group,
     request_hit,
     without_declined,
 )
@@ -61,17 +64,33 @@ def test_a_mamba_hit_ends_where_a_state_is_and_full_attention_reaches():
 ENGINE = EngineGroups((SLIDING, FULL, MAMBA), 4, 4, 64, uniform_attention=False)
 
 
-def test_one_lookup_asks_a_chain_per_attention_group_and_one_per_candidate_state():
+def test_one_lookup_asks_a_chain_per_attention_group_and_one_per_candidate_state_the_full_group_first():
+    """The full-attention group's chain comes first (the query the daemon counts); the answers come
+    back to each group in engine order."""
     query = LookupQuery(5, ((b"s5", b"s6", b"s7"), (b"f5", b"f6", b"f7"), (b"m5", b"m6", b"m7")),
                         tuple(range(12)))
     hashes, tokens, lengths = lookup_request(ENGINE, query)
-    assert hashes == [b"s5", b"s6", b"s7", b"f5", b"f6", b"f7", b"m5", b"m6", b"m7"]
+    assert hashes == [b"f5", b"f6", b"f7", b"s5", b"s6", b"s7", b"m5", b"m6", b"m7"]
     assert lengths == [3, 3, 1, 1, 1] and tokens == list(range(12)) * 3
-    answers = [pb.ChainHits(num_hit_blocks=3, num_t0_blocks=3), pb.ChainHits(num_hit_blocks=2, num_t0_blocks=1,
-                                                                              num_t2_blocks=1),
+    answers = [pb.ChainHits(num_hit_blocks=2, num_t0_blocks=1, num_t2_blocks=1),
+               pb.ChainHits(num_hit_blocks=3, num_t0_blocks=3),
                pb.ChainHits(), pb.ChainHits(num_hit_blocks=1, num_t1_blocks=1), pb.ChainHits(num_hit_blocks=1,
                                                                                             num_t0_blocks=1)]
     assert group_presence(ENGINE, answers, 3) == ([[T0, T0, T0], [T0, T2, ABSENT], [ABSENT, T1, T0]], TierCounts())
+
+
+def test_a_request_s_first_lookup_names_every_candidate_position_of_the_first_chain_as_the_query():
+    """vLLM counts a hit in positions, so the query is the primary chain's positions, not the sum of
+    the blocks each group would load; a repeated ask, and a model of Mamba groups only, name none."""
+    query = LookupQuery(5, ((b"s5", b"s6", b"s7"), (b"f5", b"f6", b"f7"), (b"m5", b"m6", b"m7")),
+                        tuple(range(12)), count_query=True)
+    assert num_query_blocks(ENGINE, query) == 3 == lookup_request(ENGINE, query)[2][0]
+    assert num_query_blocks(ENGINE, dataclasses.replace(query, count_query=False)) == 0
+    sliding_first = EngineGroups((MAMBA, SLIDING), 4, 4, 64, uniform_attention=False)
+    assert primary_group(sliding_first.groups) == 1
+    assert num_query_blocks(sliding_first, LookupQuery(0, ((b"m",), (b"s",)), tuple(range(4)), True)) == 1
+    only_states = EngineGroups((MAMBA,), 4, 4, 64, uniform_attention=False)
+    assert num_query_blocks(only_states, LookupQuery(0, ((b"m0", b"m1"),), tuple(range(8)), True)) == 0
 
 
 def test_a_chain_s_declined_blocks_are_its_last_from_the_lowest_tier_up():
@@ -85,8 +104,8 @@ def test_a_chain_s_declined_blocks_are_its_last_from_the_lowest_tier_up():
 def test_blocks_the_daemon_declines_are_no_hit_and_the_full_group_s_are_reported():
     """The sliding group's T2 block and the full group's two T2 blocks are declined as slower than
     recompute, and so is the state in T1: vLLM computes them all."""
-    answers = [pb.ChainHits(num_hit_blocks=3, num_t0_blocks=2, num_t2_blocks=1, num_declined_blocks=1),
-               pb.ChainHits(num_hit_blocks=3, num_t0_blocks=1, num_t2_blocks=2, num_declined_blocks=2),
+    answers = [pb.ChainHits(num_hit_blocks=3, num_t0_blocks=1, num_t2_blocks=2, num_declined_blocks=2),
+               pb.ChainHits(num_hit_blocks=3, num_t0_blocks=2, num_t2_blocks=1, num_declined_blocks=1),
                pb.ChainHits(num_hit_blocks=1, num_t0_blocks=1),
                pb.ChainHits(num_hit_blocks=1, num_t1_blocks=1, num_declined_blocks=1), pb.ChainHits()]
     presence, declined = group_presence(ENGINE, answers, 3)

@@ -5,7 +5,9 @@ vLLM's own prefix cache on) on the real SmolLM2-135M, through `kvtierd-vllm`, wi
 - Greedy completions are the same with and without the connector; a second server process loads
   what the first stored (vLLM's own `vllm:external_prefix_cache_hits_total`, its cache being empty),
   and the daemon's hit count is exactly what vLLM loaded (stores are not hits); its query count
-  is vLLM's external_prefix_cache_queries but for each prompt's partial last block.
+  is vLLM's external_prefix_cache_queries but for each prompt's tail past its last full block
+  before the last token (no block can hit there), so `kvtierctl stats`' hit rate is vLLM's external
+  hits over the tokens it asked the connector about.
 - After the daemon's restart (T0 and T1 empty, the SSD tier kept) a new server's hits come from T2
   ("disk"); a daemon killed while requests run leaves the server answering, with the same text.
 """
@@ -13,7 +15,9 @@ vLLM's own prefix cache on) on the real SmolLM2-135M, through `kvtierd-vllm`, wi
 from __future__ import annotations
 
 import concurrent.futures
+import fractions
 import json
+import re
 import urllib.request
 
 import pytest
@@ -21,6 +25,7 @@ import pytest
 from kvtierd.client import KvtierClient
 from kvtierd.connectors.demo import demo_texts
 from kvtierd.launch.daemon_process import WRITE_THROUGH, DaemonProcess, small_daemon_args, wait_until, written_through
+from tests.cli.test_kvtierctl import kvtierctl
 from tests.connectors.vllm.openai_server import OpenAIServer
 from tests.connectors.vllm.test_vllm_engines import tier
 
@@ -94,6 +99,14 @@ def queries_beyond_whole_blocks(texts: list[str], server: OpenAIServer) -> int:
     return sum(num_prompt_tokens(t, server) - whole_blocks_before_the_last_token(t, server) for t in texts)
 
 
+def kvtierctl_hit_rate(address: str) -> tuple[str, str]:
+    """(the hit rate, the query tokens) `kvtierctl stats` prints for the one pool."""
+    done = kvtierctl("stats", address=address)
+    assert done.returncode == 0, done.stderr
+    (found,) = re.findall(r"hit rate ([0-9.]+%) of ([0-9,]+) query tokens", done.stdout)
+    return found
+
+
 def test_completions_match_vllm_alone_and_a_second_server_loads_what_the_first_stored(serve, short_dir):
     prompts = [prompt(q) for q in QUESTIONS]
     alone = serve("alone", None)
@@ -135,6 +148,12 @@ def test_completions_match_vllm_alone_and_a_second_server_loads_what_the_first_s
         vllm_queries += second.metric_sum("vllm:external_prefix_cache_queries_total")
         daemon_query_tokens = the_pool(client).num_query_blocks * BLOCK_SIZE
         assert vllm_queries - daemon_query_tokens == tails * 2, (vllm_queries, daemon_query_tokens, tails)
+        # So the hit rate kvtierctl prints is vLLM's over the tokens it asked the connector about.
+        vllm_hits = external_hits(second)  # the first server's were 0 (above)
+        assert fractions.Fraction(daemon_hit_tokens, daemon_query_tokens) == \
+            fractions.Fraction(int(vllm_hits), int(vllm_queries) - tails * 2) == fractions.Fraction(1, 2)
+        assert kvtierctl_hit_rate(daemon.address) == (f"{vllm_hits / (vllm_queries - tails * 2):.1%}",
+                                                      f"{int(vllm_queries) - tails * 2:,}")
 
 
 def test_after_a_restart_hits_come_from_t2_and_a_killed_daemon_leaves_the_server_answering(serve, short_dir):
