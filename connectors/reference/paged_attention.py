@@ -84,13 +84,14 @@ def paged_attention_varlen(query: torch.Tensor, key_cache: torch.Tensor, value_c
     return paged_attention(query, key_cache, value_cache, metadata, scale, triton_decode=triton_decode)
 
 
-def gather_keys(cache: torch.Tensor, group: AttentionGroup) -> torch.Tensor:
-    """The group's keys (or values) dense: `[num_seqs, kv_heads, num_keys, head_dim]` in the
-    query-side layout SDPA takes (a view of one gathered copy; padding keys past a context hold
-    block 0's)."""
+def gather_keys(cache: torch.Tensor, group: AttentionGroup, slot: int) -> torch.Tensor:
+    """The group's keys (slot 0) or values (slot 1) dense: `[num_seqs, kv_heads, num_keys,
+    head_dim]` in the query-side layout SDPA takes (a view of the group's gather buffer for that
+    slot, valid until the next layer gathers; padding keys past a context hold block 0's)."""
     num_blocks_read, block_size, num_kv_heads, head_dim = group.block_ids.shape[0], *cache.shape[1:]
     wide = as_wide_words(cache)
-    blocks = wide.index_select(0, group.block_ids)
+    buffer = group.gather_buffer(slot, (num_blocks_read, *wide.shape[1:]), wide.dtype, wide.device)
+    blocks = torch.index_select(wide, 0, group.block_ids, out=buffer)
     if wide is not cache:
         blocks = blocks.view(cache.dtype)
     keys_per_seq = num_blocks_read // group.num_seqs * block_size
@@ -117,8 +118,8 @@ def _attend(query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Ten
     """The group's output rows `[num_seqs * num_queries, num_heads, head_dim]`."""
     if triton_decode and not group.causal and group.num_queries == 1:
         return paged_decode_triton(query, key_cache, value_cache, group, scale)
-    keys = gather_keys(key_cache, group).to(query.dtype)
-    values = gather_keys(value_cache, group).to(query.dtype)
+    keys = gather_keys(key_cache, group, 0).to(query.dtype)
+    values = gather_keys(value_cache, group, 1).to(query.dtype)
     num_seqs, num_queries = group.num_seqs, group.num_queries
     _, num_heads, head_dim = query.shape
     num_kv_heads = keys.shape[1]

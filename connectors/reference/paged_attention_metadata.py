@@ -36,6 +36,9 @@ class AttentionGroup:
     the group's longest context; `token_rows` names the group's `num_seqs * num_queries` query
     rows in the batch, sequence-major. Causal groups have `num_queries == num_keys` and no
     `last_key_positions`; `_masks` is filled on first use, by GQA group size, and never changes.
+    `_gather_buffers` hold the gathered K and V of one layer at a time: every layer of the pass
+    gathers into the same two, so the metadata serves one forward pass on one stream (a layer's
+    gather is ordered after the previous layer's reads).
     """
 
     causal: bool
@@ -47,6 +50,16 @@ class AttentionGroup:
     context_lens: torch.Tensor  # [num_seqs] int64: each sequence's context, <= num_keys
     last_key_positions: torch.Tensor | None  # [num_seqs, num_queries] int64: the last key each query sees
     _masks: dict[int, torch.Tensor | None] = dataclasses.field(default_factory=dict)
+    _gather_buffers: dict[tuple, torch.Tensor] = dataclasses.field(default_factory=dict)
+
+    def gather_buffer(self, slot: int, shape: tuple[int, ...], dtype: torch.dtype,
+                      device: torch.device) -> torch.Tensor:
+        """Scratch for gathering K (slot 0) or V (slot 1), made on first use, then reused: fresh
+        memory for every layer's copy costs more than the copy on a CPU (its pages fault in)."""
+        key = (slot, shape, dtype, device)
+        if key not in self._gather_buffers:
+            self._gather_buffers[key] = torch.empty(shape, dtype=dtype, device=device)
+        return self._gather_buffers[key]
 
     def key_mask(self, num_heads_per_kv_head: int) -> torch.Tensor | None:
         """The boolean mask for queries packed as `[num_seqs, kv_heads, num_queries * group, keys]`

@@ -154,7 +154,26 @@ def test_gather_reads_keys_and_values_as_wide_words_bit_for_bit(dtype):
         for group in metadata.groups:
             blocks = cache.index_select(0, group.block_ids)
             expected = blocks.view(group.num_seqs, -1, *cache.shape[2:])[:, :group.num_keys].transpose(1, 2)
-            assert torch.equal(gather_keys(cache, group), expected)
+            assert torch.equal(gather_keys(cache, group, 0), expected)
+
+
+def test_layers_reuse_the_gather_buffers_and_their_outputs_stay_their_own():
+    """Two layers through one metadata: the second gathers into the first's buffers, and the
+    first layer's output (returned before) is still its own."""
+    batch = make_batch(seed=16)
+    metadata = PagedAttentionMetadata.build(batch.block_tables, batch.context_lens, batch.query_start_loc, 16)
+    layer_0 = dataclasses.replace(batch, pool=batch.pool.roll(1, dims=1))  # layer 1's K/V become another's
+    out_0 = paged_attention(layer_0.query, layer_0.key_cache, layer_0.value_cache, metadata, batch.scale)
+    def buffers() -> dict:
+        return {(i, key): buffer.data_ptr() for i, group in enumerate(metadata.groups)
+                for key, buffer in group._gather_buffers.items()}
+
+    first = buffers()
+    out_1 = paged_attention(batch.query, batch.key_cache, batch.value_cache, metadata, batch.scale)
+    assert buffers() == first and len(first) == 2 * len(metadata.groups)
+    assert_close_to_reference(out_0, layer_0)
+    assert_close_to_reference(out_1, batch)
+    assert not torch.equal(out_0, out_1)
 
 
 def test_a_cache_whose_rows_are_not_whole_words_is_gathered_as_is():
