@@ -18,6 +18,7 @@ from kvtierd.tier import Tier
 from kvtierd.v1 import kvtier_pb2 as pb
 
 DIRECTIONS = {"d2h": "T0->T1", "h2d": "T1->T0", "h2h": "T2<->T1"}
+EDGE_NAMES: dict[str, str] = {Tier.T1: "T0->T1", Tier.T2: "T1->T2"}  # the edge into each tier whose drops it counts
 
 
 def _pool_key(pool: pb.PoolStats) -> tuple:
@@ -91,6 +92,8 @@ class StatsView:
             moved.append(text)
         lines.append("  moved: " + (", ".join(moved) if moved else "nothing yet"))
         lines.append("  " + loads_line(pool))
+        if any(tier.tier != Tier.T0 for tier in pool.tiers):
+            lines.append("  " + dropped_line(pool))
         lines.append(f"  errors: {plural(pool.num_corrupted_blocks, 'corrupted T2 block')} dropped, "
                      f"{plural(pool.num_t2_io_errors, 'T2 I/O error')}, "
                      f"{plural(pool.num_failed_load_blocks, 'failed load')}, "
@@ -117,6 +120,15 @@ def loads_line(pool: pb.PoolStats) -> str:
         declined.append((Tier.T3, pool.t3.num_declined_blocks))
     counts = ", ".join(f"{tier.upper()} {plural(n, 'block')}" for tier, n in declined if n)
     return f"loads: {rule}; declined as slower: {counts or 'none'}"
+
+
+def dropped_line(pool: pb.PoolStats) -> str:
+    """The blocks the edges into T1 and T2 did not copy down (no room within
+    policy.write_through_wait_s, or T2 refused them), by edge."""
+    counts = [f"{EDGE_NAMES[tier.tier]} {plural(tier.num_dropped_offload_blocks, 'block')}"
+              for tier in pool.tiers if tier.tier in EDGE_NAMES]
+    return ("dropped on the way down (no room below within policy.write_through_wait_s, or refused): "
+            + ", ".join(counts))
 
 
 def node_budget_line(pools: Iterable[pb.PoolStats]) -> str:
@@ -191,6 +203,8 @@ def health_problems(stats: pb.StatsResponse) -> tuple[list[str], list[str]]:
             problems.append(f"{name}: {plural(pool.num_t2_io_errors, 'T2 I/O error')}")
         if _has_t2(pool) and not pool.t2_admitting:
             problems.append(f"{name}: T2 is not admitting blocks: {pool.t2_reason or 'unknown reason'}")
+        if any(tier.num_dropped_offload_blocks for tier in pool.tiers):
+            notes.append(f"{name}: {dropped_line(pool)}")
         if pool.num_failed_load_blocks or pool.num_failed_offload_blocks:
             notes.append(f"{name}: {plural(pool.num_failed_load_blocks, 'failed load')} (recomputed), "
                          f"{plural(pool.num_failed_offload_blocks, 'failed offload')}")

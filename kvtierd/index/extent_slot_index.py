@@ -42,6 +42,7 @@ class ExtentSlotIndex(SlotIndex):
             assert old + num_new_slots <= self.max_slots, (old, num_new_slots, self.max_slots)
             self._free_slots[:0] = range(old + num_new_slots - 1, old - 1, -1)  # popped last, lowest first
             self.num_slots = old + num_new_slots
+            self._room_changed()
 
     def shrink(self, num_slots: int) -> list[SlotEntry]:
         """Cut the extent to `num_slots`, or to just past the last slot a store or load holds

@@ -47,8 +47,11 @@ class SlotEntry:
 
 @dataclasses.dataclass(slots=True)
 class StorePlan:
-    """Slots for the blocks that fit, in order; entries evicted to make room (bytes intact)."""
+    """Slots for the blocks that fit, in order; entries evicted to make room (bytes intact); the
+    blocks that did not fit, which a caller may store once the index changed (SlotIndex.wait_for_room)."""
 
     stores: list[SlotEntry]
     evicted: list[SlotEntry]
     num_skipped: int  # blocks already present (stored or being stored) or that did not fit
+    unplaced: list[BlockMeta] = dataclasses.field(default_factory=list)  # no slot: every one (or the owner's) in flight
+    num_room_changes: int = 0  # the index's count of room changes when planned (SlotIndex.wait_for_room)

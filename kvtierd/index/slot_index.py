@@ -8,7 +8,10 @@ first. Operations that move bytes are two-phase, so a slot in flight is never ev
   do not see them and they cannot be evicted. The evicted entries come back in the plan with
   their bytes still in their slots, so the caller can copy them further down before it writes.
   `complete_store(entries, success)` makes the entries READY, or drops them and frees their
-  slots: a failed store leaves no entry.
+  slots: a failed store leaves no entry. With `pin`, READY entries come pinned (a copy further
+  down reads them next: write-through), so no store evicts them before that copy's `unpin`.
+  Blocks that found no slot (every slot in flight) come back `unplaced`; `wait_for_room(plan, s)`
+  waits until the index changed since that plan (a slot freed or an entry evictable again).
 - `prepare_load(hashes)` pins the leading READY hits, which leave the LRU order while pinned.
   `unpin(entries)` gives the pins back (also those of `pin_present`, a copy further down); the
   last one puts an entry back as most recently used.
@@ -39,7 +42,8 @@ class SlotIndex:
     - every slot is either free or held by exactly one entry, so at most `num_slots` entries;
     - each entry is either STORING or READY, and only READY entries are pinned;
     - `_lru` holds exactly the READY entries with no load in flight (the evictable ones), oldest
-      first; eviction takes its head; a completed store and an entry's last unpin append to it;
+      first; eviction takes its head; a completed store (unless pinned) and an entry's last unpin
+      append to it;
     - an entry that is STORING or pinned is never evicted and its slot never handed out;
     - lookups (`lookup`, `metas`, `in`, `prepare_load`, `pin_present`) see READY entries only, so
       a store in progress is invisible until it completes, and a failed store leaves no entry;
@@ -57,6 +61,8 @@ class SlotIndex:
         self._lru: collections.OrderedDict[DaemonKey, SlotEntry] = collections.OrderedDict()
         self._clock = clock
         self._lock = threading.Lock()
+        self._room = threading.Condition(self._lock)  # notified when a slot frees or an entry turns evictable
+        self._num_room_changes = 0  # under the lock: how often that happened
         self.num_evictions = 0
         self._owner_of: Callable[[DaemonKey], bytes] | None = None  # set by set_owner_quota
         self._max_slots_of: Callable[[bytes], int | None] = lambda owner: None
@@ -110,6 +116,7 @@ class SlotIndex:
         with self._lock:
             stores: list[SlotEntry] = []
             evicted: list[SlotEntry] = []
+            unplaced: list[BlockMeta] = []
             num_skipped = 0
             now = self._clock()
             owner_of = self._owner_of
@@ -125,6 +132,7 @@ class SlotIndex:
                     if victim is None:
                         num_skipped += 1  # the owner's slots are all in flight
                         self.num_quota_skips += 1
+                        unplaced.append(meta)
                         continue
                     del self._lru[victim.block_hash]
                 elif self._free_slots:
@@ -134,6 +142,7 @@ class SlotIndex:
                     _, victim = self._lru.popitem(last=False)
                 else:
                     num_skipped += 1  # every slot is in flight
+                    unplaced.append(meta)
                     continue
                 if victim is not None:
                     self._delete(victim.block_hash)
@@ -144,21 +153,35 @@ class SlotIndex:
                 entry = SlotEntry(meta, slot, last_use_s=now)
                 self._insert(entry)
                 stores.append(entry)
-            return StorePlan(stores, evicted, num_skipped)
+            return StorePlan(stores, evicted, num_skipped, unplaced, self._num_room_changes)
 
-    def complete_store(self, entries: Sequence[SlotEntry], success: bool) -> None:
-        """READY on success; otherwise the entries go and their slots are free again."""
+    def wait_for_room(self, plan: StorePlan, timeout_s: float) -> bool:
+        """Wait, at most `timeout_s`, until a slot was freed or an entry turned evictable since
+        `plan` was made (its unplaced blocks may fit now); False when nothing changed. Blocking:
+        a mover's thread only."""
+        with self._room:
+            return self._room.wait_for(lambda: self._num_room_changes != plan.num_room_changes, max(0.0, timeout_s))
+
+    def complete_store(self, entries: Sequence[SlotEntry], success: bool, pin: bool = False) -> None:
+        """READY on success (with `pin`: pinned once, out of the LRU order until `unpin`, taken in
+        the same step, so no store evicts them in between); otherwise the entries go and their
+        slots are free again."""
         with self._lock:
             for entry in entries:
                 assert entry.storing and self._entries.get(entry.block_hash) is entry, entry
                 if success:
                     entry.storing = False
-                    self._lru[entry.block_hash] = entry
+                    if pin:
+                        entry.num_loads += 1
+                    else:
+                        self._lru[entry.block_hash] = entry
                     if self._events is not None:
                         self._events.put(_stored(entry))
                 else:
                     self._delete(entry.block_hash)
                     self._free_slots.append(entry.slot)
+            if entries and not (success and pin):
+                self._room_changed()
 
     def restore(self, entries: Sequence[tuple[BlockMeta, int, float]]) -> None:
         """Insert READY entries at given slots (recovery from a persistent index), oldest first."""
@@ -214,6 +237,7 @@ class SlotIndex:
                 entry.num_loads -= 1
                 if entry.num_loads == 0:
                     self._lru[entry.block_hash] = entry  # most recently used
+                    self._room_changed()
 
     # ----------------------------------------------------------------------------- removal
 
@@ -230,6 +254,8 @@ class SlotIndex:
                 self._removed(entry)
                 self._free_slots.append(entry.slot)
                 removed.append(entry)
+            if removed:
+                self._room_changed()
             return removed
 
     def evict_lru(self, num_entries: int) -> list[SlotEntry]:
@@ -244,6 +270,8 @@ class SlotIndex:
                 self._free_slots.append(entry.slot)
                 evicted.append(entry)
             self.num_evictions += len(evicted)
+            if evicted:
+                self._room_changed()
             return evicted
 
     # ----------------------------------------------------------------------------- events
@@ -289,6 +317,11 @@ class SlotIndex:
     def num_slots_of(self, owner: bytes) -> int:
         with self._lock:
             return self._num_slots_by_owner[owner]
+
+    def _room_changed(self) -> None:
+        """A slot was freed or an entry turned evictable (the lock held): wake `wait_for_room`."""
+        self._num_room_changes += 1
+        self._room.notify_all()
 
     def _insert(self, entry: SlotEntry) -> None:
         self._entries[entry.block_hash] = entry

@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 from prometheus_client.metrics_core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily, Metric
 
 from kvtierd.metrics.bucket_histogram import BucketHistogram
-from kvtierd.tier import Tier
+from kvtierd.tier import Edge, Tier
 
 if TYPE_CHECKING:
     from kvtierd.t3.store_node import StoreHealth
@@ -91,6 +91,9 @@ _FAMILIES: dict[str, tuple[type, str, str, tuple[str, ...]]] = {
     "failed_loads": (CounterMetricFamily, "kvtierd_failed_loads",
                      "Blocks whose promotion from a lower tier failed (served as misses).", ()),
     "failed_offloads": (CounterMetricFamily, "kvtierd_failed_offloads", "Blocks whose copy down a tier failed.", ()),
+    "dropped_offloads": (CounterMetricFamily, "kvtierd_dropped_offload_blocks",
+                         "Blocks an edge into T1 or T2 did not copy down: no slot free of copies in flight within "
+                         "policy.write_through_wait_s (an eviction cannot wait), or T2 refused them.", ("edge",)),
     "skipped_slow": (CounterMetricFamily, "kvtierd_skipped_slow_blocks",
                      "Lower-tier hits of queries not loaded because recomputing them was expected to be faster, "
                      "by the tier that held them.", ("tier",)),
@@ -231,6 +234,8 @@ def _add_pool(families: Families, model: str, source: PoolSource, stats: Tiering
         add("bandwidth", bytes_per_s, direction)
     for edge, num_blocks in stats.num_offloaded_blocks.items():
         add("offloaded_blocks", num_blocks, edge)
+    for edge in (Edge.T0_T1, Edge.T1_T2):  # into T3: kvtierd_t3_dropped_writes
+        add("dropped_offloads", stats.num_dropped_offload_blocks[edge], edge)
     if (t3 := stats.t3) is not None:
         add("hit_blocks", stats.num_t3_hit_blocks, Tier.T3)  # of queries; kvtierd_t3_hit_blocks: the store's reads
         add("hit_tokens", stats.num_t3_hit_blocks * source.block_size_tokens, Tier.T3)

@@ -12,12 +12,14 @@ from kvtierd.v1 import kvtier_pb2 as pb
 from kvtierd.wire.conversions import layout_to_proto
 
 
-def tier_message(usage: TierUsage, share: BudgetShare | None = None, num_declined_blocks: int = 0) -> pb.TierStats:
+def tier_message(usage: TierUsage, share: BudgetShare | None = None, num_declined_blocks: int = 0,
+                 num_dropped_offload_blocks: int = 0) -> pb.TierStats:
     """One tier's figures; with `share` (T1, T2), this layout's part of the node's budget beside it."""
     message = pb.TierStats(tier=usage.tier, capacity_bytes=usage.capacity_bytes, used_bytes=usage.used_bytes,
                            num_cached_blocks=usage.num_cached_blocks, num_hit_blocks=usage.num_hit_blocks,
                            num_evictions=usage.num_evictions, num_declined_blocks=num_declined_blocks,
-                           pinned_bytes=usage.pinned_bytes, pinning=usage.pinning)
+                           pinned_bytes=usage.pinned_bytes, pinning=usage.pinning,
+                           num_dropped_offload_blocks=num_dropped_offload_blocks)
     if share is not None:
         message.node_held_bytes, message.node_share_bytes = share.held_bytes, share.share_bytes
         message.node_capacity_bytes, message.node_used_bytes = share.node_capacity_bytes, share.node_used_bytes
@@ -34,7 +36,9 @@ def pool_stats(pool: LayoutPool) -> pb.PoolStats:
                  for direction in sorted(stats.bytes_moved)]
     return pb.PoolStats(layout=layout_to_proto(pool.layout), num_blocks=stats.num_blocks,
                         num_free_blocks=stats.num_free_blocks,
-                        tiers=[tier_message(usage, pool.node_share(usage.tier), declined[usage.tier])
+                        tiers=[tier_message(usage, pool.node_share(usage.tier), declined[usage.tier],
+                                            sum(n for edge, n in stats.num_dropped_offload_blocks.items()
+                                                if edge.lower == usage.tier))
                                for usage in stats.tiers],
                         num_query_blocks=stats.num_query_blocks, transfers=transfers,
                         num_corrupted_blocks=ssd.num_corrupted_blocks if ssd else 0,

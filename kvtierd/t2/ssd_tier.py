@@ -153,6 +153,10 @@ class SsdTier:
         with self._operation():
             return self._index.lookup(hashes, parent, token_bytes, block_size)
 
+    def holds(self, block_hash: DaemonKey) -> bool:
+        """Is the block here, stored or being stored?"""
+        return self._index.holds(block_hash)
+
     def block_hashes(self) -> list[DaemonKey]:  # every block held and visible: recovery checks, evict, tests
         return [e.block_hash for e in self._index.entries() if not e.storing]
 

@@ -69,7 +69,8 @@ class BlockPut:
 
     def write(self, batch: Sequence[PutBlock], admit: Admit = lambda num_blocks: None) -> int:
         """Write a batch into new blocks of the request; blocks T0 already holds are not written.
-        Returns how many blocks the request took for it."""
+        Returns how many blocks the request took for it. When T0 is full of blocks held by
+        write-through copies, waits for them to go down (at most policy.write_through_wait_s)."""
         if not batch:
             return 0
         tiers = self.tiers
@@ -77,11 +78,12 @@ class BlockPut:
         tokens = TokenBytes(b"".join(block.token_ids for block in batch))
         admit(len(batch))
         start = self.num_held_blocks
+        with_t0_room = self.offloader.backlog.with_t0_room  # T0 full of write-through copies: wait for them
         if start == 0:
-            allocation = tiers.index.allocate(self.request_id, keys, 0, tokens)
+            allocation = with_t0_room(lambda: tiers.index.allocate(self.request_id, keys, 0, tokens))
             block_ids, num_hits = allocation.block_ids, allocation.num_hit_blocks
         else:
-            block_ids, num_hits = tiers.index.append_blocks(self.request_id, len(batch)), 0
+            block_ids, num_hits = with_t0_room(lambda: tiers.index.append_blocks(self.request_id, len(batch))), 0
             tiers.index.count_query(len(batch) * tiers.layout.block_size)
         self.num_held_blocks += len(block_ids)
         tiers.counters.count_queries(len(batch))

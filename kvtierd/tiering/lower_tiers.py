@@ -90,7 +90,8 @@ class SsdLevel:
 
     def offer(self, entries: Sequence[SlotEntry], rows: Rows, edge: Edge) -> int:
         """Write the blocks not already here, straight from `rows` (T1's slots are 4 KiB aligned: an
-        O_DIRECT write takes them as they are, no copy); blocking."""
+        O_DIRECT write takes them as they are, no copy); blocking. Those T2 then lacks (no slot free
+        of loads and stores, not admitting, the tenant's quota, a failed write) count as dropped."""
         tiers = self.tiers
         try:
             with tiers.ssd_write.measure(len(entries) * self.codec.slot_nbytes):
@@ -100,6 +101,11 @@ class SsdLevel:
             tiers.counters.count_failed_offloads(len(entries))
             return 0
         tiers.counters.count_offloaded(edge, num_stored)
+        num_refused = sum(1 for e in entries if not self.ssd.holds(e.block_hash))
+        tiers.counters.count_dropped_offloads(edge, num_refused)
+        if num_refused and self.ssd.admitting:  # a T2 that stopped admitting said so once, with its reason
+            log.warning("T2 did not take %d of %d blocks offered down %s: no slot free of loads and stores, or the "
+                        "tenant's quota", num_refused, len(entries), edge)
         return num_stored
 
 

@@ -3,13 +3,16 @@
 - T0 → T1 `on_evict`: the block index calls `on_t0_evict(victims)` with its lock held, before
   the victims' content is dropped and their blocks handed to a new holder. The hook only plans:
   it reserves T1 slots (STORING: invisible to lookups) and registers the victims as write-backs
-  (write_backs.py: nobody writes them until their bytes have landed); a mover thread copies.
-- T0 → T1 `write_through`: `after_commit` copies freshly committed blocks down in the background
-  while a hold keeps them from being evicted or reused until the copy has landed.
+  (write_backs.py: nobody writes them until their bytes have landed); a mover thread copies. A
+  victim that finds no T1 slot (every one in flight) is dropped, counted: an eviction cannot wait.
+- T0 → T1 `write_through`: `after_commit` holds freshly committed blocks in T0 (neither evicted
+  nor reused) and the write-through thread copies them down as T1 slots can be had, waiting for
+  them within a bound (write_through.py: what waits longer is dropped from the edge, counted).
 - T1 → T2 `write_through`: every block stored in T1 is written to T2 in the background, pinned in
-  T1 meanwhile. `on_evict`: the rows of entries T1 evicts are copied out of their slots before
-  the slots are reused, then written to T2 on the spill thread (spills.py: a slow disk delays
-  only the evictions that feed it).
+  T1 from the instant its store completes (SlotIndex.complete_store(pin=True)) until written, so
+  T1 never evicts it first; what T2 does not take is counted (lower_tiers.py). `on_evict`: the
+  rows of entries T1 evicts are copied out of their slots before the slots are reused, then
+  written to T2 on the spill thread (spills.py: a slow disk delays only the evictions that feed it).
 - Into T3 (the shared store), from T1 (`t1_to_t3`: write_through or on_evict) or T2 (`t2_to_t3`:
   write_through): the rows are framed (copied) on the thread that has them and queued for the
   store's writer (t3/remote_writes.py: bounded, dropped beyond its backlog), never waited for.
@@ -26,6 +29,7 @@ from __future__ import annotations
 import functools
 import itertools
 import logging
+import time
 from collections.abc import Sequence
 
 import torch
@@ -42,6 +46,7 @@ from kvtierd.tiering.lower_tier import LowerTier, Rows, StoringTier
 from kvtierd.tiering.spills import Spills
 from kvtierd.tiering.tier_config import EdgePolicy
 from kvtierd.tiering.tiers import Tiers, recoded
+from kvtierd.tiering.write_through import HeldBatch, WriteThroughBacklog
 from kvtierd.token_bytes import TokenBytes, split_blocks
 
 log = logging.getLogger(__name__)
@@ -53,6 +58,7 @@ class Offloader:
         self._holder_ids = itertools.count()
         self.spills = Spills(lambda work: tiers.dispatch(work, tiers.spiller))
         self._stores: list[StoringTier] = []  # the tiers below T1 that take offers, farthest first
+        self.backlog = WriteThroughBacklog(tiers.config.write_through_wait_s)  # T0 → T1 write-through's holds
 
     @property
     def _host(self) -> HostTier:
@@ -76,6 +82,7 @@ class Offloader:
             return
         metas = [b.meta() for b in victims]
         plan = self.prepare_t1_store(metas)
+        tiers.counters.count_dropped_offloads(Edge.T0_T1, len(plan.unplaced))  # an eviction cannot wait for room
         if not plan.stores:
             return
         block_of = {b.block_hash: b.block_id for b in victims}
@@ -98,13 +105,12 @@ class Offloader:
             return
         finally:
             tiers.write_backs.end(in_flight)
-        self._host.index.complete_store(plan.stores, success=True)
-        tiers.counters.count_offloaded(Edge.T0_T1, len(plan.stores))
-        self._after_t1_store(plan.stores)
+        self._t1_stored(plan.stores)
 
     def after_commit(self, request_id: RequestId, start_position: int, block_hashes: list[DaemonKey],
                      token_bytes: TokenBytes, parent_hash: DaemonKey) -> None:
-        """Write-through T0 → T1 of blocks just committed (a no-op under other policies)."""
+        """Write-through T0 → T1 of blocks just committed (a no-op under other policies): held in
+        T0 now, copied down on the write-through thread. Never waits (the caller may be the loop)."""
         tiers = self.tiers
         if tiers.host is None or tiers.config.t0_to_t1 is not EdgePolicy.WRITE_THROUGH or not block_hashes:
             return
@@ -114,36 +120,61 @@ class Offloader:
         block_ids = tiers.index.block_table(request_id)[start_position:start_position + len(block_hashes)]
         holder = ("write-through", next(self._holder_ids))
         tiers.index.hold(holder, block_ids)  # neither evicted nor reused until the copy landed
+        held = self.backlog.hold(len(block_ids), functools.partial(tiers.index.free, holder))
         # A block reused before the hold (its request released meanwhile) no longer holds its hash.
         block_of = {m.block_hash: block_id for m, block_id in zip(metas, block_ids)
                     if tiers.index.blocks[block_id].block_hash == m.block_hash}
-        plan = self.prepare_t1_store([m for m in metas if m.block_hash in block_of])
-        if not plan.stores:
-            tiers.index.free(holder)
-            return
-        stored_ids = [block_of[e.block_hash] for e in plan.stores]
+        metas = [m for m in metas if m.block_hash in block_of]
+        deadline = self.backlog.deadline()
+        tiers.dispatch(lambda: self._write_through(metas, block_of, held, deadline), tiers.through)
+
+    def _write_through(self, metas: list[BlockMeta], block_of: dict[DaemonKey, int], held: HeldBatch,
+                       deadline: float) -> None:
+        """On the write-through thread: T1 slots for the blocks, as many as T1 gives at a time, each
+        part's copy started at once; waits for T1 to change while some lack a slot, until
+        `deadline`; those still without one are dropped from the edge, counted. The T0 hold goes
+        once the wait and every copy ended."""
+        host = self._host
+        try:
+            while metas:
+                plan = self.prepare_t1_store(metas)
+                metas = plan.unplaced
+                if plan.stores:
+                    held.add_part()
+                    self._copy_committed([block_of[e.block_hash] for e in plan.stores], plan, held)
+                if metas and not host.index.wait_for_room(plan, deadline - time.monotonic()):
+                    break
+            if metas:
+                self.tiers.counters.count_dropped_offloads(Edge.T0_T1, len(metas))
+                log.warning("write-through T0 -> T1 dropped %d blocks: no T1 slot free of copies in flight within "
+                            "policy.write_through_wait_s = %g s", len(metas), self.backlog.wait_s)
+        finally:
+            held.end_part()
+
+    def _copy_committed(self, block_ids: list[int], plan: StorePlan, held: HeldBatch) -> None:
+        """Copy committed T0 blocks into the slots of `plan` (T1's victims spilled first); ends a
+        part of `held` once landed or failed."""
+        tiers = self.tiers
 
         def finalize(error: BaseException | None) -> None:
-            tiers.index.free(holder)
-            self._host.index.complete_store(plan.stores, success=error is None)
-            if error is not None:
-                tiers.counters.count_failed_offloads(len(plan.stores))
-                return
-            tiers.counters.count_offloaded(Edge.T0_T1, len(plan.stores))
-            self._after_t1_store(plan.stores)
-
-        def copy_down() -> None:  # on a mover thread: submit may wait for the engine's budget
             try:
-                self.spill_t1_victims(plan)
-                transfer = tiers.submit(Direction.DEVICE_TO_HOST, self._encode_job(stored_ids, plan.stores),
-                                        len(plan.stores) * self._host.codec.slot_nbytes)
-            except Exception:
-                log.exception("copying %d committed blocks to the host tier failed", len(plan.stores))
-                finalize(RuntimeError("not submitted"))
-                return
-            tiers.after(transfer, finalize)
+                if error is not None:
+                    self._host.index.complete_store(plan.stores, success=False)
+                    tiers.counters.count_failed_offloads(len(plan.stores))
+                else:
+                    self._t1_stored(plan.stores)
+            finally:
+                held.end_part()
 
-        tiers.dispatch(copy_down)
+        try:
+            self.spill_t1_victims(plan)
+            transfer = tiers.submit(Direction.DEVICE_TO_HOST, self._encode_job(block_ids, plan.stores),
+                                    len(plan.stores) * self._host.codec.slot_nbytes)
+        except Exception:
+            log.exception("copying %d committed blocks to the host tier failed", len(plan.stores))
+            finalize(RuntimeError("not submitted"))
+            return
+        tiers.after(transfer, finalize)
 
     def _encode_job(self, block_ids: list[int], entries: list[SlotEntry]) -> Job:
         tiers = self.tiers
@@ -173,24 +204,37 @@ class Offloader:
 
     # ----------------------------------------------------------------------------- T1 → T2, T3
 
-    def _after_t1_store(self, entries: list[SlotEntry]) -> None:
-        """Write-through out of T1 (to T2, T3) of entries just stored in T1, pinned until written
-        (T2) or framed (T3)."""
+    def _t1_stored(self, entries: list[SlotEntry]) -> None:
+        """A copy from T0 landed in T1's slots: the entries turn READY, and go on down the
+        write-through edges out of T1 (to T2, T3), pinned from that instant until written (T2) or
+        framed (T3), so no store into T1 evicts them first."""
         tiers = self.tiers
         stores = self._stores_below(Tier.T1, EdgePolicy.WRITE_THROUGH)
+        self._host.index.complete_store(entries, success=True, pin=bool(stores))
+        tiers.counters.count_offloaded(Edge.T0_T1, len(entries))
         if not stores:
-            return
-        pinned = self._host.index.pin_present([e.block_hash for e in entries])
-        if not pinned:
             return
 
         def write() -> None:
-            rows = self._t1_rows(pinned)
+            rows = self._t1_rows(entries)
             for store, edge in stores:
-                self._offer(store, edge, pinned, _in_codec(self._host.codec, rows, store.codec))
+                self._offer(store, edge, entries, _in_codec(self._host.codec, rows, store.codec))
 
-        transfer = tiers.submit(Direction.HOST_TO_HOST, write, len(pinned) * self._host.codec.slot_nbytes)
-        tiers.after(transfer, lambda error: self._host.index.unpin(pinned))
+        try:
+            transfer = tiers.submit(Direction.HOST_TO_HOST, write, len(entries) * self._host.codec.slot_nbytes)
+        except Exception:  # the engine closed: nothing written down
+            log.exception("writing %d blocks down from the host tier failed", len(entries))
+            tiers.counters.count_failed_offloads(len(entries))
+            self._host.index.unpin(entries)
+            return
+
+        def written(error: BaseException | None) -> None:
+            if error is not None:
+                log.error("writing %d blocks down from the host tier failed: %s", len(entries), error)
+                tiers.counters.count_failed_offloads(len(entries))
+            self._host.index.unpin(entries)
+
+        tiers.after(transfer, written)
 
     def _stores_below(self, tier: Tier, policy: EdgePolicy) -> list[tuple[StoringTier, Edge]]:
         """The tiers below `tier` that take offers and whose edge from it has `policy`, with that

@@ -6,6 +6,9 @@ Per edge (T0→T1, T1→T2, and into the shared tier T3 from T1 or from T2):
   eviction from the upper tier costs nothing (the lower tier already holds the block);
 - `on_evict`: a block is copied down when the upper tier evicts it;
 - `off`: nothing moves down this edge.
+A write-through edge writes every block or counts it: a block waits for room in the tier below
+(its copy held in the tier above) at most `write_through_wait_s` (write_through.py), then is
+dropped from the edge and counted.
 A lower-tier hit is loaded only when loading is expected to be faster than recomputing those
 tokens (load_decision.py), at the cost the layout's engines measure and report
 (recompute_cost.py); `recompute_s_per_token` overrides that measurement.
@@ -58,10 +61,15 @@ class PolicyConfig:
     recompute_s_per_token: float = 0.0  # seconds per token, overriding the engines' measurement; 0 = measured
     t1_to_t3: str = "write_through"  # into T3 (with remote.endpoints): "write_through" | "on_evict" | "off"
     t2_to_t3: str = "off"  # "write_through" | "off"
+    # seconds a block on a write-through edge may wait for room in the tier below (held above meanwhile;
+    # a Put waits as long for room in T0) before it is dropped from the edge, counted; 0 = never wait
+    write_through_wait_s: float = 10.0
 
     def __post_init__(self) -> None:
         require(math.isfinite(self.recompute_s_per_token) and self.recompute_s_per_token >= 0,
                 "policy.recompute_s_per_token must be a finite number >= 0 (0: the engines' measurement)")
+        require(math.isfinite(self.write_through_wait_s) and self.write_through_wait_s >= 0,
+                "policy.write_through_wait_s must be a finite number of seconds >= 0 (0: never wait)")
         for name in ("t0_to_t1", "t1_to_t2", "t1_to_t3"):
             require_choice(f"policy.{name}", getattr(self, name), EDGE_POLICIES)
         require_choice("policy.t2_to_t3", self.t2_to_t3, T2_TO_T3_POLICIES)
@@ -81,6 +89,7 @@ class TierConfig:
     t2_to_t3: EdgePolicy = EdgePolicy(_POLICY.t2_to_t3)  # write_through: what T2 takes goes on to T3 as well
     remote_codec: str = "raw"  # what T3 values hold ("raw" | "fp8")
     recompute_s_per_token: float | None = None  # the operator's override; None: the engines' measurement
+    write_through_wait_s: float = _POLICY.write_through_wait_s  # the longest wait for room below (PolicyConfig)
 
     @classmethod
     def of_sections(cls, host: HostConfig, ssd: SsdConfig, policy: PolicyConfig, remote: RemoteConfig) -> TierConfig:
@@ -90,7 +99,8 @@ class TierConfig:
                    t0_to_t1=EdgePolicy(policy.t0_to_t1), t1_to_t2=EdgePolicy(policy.t1_to_t2),
                    t1_to_t3=EdgePolicy(policy.t1_to_t3), t2_to_t3=EdgePolicy(policy.t2_to_t3),
                    remote_codec=remote.codec,
-                   recompute_s_per_token=policy.recompute_s_per_token or None)
+                   recompute_s_per_token=policy.recompute_s_per_token or None,
+                   write_through_wait_s=policy.write_through_wait_s)
 
     def __post_init__(self) -> None:
         if self.host_capacity_bytes < 0:
@@ -102,6 +112,8 @@ class TierConfig:
                                   "overwritten in place), or t1_to_t3")
         if self.recompute_s_per_token is not None and self.recompute_s_per_token <= 0:
             raise InvalidArgument("recompute_s_per_token must be positive")
+        if not (math.isfinite(self.write_through_wait_s) and self.write_through_wait_s >= 0):
+            raise InvalidArgument(f"write_through_wait_s must be a finite number >= 0, got {self.write_through_wait_s}")
 
     def policy(self, edge: Edge) -> EdgePolicy:
         """The policy of one edge."""

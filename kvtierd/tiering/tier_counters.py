@@ -29,6 +29,10 @@ class TierCounters:
     num_offloaded_blocks: dict[Edge, int] = dataclasses.field(  # by edge; into T3: queued for the store's writer
         default_factory=lambda: dict.fromkeys(Edge, 0))
     num_failed_offload_blocks: int = 0
+    # blocks an edge into T1 or T2 did not copy down, by edge: no room below (write-through after waiting
+    # policy.write_through_wait_s; an eviction at once) or the tier below refused them; into T3: its own count
+    num_dropped_offload_blocks: dict[Edge, int] = dataclasses.field(
+        default_factory=lambda: dict.fromkeys(Edge, 0))
     bytes_moved: dict[str, int] = dataclasses.field(  # by copy direction (its value): this layout's copies that landed
         default_factory=lambda: dict.fromkeys((d.value for d in Direction), 0))
     lock: threading.Lock = dataclasses.field(default_factory=threading.Lock, repr=False)
@@ -58,6 +62,11 @@ class TierCounters:
     def count_failed_offloads(self, num_blocks: int) -> None:
         with self.lock:
             self.num_failed_offload_blocks += num_blocks
+
+    def count_dropped_offloads(self, edge: Edge, num_blocks: int) -> None:
+        if num_blocks:
+            with self.lock:
+                self.num_dropped_offload_blocks[edge] += num_blocks
 
     def count_moved(self, direction: Direction, nbytes: int) -> None:
         with self.lock:

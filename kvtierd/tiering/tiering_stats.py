@@ -55,6 +55,7 @@ class TieringStats:
     num_failed_load_blocks: int
     num_failed_offload_blocks: int
     num_offloaded_blocks: Mapping[Edge, int]  # by edge
+    num_dropped_offload_blocks: Mapping[Edge, int]  # by edge: not copied down (no room below, or refused)
     bytes_moved: Mapping[str, int]  # by copy direction (Direction values): this layout's copies only
     bandwidth_bytes_per_s: Mapping[str, float]  # by copy direction: the device's engine's, shared by its layouts
 
@@ -91,5 +92,6 @@ def tiering_stats(tiers: Tiers) -> TieringStats:
         num_failed_load_blocks=counters.num_failed_load_blocks, recompute=tiers.recompute.estimate(),
         num_failed_offload_blocks=counters.num_failed_offload_blocks,
         num_offloaded_blocks=dict(counters.num_offloaded_blocks),
+        num_dropped_offload_blocks=dict(counters.num_dropped_offload_blocks),
         bytes_moved=dict(counters.bytes_moved),
         bandwidth_bytes_per_s={d.value: b.bytes_per_s for d, b in bandwidth.items()})

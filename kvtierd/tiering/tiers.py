@@ -9,8 +9,10 @@ Threads, and what may wait where: the event loop and the block index lock never 
 copy or a disk. Work that submits copies (the engine's submit waits while its byte budget is
 spent) or waits for them — eviction write-back, write-through, promotion — is handed to the
 mover threads (`dispatch`); T2 writes of T1's victims run on the spill thread (a slow disk
-delays only them). Finalizers (index updates after a copy landed) run on one dedicated thread,
-never on a copy thread: a copy thread only copies.
+delays only them); T0 → T1 write-through reserves its T1 slots on the write-through thread, which
+may wait there for T1 to have room (write_through.py) without holding up a mover. Finalizers
+(index updates after a copy landed) run on one dedicated thread, never on a copy thread: a copy
+thread only copies.
 """
 
 from __future__ import annotations
@@ -66,6 +68,8 @@ class Tiers:
         default_factory=lambda: concurrent.futures.ThreadPoolExecutor(2, thread_name_prefix="kvtierd-mover"))
     spiller: concurrent.futures.ThreadPoolExecutor = dataclasses.field(
         default_factory=lambda: concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="kvtierd-spill"))
+    through: concurrent.futures.ThreadPoolExecutor = dataclasses.field(
+        default_factory=lambda: concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="kvtierd-through"))
     write_backs: WriteBacks = dataclasses.field(default_factory=WriteBacks)
     # what a lower-tier hit must beat to be loaded: the config's override, else the engines' reports
     recompute: RecomputeCost = dataclasses.field(init=False)
@@ -146,8 +150,8 @@ class Tiers:
         (executor or self.movers).submit(run)
 
     def close_threads(self) -> None:
-        """After wait_quiet: stop the mover, spill and finalizer threads."""
-        for executor in (self.movers, self.spiller, self.finalizer):
+        """After wait_quiet: stop the mover, spill, write-through and finalizer threads."""
+        for executor in (self.movers, self.spiller, self.through, self.finalizer):
             executor.shutdown(wait=True)
 
     def wait_quiet(self) -> None:
