@@ -75,9 +75,9 @@ class StatsView:
                 delta = tier.num_evictions - (previous.num_evictions if previous else 0)
                 line += f"  {delta / self.interval_s:>11,.1f}"
             lines.append(line)
-        shares = [f"T1 slab {format_bytes(tier.node_held_bytes)}" if tier.tier == Tier.T1 else
-                  f"{tier.tier.upper()} files {format_bytes(tier.node_held_bytes)} (fair share "
-                  f"{format_bytes(tier.node_share_bytes)})" for tier in pool.tiers if tier.node_capacity_bytes]
+        shares = [f"{tier.tier.upper()} {'memory' if tier.tier == Tier.T1 else 'files'} "
+                  f"{format_bytes(tier.node_held_bytes)} (fair share {format_bytes(tier.node_share_bytes)})"
+                  for tier in pool.tiers if tier.node_capacity_bytes]
         if shares:
             lines.append("  this layout's part of the node budgets: " + ", ".join(shares))
         lines += [f"  T1 page-locking: {format_bytes(tier.pinned_bytes)} of {format_bytes(tier.capacity_bytes)} "

@@ -7,6 +7,7 @@ the part of its slab page-locked so far (t1/host_pinning.py): it grows chunk by 
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from collections.abc import Callable
 
@@ -15,11 +16,26 @@ from kvtierd.index.slot_entry import SlotEntry
 from kvtierd.index.slot_index import SlotIndex
 
 
+@dataclasses.dataclass(slots=True)
+class Shrink:
+    """A shrink in two phases (`plan_shrink`, then `finish_shrink` once the bytes moved): the entries
+    evicted to make the kept ones fit, and the kept entries past the new extent with the slot each
+    moves to (old slot, new slot), invisible until finished."""
+
+    old_num_slots: int
+    new_num_slots: int
+    evicted: list[SlotEntry]
+    moves: list[tuple[SlotEntry, int, int]]  # (entry, its slot now, the slot below the new extent it moves to)
+
+
 class ExtentSlotIndex(SlotIndex):
     """A SlotIndex whose `num_slots` (the extent) changes: `grow` adds free slots at the end,
-    `shrink` drops the end. Invariants of SlotIndex hold over the extent; `max_slots` bounds it.
-    New slots are handed out after the free slots already there, lowest first, so a layout's
-    blocks stay at the start of its files and `shrink` has less to drop."""
+    `shrink` drops the end, `plan_shrink` / `finish_shrink` give back the end by evicting the least
+    recently used entries wherever they are and moving the kept ones below. Invariants of SlotIndex
+    hold over the extent; `max_slots` bounds it; an entry being moved holds both its slots (the one
+    past the extent until finished) and is invisible meanwhile. New slots are handed out after the
+    free slots already there, lowest first, so a layout's blocks stay at the start and a shrink has
+    less to move."""
 
     def __init__(self, max_slots: int, num_slots: int, clock: Callable[[], float] = time.monotonic) -> None:
         assert 0 <= num_slots <= max_slots, (num_slots, max_slots)
@@ -43,6 +59,53 @@ class ExtentSlotIndex(SlotIndex):
             self._free_slots[:0] = range(old + num_new_slots - 1, old - 1, -1)  # popped last, lowest first
             self.num_slots = old + num_new_slots
             self._room_changed()
+
+    def plan_shrink(self, num_slots: int, grain: int = 1) -> Shrink:
+        """Cut the extent to `num_slots` (or to just past the last slot a store or load holds,
+        rounded up to a multiple of `grain`): evict least recently used entries until the rest fit
+        below it, then reserve a free slot below it for each kept entry past it; those turn
+        invisible until `finish_shrink`, after the caller copied their bytes. The new extent is
+        `self.num_slots` at once."""
+        with self._lock:
+            old = self.num_slots
+            busy = max((e.slot for e in self._entries.values() if e.storing or e.num_loads), default=-1)
+            new = min(old, -(-max(num_slots, busy + 1) // grain) * grain)
+            evicted = []
+            while len(self._entries) > new and self._lru:
+                _, entry = self._lru.popitem(last=False)
+                self._delete(entry.block_hash)
+                self._removed(entry)
+                self._free_slots.append(entry.slot)
+                evicted.append(entry)
+            self.num_evictions += len(evicted)
+            free_below = [s for s in self._free_slots if s < new]
+            moves = []
+            for entry in [e for e in self._entries.values() if e.slot >= new]:
+                assert not entry.storing and not entry.num_loads, "busy entries lie below the new extent"
+                del self._lru[entry.block_hash]
+                entry.storing = True  # invisible and not evictable while its bytes move
+                moves.append((entry, entry.slot, free_below.pop()))
+            self._free_slots = free_below
+            self.num_slots = new
+            return Shrink(old, new, evicted, moves)
+
+    def finish_shrink(self, shrink: Shrink, moved: bool) -> None:
+        """The moves' bytes landed in their new slots (`moved`), or did not: the entries live on
+        there as most recently used, or are dropped (their new slots free)."""
+        with self._lock:
+            for entry, _, new_slot in shrink.moves:
+                assert entry.storing and self._entries.get(entry.block_hash) is entry, entry
+                entry.storing = False
+                if moved:
+                    entry.slot = new_slot
+                    self._lru[entry.block_hash] = entry
+                else:
+                    self._delete(entry.block_hash)
+                    self._removed(entry)
+                    self._free_slots.append(new_slot)
+                    self.num_evictions += 1
+            if shrink.moves:
+                self._room_changed()
 
     def shrink(self, num_slots: int) -> list[SlotEntry]:
         """Cut the extent to `num_slots`, or to just past the last slot a store or load holds

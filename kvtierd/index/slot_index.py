@@ -69,6 +69,9 @@ class SlotIndex:
         self._num_slots_by_owner: collections.Counter[bytes] = collections.Counter()
         self.num_quota_skips = 0  # blocks not stored: their owner was at its limit with nothing evictable
         self._events: EventQueue | None = None  # set by enable_events
+        # called (with the lock held: it must not block) when a store had to evict for want of a free
+        # slot: a tier whose extent can grow (t1/host_share.py) asks its budget for more
+        self.on_evicting: Callable[[], None] | None = None
 
     # ----------------------------------------------------------------------------- queries
 
@@ -140,6 +143,8 @@ class SlotIndex:
                     slot = self._free_slots.pop()
                 elif self._lru:
                     _, victim = self._lru.popitem(last=False)
+                    if self.on_evicting is not None:
+                        self.on_evicting()
                 else:
                     num_skipped += 1  # every slot is in flight
                     unplaced.append(meta)

@@ -4,10 +4,10 @@ by every tenant (keys keep tenants apart, see tenants.py).
 Per layout: the T0 device pool, `pool.t0_bytes // bytes_per_block` blocks. Per node: the T1 host
 memory (`host_capacity_bytes`) and the T2 disk (`ssd.capacity_bytes`), each one NodeBudget
 (t2/node_budget.py) the layouts take from, so that their sum never exceeds the node's budget:
-- T1: a layout's slab is a share fixed when its pool is created, `host_capacity_bytes //
-  max_layouts` (whole slots; none when that is less than one slot), so that every layout the
-  daemon may serve gets the same and the sum stays within the budget. One model per node: set
-  max_layouts = 1 and it gets all of it.
+- T1: a layout's host tier takes its fair share (the budget over the layouts with T1) when its pool
+  is created, grows past it while it evicts and the budget has bytes free (one layout alone may
+  hold all of it), and gives back when a layout below its share asks (its least recently used
+  blocks first; t1/host_share.py). `pool.max_layouts` bounds how many layouts attach, no more.
 - T2: a layout's slot files (under `<ssd directory>/<layout id>`, so a restarted daemon finds
   each layout's blocks again) grow as blocks are written, by what the budget grants; with the
   budget spent a layout reuses its own least recently used slots, and one under its fair share
@@ -34,12 +34,10 @@ from kvtierd.block_hash import HASH_FUNCTIONS, Namespace
 from kvtierd.daemon_key import daemon_key_size, tenant_tag_of
 from kvtierd.errors import FailedPrecondition, ResourceExhausted
 from kvtierd.layout import Layout
-from kvtierd.movers.block_codec import make_codec
 from kvtierd.movers.factory import CopyEngines
 from kvtierd.node.pool_config import PoolConfig
 from kvtierd.node.quotas import QuotaBook
 from kvtierd.planning.capacity import PoolCapacity, layout_lines
-from kvtierd.t1.host_slab import slot_stride
 from kvtierd.t2.node_budget import BudgetShare, NodeBudget, truncating_shed
 from kvtierd.t2.ssd_config import SsdConfig
 from kvtierd.t2.ssd_space import SLOT_FILE_NAME, layout_slot_files
@@ -91,24 +89,17 @@ class LayoutPool:
         self.client_root = Namespace(layout, "", pool_config.hash_algo).root
         self.digest_size = HASH_FUNCTIONS[pool_config.hash_algo][0]
         self._key = layout_id(layout)
-        max_layouts = pool_config.max_layouts if host_budget is not None else 1
         self.host_budget = host_budget or NodeBudget(settings.tier_config.host_capacity_bytes, "host")
-        self.host_budget.register(self._key)
-        host_bytes = self.host_budget.reserve(self._key, host_share_bytes(layout, settings.tier_config, max_layouts))
         ssd_config = None
         self.ssd_budget = None
         if settings.ssd is not None:
             self.ssd_budget = ssd_budget or NodeBudget(settings.ssd.capacity_bytes, "ssd")
             ssd_config = settings.ssd.tier_config(self._key, self.ssd_budget)
-        tier_config = dataclasses.replace(settings.tier_config, host_capacity_bytes=host_bytes)
-        try:
-            self.manager = TierManager(layout, num_blocks, tier_config, ssd_config=ssd_config,
-                                       device=pool_config.device, hash_size=daemon_key_size(self.digest_size),
-                                       observer=observer, max_pending_events=MAX_PENDING_EVENTS, engines=engines,
-                                       remote_store=remote_store, cuda_share=pool_config.cuda_share)
-        except BaseException:
-            self.host_budget.unregister(self._key)
-            raise
+        self.manager = TierManager(layout, num_blocks, settings.tier_config, ssd_config=ssd_config,
+                                   device=pool_config.device, hash_size=daemon_key_size(self.digest_size),
+                                   observer=observer, max_pending_events=MAX_PENDING_EVENTS, engines=engines,
+                                   remote_store=remote_store, cuda_share=pool_config.cuda_share,
+                                   host_budget=self.host_budget, host_key=self._key)
         tiers = self.manager.tiers
         if quotas is not None and quotas.limits_lower_tiers:
             for tier, store in ((Tier.T1, tiers.host), (Tier.T2, tiers.ssd)):
@@ -123,7 +114,7 @@ class LayoutPool:
         tiers = self.manager.tiers
         lines = layout_lines(self.layout)
         lines += PoolCapacity(self.layout, self.num_blocks).lines("T0 device pool", request_tokens)
-        for name, num_slots in (("T1 host", tiers.host.slab.num_slots if tiers.host else 0),
+        for name, num_slots in (("T1 host", tiers.host.index.num_slots if tiers.host else 0),
                                 ("T2 SSD", tiers.ssd.num_slots if tiers.ssd else 0)):
             if num_slots:  # slots are 4 KiB aligned: a small block can take more than its bytes
                 lines.append(PoolCapacity(self.layout, num_slots).lines(name, request_tokens)[0])
@@ -132,9 +123,8 @@ class LayoutPool:
     def node_share(self, tier: Tier) -> BudgetShare | None:
         """This layout's part of the node's T1 or T2 budget (None: the tier is absent)."""
         tiers = self.manager.tiers
-        if tier == Tier.T1 and tiers.host is not None:  # the slab is its share, fixed at attach
-            share = self.host_budget.share(self._key)
-            return dataclasses.replace(share, share_bytes=share.held_bytes)
+        if tier == Tier.T1 and tiers.host is not None:
+            return self.host_budget.share(self._key)
         if tier == Tier.T2 and tiers.ssd is not None:
             ssd = tiers.ssd.stats()
             return BudgetShare(ssd.file_bytes, ssd.share_bytes, ssd.node_capacity_bytes, ssd.node_used_bytes)
@@ -142,13 +132,6 @@ class LayoutPool:
 
     def close(self) -> None:
         self.manager.close()
-        self.host_budget.unregister(self._key)
-
-
-def host_share_bytes(layout: Layout, tier_config: TierConfig, max_layouts: int) -> int:
-    """A layout's T1 slab: the node's host budget split evenly over `max_layouts`, in whole slots."""
-    stride = slot_stride(make_codec(tier_config.for_layout(layout).host_codec, layout).slot_nbytes)
-    return tier_config.host_capacity_bytes // max_layouts // stride * stride
 
 
 def layout_id(layout: Layout) -> str:

@@ -32,8 +32,8 @@ def config_lines(config: DaemonConfig) -> list[str]:
                  f"up to {pool.max_layouts} layouts, hash {pool.hash_algo}"
                  + (f"; a CUDA pool is shared {cuda_share}" if pool.device != "cpu" else ""))
     host = config.host
-    lines.append(f"T1 host: {format_bytes(host.capacity_bytes)} for the node, "
-                 f"{format_bytes(host.capacity_bytes // pool.max_layouts)} for each layout, codec {host.codec}")
+    lines.append(f"T1 host: {format_bytes(host.capacity_bytes)} for the node, shared by the layouts as demand goes "
+                 f"(each one's fair share: the node's over the layouts attached), codec {host.codec}")
     lines.append(f"T2 ssd: {format_bytes(ssd.capacity_bytes)} for the node in {ssd.directory} (files grow as "
                  f"written, shared by the layouts), codec {ssd.codec}, "
                  f"durability {ssd.durability}{', O_DIRECT' if ssd.o_direct else ''}" if ssd.enabled

@@ -13,6 +13,7 @@ its descriptor open (`fd`) for that. Such a mapping is mmap(2) of the descriptor
 
 from __future__ import annotations
 
+import ctypes
 import errno
 import fcntl
 import logging
@@ -75,7 +76,9 @@ class ShmSegment:
             self._unlinker = weakref.finalize(self, _unlink, self.path, fd, os.getpid())
 
     @classmethod
-    def create(cls, nbytes: int, name: str | None = None, what: str = "segment") -> ShmSegment:
+    def create(cls, nbytes: int, name: str | None = None, what: str = "segment", reserve: bool = True) -> ShmSegment:
+        """A new segment of `nbytes`, its tmpfs pages committed now (`reserve`), or sparse: then
+        `commit` a range before using it and `release` it to give its pages back."""
         name = default_segment_name() if name is None else name
         path = segment_path(name)
         try:
@@ -86,7 +89,8 @@ class ShmSegment:
             fcntl.flock(fd, fcntl.LOCK_SH)  # held while the creator (or an fd it passed) lives: not an orphan
             os.fchmod(fd, SEGMENT_MODE)
             os.ftruncate(fd, nbytes)
-            _reserve(fd, nbytes, what)
+            if reserve:
+                _reserve(fd, 0, nbytes, what)
             flat = _map_fd(fd, path, nbytes)
         except BaseException:
             os.unlink(path)
@@ -119,6 +123,19 @@ class ShmSegment:
         mapping = mmap.mmap(fd, nbytes, flags=mmap.MAP_SHARED, prot=mmap.PROT_READ | mmap.PROT_WRITE)
         flat = torch.from_numpy(np.frombuffer(mapping, dtype=np.uint8))  # keeps the mapping alive
         return cls(name, flat, is_creator=False)
+
+    def commit(self, offset: int, nbytes: int, what: str = "segment") -> None:
+        """Commit the tmpfs pages of [offset, offset + nbytes) (creator only): ResourceExhausted when
+        /dev/shm cannot hold them, instead of a SIGBUS at the first write."""
+        assert self.fd is not None, "the creator commits"
+        _reserve(self.fd, offset, nbytes, what)
+
+    def release(self, offset: int, nbytes: int) -> None:
+        """Give the pages of [offset, offset + nbytes) back to the system (creator only); they read as
+        zeros after (fallocate PUNCH_HOLE, the size kept). Best effort where the kernel lacks it."""
+        assert self.fd is not None, "the creator releases"
+        if nbytes > 0 and _libc_fallocate(self.fd, FALLOC_FL_PUNCH_HOLE | FALLOC_FL_KEEP_SIZE, offset, nbytes) != 0:
+            log.warning("giving back %d bytes of %s failed: %s", nbytes, self.path, os.strerror(ctypes.get_errno()))
 
     def close(self) -> None:
         self.flat = None  # the mapping goes when the last view of it goes
@@ -191,10 +208,19 @@ def _unlink(path: str, fd: int, creator_pid: int) -> None:
         pass
 
 
-def _reserve(fd: int, nbytes: int, what: str) -> None:
+FALLOC_FL_KEEP_SIZE, FALLOC_FL_PUNCH_HOLE = 0x01, 0x02  # linux/falloc.h
+
+
+def _libc_fallocate(fd: int, mode: int, offset: int, nbytes: int) -> int:
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.fallocate.argtypes = [ctypes.c_int, ctypes.c_int, ctypes.c_int64, ctypes.c_int64]
+    return libc.fallocate(fd, mode, offset, nbytes)
+
+
+def _reserve(fd: int, offset: int, nbytes: int, what: str) -> None:
     """Commit tmpfs pages now so that running out of /dev/shm is an error, not a SIGBUS."""
     try:
-        os.posix_fallocate(fd, 0, nbytes)
+        os.posix_fallocate(fd, offset, nbytes)
     except OSError as e:
         if e.errno == errno.ENOSPC:
             free_bytes = os.statvfs(SHM_DIR).f_bavail * os.statvfs(SHM_DIR).f_frsize

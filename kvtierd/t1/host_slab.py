@@ -1,24 +1,27 @@
-"""The memory of the host tier (T1): fixed-size slots in one host allocation made at start.
+"""The memory of a host tier (T1): fixed-size slots in one host mapping, backed as far as its extent.
 
-Without CUDA the slab is a POSIX shared-memory segment that a runner can map, every slot usable at
-once. With CUDA it is the same segment, page-locked in the background (host_pinning.py: chunks of at
-most 64 GiB on slot boundaries, each first touched by several threads on the GPU's NUMA node, then
-registered with cudaHostRegister), so device↔host copies are DMA without a staging copy; the tier
-uses the slots pinned so far, a prefix of the slab that grows until the whole is pinned. Dynamo
-measured this route (mmap, parallel first touch, cudaHostRegister) at ~0.9 s against ~2.8 s for
-cudaHostAlloc of 8 GiB. Each slot starts on a 4 KiB boundary and spans a multiple of 4 KiB, so a
+The mapping is a POSIX shared-memory segment of `max_slots` slots (the node's whole host budget:
+one layout alone may use all of it), sparse: only the slots [0, num_ready_slots) hold memory. The
+extent grows (`extend_to`: the pages committed, and with CUDA first touched in parallel on the GPU's
+NUMA node and page-locked, grain by grain, host_pinning.py) and shrinks (`shrink_to`: the grains past
+it unregistered, their pages given back to the system), as the layout's share of the node's budget
+moves (host_share.py). Device<->host copies of page-locked slots are DMA without a staging copy.
+Dynamo measured this route (mmap, parallel first touch, cudaHostRegister) at ~0.9 s against ~2.8 s
+for cudaHostAlloc of 8 GiB. Each slot starts on a 4 KiB boundary and spans a multiple of 4 KiB, so a
 slot can go straight to an O_DIRECT write of the SSD tier.
 """
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Callable
 
 import torch
 
 from kvtierd.errors import InvalidArgument
+from kvtierd.movers import pinned_regions
 from kvtierd.t0.shm_segment import ShmSegment, default_segment_name
-from kvtierd.t1.host_pinning import CudaHostRegistrar, HostRegistrar, SlabPinner, gpu_numa_cpus, registration_chunks
+from kvtierd.t1.host_pinning import CudaHostRegistrar, HostRegistrar, first_touch, gpu_numa_cpus, grain_slots
 from kvtierd.units import ALIGNMENT_BYTES, round_up
 
 
@@ -28,71 +31,94 @@ def slot_stride(slot_nbytes: int) -> int:
 
 
 class HostSlab:
-    """`num_slots` slots of `slot_nbytes` bytes; `slots` is a uint8 view `[num_slots, slot_nbytes]`.
+    """`max_slots` slots of `slot_nbytes` bytes; `slots` is a uint8 view `[max_slots, slot_nbytes]`,
+    of which the first `num_ready_slots` hold memory (page-locked when `pinned`).
 
     Invariants: slot i starts at byte i * stride of the segment, 4 KiB aligned; the segment is
-    created and unlinked by this process (ShmSegment); `pinned` is true iff the memory is (being)
-    registered with CUDA; then only the slots [0, num_ready_slots) are page-locked and may be used,
-    and every registration is undone before the mapping goes. Unpinned, every slot is ready.
+    created and unlinked by this process; pinned, the extent moves in whole grains of `grain_slots`
+    (or to max_slots), each grain registered once while inside it and unregistered before the
+    mapping goes; only the thread holding `_resize` changes the extent.
     """
 
-    def __init__(self, num_slots: int, slot_nbytes: int, pin: bool | None = None, name: str | None = None,
-                 num_touch_threads: int = 4, registrar: HostRegistrar | None = None,
-                 chunks: list[tuple[int, int]] | None = None, what: str = "host tier") -> None:
-        """`pin`: page-lock (default: where CUDA is); `registrar` does it (default: cudaHostRegister) in
-        `chunks` of slots (default: host_pinning.registration_chunks), once `start_pinning` is called;
-        its log lines name the slab `what`."""
-        if num_slots < 0 or slot_nbytes <= 0:
-            raise InvalidArgument(f"need num_slots >= 0 and slot_nbytes > 0, got {num_slots}, {slot_nbytes}")
-        self.num_slots = num_slots
+    def __init__(self, max_slots: int, slot_nbytes: int, pin: bool | None = None, name: str | None = None,
+                 num_touch_threads: int = 4, registrar: HostRegistrar | None = None, grain: int | None = None,
+                 what: str = "host tier") -> None:
+        """`pin`: page-lock (default: where CUDA is), through `registrar` (default: cudaHostRegister),
+        in grains of `grain` slots (default: host_pinning.grain_slots; 1 when not pinned)."""
+        if max_slots < 0 or slot_nbytes <= 0:
+            raise InvalidArgument(f"need max_slots >= 0 and slot_nbytes > 0, got {max_slots}, {slot_nbytes}")
+        self.max_slots = max_slots
         self.slot_nbytes = slot_nbytes
         self.stride = slot_stride(slot_nbytes)
-        nbytes = max(num_slots * self.stride, ALIGNMENT_BYTES)  # an empty tier still maps one page
-        self.segment = ShmSegment.create(nbytes, name or default_segment_name("host"), what="host tier")
-        flat = self.segment.flat
-        assert flat is not None, "just created"
+        self.what = what
+        nbytes = max(max_slots * self.stride, ALIGNMENT_BYTES)  # an empty tier still maps one page
+        self.segment = ShmSegment.create(nbytes, name or default_segment_name("host"), what=what, reserve=False)
+        self.flat: torch.Tensor | None = self.segment.flat
+        assert self.flat is not None, "just created"
         self.pinned = torch.cuda.is_available() if pin is None else pin
-        self.pinner: SlabPinner | None = None
-        if self.pinned:
-            self.pinner = SlabPinner(flat, self.stride, chunks or registration_chunks(num_slots, self.stride),
-                                     registrar or CudaHostRegistrar(), lambda num_ready: None, num_touch_threads,
-                                     gpu_numa_cpus() if registrar is None else None, what)
-        self.slots: torch.Tensor | None = flat[:num_slots * self.stride].view(num_slots, self.stride)[:, :slot_nbytes]
+        self.grain_slots = grain or (grain_slots(self.stride) if self.pinned else 1)
+        self.registrar = registrar or CudaHostRegistrar() if self.pinned else None
+        self.cpus = gpu_numa_cpus() if self.pinned and registrar is None else None
+        self.num_touch_threads = num_touch_threads
+        self.num_ready_slots = 0
+        self._resize = threading.Lock()
+        self.slots: torch.Tensor | None = \
+            self.flat[:max_slots * self.stride].view(max_slots, self.stride)[:, :slot_nbytes]
 
     @property
     def nbytes(self) -> int:
-        return self.num_slots * self.stride
+        """Bytes the extent holds now."""
+        return self.num_ready_slots * self.stride
 
     @property
-    def num_ready_slots(self) -> int:
-        """Slots the tier may use: all when unpinned, the pinned prefix while pinning."""
-        return self.num_slots if self.pinner is None else self.pinner.num_ready_slots
+    def max_nbytes(self) -> int:
+        return self.max_slots * self.stride
 
-    @property
-    def pinned_bytes(self) -> int:
-        """Bytes page-locked so far (0 when unpinned)."""
-        return 0 if self.pinner is None else self.pinner.pinned_bytes
+    def grain_end(self, num_slots: int) -> int:
+        """`num_slots` rounded up to a whole grain (at most max_slots): the extent a target needs."""
+        return min(self.max_slots, round_up(num_slots, self.grain_slots))
 
-    @property
-    def pinning_stopped(self) -> bool:
-        """Did pinning stop before the end (an error: the tier keeps what was pinned)?"""
-        return self.pinner is not None and self.pinner.error is not None
+    def extend_to(self, num_slots: int, on_ready: Callable[[int], None] = lambda num_ready: None) -> None:
+        """Give the slots up to `num_slots` (rounded up to a grain) memory, grain by grain, calling
+        `on_ready(num_ready_slots)` after each. Blocking (commits pages; pinned: touches and
+        registers them). ResourceExhausted when /dev/shm cannot hold them, RuntimeError when a
+        registration fails: the extent keeps the grains done before."""
+        with self._resize:
+            target = self.grain_end(num_slots)
+            while self.num_ready_slots < target and self.flat is not None:
+                start, stop = self.num_ready_slots, self.grain_end(self.num_ready_slots + 1)
+                memory = self.flat[start * self.stride:stop * self.stride]
+                self.segment.commit(start * self.stride, memory.numel(), self.what)
+                if self.pinned:
+                    assert self.registrar is not None
+                    first_touch(memory, self.num_touch_threads, self.cpus)
+                    self.registrar.register(memory.data_ptr(), memory.numel())
+                    pinned_regions.add(memory.data_ptr(), memory.numel())
+                self.num_ready_slots = stop
+                on_ready(stop)
 
-    def start_pinning(self, on_ready: Callable[[int], None]) -> None:
-        """Begin page-locking in the background; `on_ready(num_ready_slots)` after each chunk (on the
-        pinning thread). Unpinned: nothing to do, every slot is ready already."""
-        if self.pinner is not None:
-            self.pinner.on_ready = on_ready
-            self.pinner.start()
-
-    def wait_pinned(self, timeout_s: float | None = None) -> bool:
-        """Until pinning has finished (or stopped on an error); False on timeout."""
-        return True if self.pinner is None else self.pinner.wait(timeout_s)
+    def shrink_to(self, num_slots: int) -> int:
+        """Give back the memory of the slots from `num_slots` on (rounded up to a grain): their
+        grains unregistered, their pages returned to the system. The caller emptied those slots.
+        Returns the new extent (`num_ready_slots`)."""
+        with self._resize:
+            target = self.grain_end(num_slots)
+            while self.num_ready_slots > target and self.flat is not None:
+                stop = self.num_ready_slots
+                start = (stop - 1) // self.grain_slots * self.grain_slots  # the last grain's start
+                if self.pinned:
+                    assert self.registrar is not None
+                    address = self.flat[start * self.stride:].data_ptr()
+                    pinned_regions.remove(address, (stop - start) * self.stride)
+                    self.registrar.unregister(address)
+                self.segment.release(start * self.stride, (stop - start) * self.stride)
+                self.num_ready_slots = start
+            return self.num_ready_slots
 
     def close(self) -> None:
-        if self.segment.flat is None:
+        if self.flat is None:
             return
-        if self.pinner is not None:
-            self.pinner.close()
-        self.slots = None
-        self.segment.close()
+        self.shrink_to(0)
+        with self._resize:
+            self.slots = self.flat = None
+            self.segment.close()

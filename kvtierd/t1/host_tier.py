@@ -1,5 +1,6 @@
-"""The host tier (T1): slots of pinned (or shared) host memory and the index over them; while the
-slab is being page-locked (host_slab.py), the index covers the pinned part and grows with it."""
+"""The host tier (T1): slots of pinned (or shared) host memory and the index over them, as many as
+the layout's share of the node's host budget holds now (host_share.py); the slab (host_slab.py) and
+the index grow and shrink together as that share moves."""
 
 from __future__ import annotations
 
@@ -14,31 +15,33 @@ from kvtierd.index.index_events import Doorbell, IndexEvent
 from kvtierd.index.slot_index import slots_within
 from kvtierd.layout import Layout
 from kvtierd.movers.block_codec import make_codec
+from kvtierd.t1.host_share import HostShare
 from kvtierd.t1.host_slab import HostSlab, slot_stride
+from kvtierd.t2.node_budget import NodeBudget
 
 
 class HostTier:
-    """`capacity_bytes` of host memory cut into one slot per block (in the codec's bytes).
+    """Host memory cut into one slot per block (in the codec's bytes), sized by a budget.
 
     Inclusive with T0: a hash may live in both. The tier itself moves no bytes: the tier manager
     copies through the copy engine, bracketing each copy with the index's two phases.
     """
 
     def __init__(self, layout: Layout, capacity_bytes: int, codec: str = "raw", pin: bool | None = None,
-                 clock: Callable[[], float] = time.monotonic, slab: HostSlab | None = None) -> None:
-        """`slab`: the memory (default: a new HostSlab of `capacity_bytes`, page-locked where CUDA is).
-        A slab being page-locked serves its pinned slots at once, the rest as they are pinned."""
+                 clock: Callable[[], float] = time.monotonic, budget: NodeBudget | None = None, key: str = "",
+                 slab: HostSlab | None = None) -> None:
+        """`budget`: the node's host budget this tier shares with other layouts' (None: a budget of its
+        own of `capacity_bytes`), `key` its name there. `slab`: the memory (default: a HostSlab that can
+        hold the whole budget, page-locked where CUDA is, backed only as far as the share goes)."""
         self.codec = make_codec(codec, layout)
-        self.slab = slab or HostSlab(capacity_bytes // slot_stride(self.codec.slot_nbytes), self.codec.slot_nbytes, pin,
+        budget = budget if budget is not None else NodeBudget(capacity_bytes, "host")
+        stride = slot_stride(self.codec.slot_nbytes)
+        self.slab = slab or HostSlab(budget.capacity_bytes // stride, self.codec.slot_nbytes, pin,
                                      what=f"T1 of {layout.model_id}")
         assert self.slab.slot_nbytes == self.codec.slot_nbytes
-        self.index = ExtentSlotIndex(self.slab.num_slots, self.slab.num_ready_slots, clock)
-        self.slab.start_pinning(self._grow_to)
-
-    def _grow_to(self, num_ready_slots: int) -> None:
-        """The slab's slots up to `num_ready_slots` are pinned: the index may hand them out."""
-        if num_ready_slots > self.index.num_slots:
-            self.index.grow(num_ready_slots - self.index.num_slots)
+        self.index = ExtentSlotIndex(self.slab.max_slots, 0, clock)
+        self.share = HostShare(self.slab, self.index, budget, key or layout.model_id)
+        self.share.start()
 
     @property
     def slots(self) -> torch.Tensor:
@@ -49,17 +52,18 @@ class HostTier:
 
     @property
     def capacity_bytes(self) -> int:
+        """What the tier holds now: its share of the budget (it moves with demand)."""
         return self.slab.nbytes
 
     @property
     def pinned_bytes(self) -> int:
-        """Page-locked so far: the slots the tier may use (0 where T1 is not pinned: every slot is usable)."""
-        return self.slab.pinned_bytes
+        """Page-locked now (with CUDA: the whole extent; 0 where T1 is not page-locked)."""
+        return self.slab.nbytes if self.slab.pinned else 0
 
     @property
     def pinning(self) -> bool:
-        """Is the slab still being page-locked (the tier serving its pinned part meanwhile)?"""
-        return self.slab.pinned and self.index.num_slots < self.slab.num_slots and not self.slab.pinning_stopped
+        """Is the slab being page-locked now (the tier serving the part pinned so far)?"""
+        return self.slab.pinned and self.share.growing
 
     @property
     def used_bytes(self) -> int:
@@ -78,4 +82,5 @@ class HostTier:
         self.index.set_owner_quota(owner_of, lambda owner: slots_within(limit_bytes(owner), self.slab.stride))
 
     def close(self) -> None:
+        self.share.close()
         self.slab.close()

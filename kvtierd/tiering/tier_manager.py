@@ -32,6 +32,7 @@ from kvtierd.movers.factory import CopyEngines
 from kvtierd.t0.device_pool import DevicePool
 from kvtierd.t0.factory import create_device_pool
 from kvtierd.t1.host_tier import HostTier
+from kvtierd.t2.node_budget import NodeBudget
 from kvtierd.tier import Tier, TierCounts
 from kvtierd.tiering.block_io import Admit, BlockGet, BlockPut
 from kvtierd.tiering.offload import Offloader
@@ -56,10 +57,13 @@ class TierManager:
                  ssd_config: SsdTierConfig | None = None, device: str = "auto", root: DaemonKey | None = None,
                  hash_size: int = 32, observer: IndexObserver | None = None, copy_threads: int = 2,
                  max_pending_events: int = 0, engines: CopyEngines | None = None,
-                 remote_store: RedisStore | None = None, cuda_share: str = "fd") -> None:
+                 remote_store: RedisStore | None = None, cuda_share: str = "fd",
+                 host_budget: NodeBudget | None = None, host_key: str = "") -> None:
         """`engines`: the node's copy engines, one per device, shared with the other layouts on it
         (None: a private set, of `copy_threads` threads without CUDA). `remote_store`: the node's
-        shared store (None: no T3). `cuda_share`: how a CUDA pool is shared ("fd" | "ipc", factory.py)."""
+        shared store (None: no T3). `cuda_share`: how a CUDA pool is shared ("fd" | "ipc", factory.py).
+        `host_budget`: the node's host budget T1 shares with the other layouts, as `host_key` (None: a
+        budget of T1's own, `config.host_capacity_bytes`)."""
         config = config.for_layout(layout)
         pool = create_device_pool(layout, num_device_blocks, device, cuda_share="ipc" if cuda_share == "ipc" else "fd")
         write_backs = WriteBacks()
@@ -75,7 +79,10 @@ class TierManager:
         index = BlockIndex(num_device_blocks, layout.block_size, hash_size=hash_size, root=root,
                            copy_block=copy_block, observer=observer,
                            max_pending_events=max_pending_events)
-        host = HostTier(layout, config.host_capacity_bytes, config.host_codec) if config.host_capacity_bytes else None
+        host = None
+        if config.host_capacity_bytes:
+            host = HostTier(layout, config.host_capacity_bytes, config.host_codec, budget=host_budget,
+                            key=host_key or layout.model_id)
         ssd = None
         if ssd_config is not None:
             from kvtierd.t2.ssd_tier import SsdTier

@@ -7,7 +7,6 @@ from __future__ import annotations
 import glob
 import os
 
-import pytest
 import torch
 
 from kvtierd.cli.kvtierctl_report import StatsView
@@ -21,6 +20,7 @@ from kvtierd.t2.node_budget import NodeBudget
 from kvtierd.t2.ssd_config import SsdTierConfig
 from kvtierd.t2.ssd_space import SLOT_FILE_NAME
 from kvtierd.t2.ssd_tier import SsdTier
+from kvtierd.tier import Tier
 from kvtierd.units import GiB, KiB, MiB
 from tests.server.e2e_runner import expected_block, prompt
 
@@ -68,10 +68,15 @@ def test_five_layouts_stay_within_the_node_budgets_and_each_reads_back_its_block
         assert wait_until(lambda: t2_cached(client) == [NUM_CHAINS * CHAIN_BLOCKS] * len(LAYOUTS), timeout_s=30), \
             (t2_cached(client), [line for line in daemon.lines if any(w in line for w in ("SSD", "WARNING", "ERROR"))])
 
+        def t1_rows() -> list:
+            return [t for p in client.stats().pools for t in p.tiers if t.tier == "t1"]
+
+        fair = HOST_BYTES // len(LAYOUTS) // 4096 * 4096  # the layouts that attached later took theirs back
+        assert wait_until(lambda: [t.node_held_bytes for t in t1_rows()] == [fair] * len(LAYOUTS), timeout_s=30), \
+            [t.node_held_bytes for t in t1_rows()]
         segments = host_segments(daemon.process.pid)
-        assert len(segments) == len(LAYOUTS)  # every layout has its T1 slab ...
-        assert sum(s.st_size for s in segments) <= HOST_BYTES  # ... and together they fit the node's
-        assert sum(s.st_blocks * 512 for s in segments) <= HOST_BYTES
+        assert len(segments) == len(LAYOUTS)  # every layout has its T1 slab (mapped for the whole budget) ...
+        assert sum(s.st_blocks * 512 for s in segments) <= HOST_BYTES  # ... and their memory fits the node's
         files = slot_files(ssd_directory)
         assert len(files) == len(LAYOUTS)
         assert sum(f.st_size for f in files) <= SSD_BYTES
@@ -83,11 +88,11 @@ def test_five_layouts_stay_within_the_node_budgets_and_each_reads_back_its_block
             assert len(rows) == len(LAYOUTS) and all(t.node_capacity_bytes == capacity for t in rows)
             assert sum(t.node_held_bytes for t in rows) <= capacity
             assert all(t.used_bytes <= t.capacity_bytes for t in rows)
-        assert all(t.node_held_bytes == t.node_share_bytes == HOST_BYTES // 5 // 4096 * 4096
+        assert all(t.node_held_bytes == t.node_share_bytes == t.capacity_bytes == fair
                    for p in stats.pools for t in p.tiers if t.tier == "t1")
         text = "\n".join(StatsView(stats).lines(daemon.address))
-        assert "node budgets (all layouts): T1 host" in text and \
-            text.count("this layout's part of the node budgets: T1 slab 160.0 KiB, T2 files ") == len(LAYOUTS)
+        t1_part = "this layout's part of the node budgets: T1 memory 160.0 KiB (fair share 160.0 KiB), T2 files "
+        assert "node budgets (all layouts): T1 host" in text and text.count(t1_part) == len(LAYOUTS)
 
         for (layout, seed), (tokens, blocks) in chains.items():
             got = client.get(layout, [h for h, _, _ in blocks], token_ids=tokens)
@@ -180,19 +185,42 @@ def test_the_default_ssd_budget_is_bounded_by_the_free_space(tmp_path, monkeypat
     assert config_loader.load_config(environ=given).ssd.capacity_bytes == 3 * GiB
 
 
-@pytest.mark.parametrize("max_layouts", [1, 4])
-def test_a_layouts_host_share_is_the_node_budget_over_max_layouts(max_layouts):
+def test_one_layout_alone_takes_the_whole_host_budget_and_one_attached_later_gets_its_fair_share():
+    """A alone holds all of T1 and fills it; B attaches and, within a bounded time, holds its fair
+    share (half): A gave back its least recently used blocks, moved the ones it kept out of the end,
+    and each still reads exactly; the layouts never hold more than the node's budget together."""
     from kvtierd.node.pool_config import PoolConfig
     from kvtierd.node.pools import PoolRegistry, PoolSettings
     from kvtierd.tiering.tier_config import TierConfig
 
-    settings = PoolSettings(PoolConfig(device="cpu", t0_bytes=64 * KiB, max_layouts=max_layouts),
+    settings = PoolSettings(PoolConfig(device="cpu", t0_bytes=64 * KiB, max_layouts=4),
                             TierConfig(host_capacity_bytes=HOST_BYTES))
     registry = PoolRegistry(settings)
     try:
-        pools = [registry.get_or_create(layout) for layout in LAYOUTS[:max_layouts]]
-        slabs = [pool.manager.tiers.host.capacity_bytes for pool in pools]
-        assert slabs == [HOST_BYTES // max_layouts // 4096 * 4096] * max_layouts
-        assert registry.host_budget.used_bytes == sum(slabs) <= HOST_BYTES
+        host_a = registry.get_or_create(LAYOUTS[0]).manager.tiers.host
+        assert host_a is not None and host_a.capacity_bytes == HOST_BYTES  # one layout: the whole budget
+        items = ssd_blocks(LAYOUTS[0], 0, HOST_BYTES // 4096)  # 200 blocks of 4 KiB: T1 full
+        plan = host_a.index.prepare_store([meta for meta, _ in items])
+        assert len(plan.stores) == len(items) and not plan.evicted
+        for entry, (_, data) in zip(plan.stores, items):
+            host_a.slots[entry.slot].copy_(torch.frombuffer(bytearray(data), dtype=torch.uint8))
+        host_a.index.complete_store(plan.stores, success=True)
+
+        pool_b = registry.get_or_create(LAYOUTS[1])
+        host_b = pool_b.manager.tiers.host
+        assert host_b is not None
+        assert wait_until(lambda: host_b.capacity_bytes == HOST_BYTES // 2, timeout_s=30), host_b.capacity_bytes
+        assert host_a.capacity_bytes == HOST_BYTES // 2 and host_a.index.num_slots == len(items) // 2
+        assert registry.host_budget.used_bytes == host_a.capacity_bytes + host_b.capacity_bytes <= HOST_BYTES
+        kept = {e.block_hash: e for e in host_a.index.entries()}
+        data_of = {meta.block_hash: data for meta, data in items}
+        assert set(kept) == {meta.block_hash for meta, _ in items[len(items) // 2:]}  # the least recently used went
+        for block_hash, entry in kept.items():
+            assert entry.slot < host_a.index.num_slots and not entry.storing
+            assert bytes(host_a.slots[entry.slot].numpy()) == data_of[block_hash]
+        share = pool_b.node_share(Tier.T1)
+        assert share is not None
+        assert (share.held_bytes, share.share_bytes, share.node_capacity_bytes) == (HOST_BYTES // 2, HOST_BYTES // 2,
+                                                                                    HOST_BYTES)
     finally:
         registry.close()

@@ -258,7 +258,7 @@ def test_config_lines_show_addresses_sizes_and_auth_but_never_a_token(tmp_path):
     default_text = "\n".join(config_lines(load_config(environ={})))
     assert f"unix peer (socket owner uid {os.getuid()})" in default_text
     assert "T2 ssd: 4.0 GiB for the node in" in default_text
-    assert "T1 host: 1.0 GiB for the node, 256.0 MiB for each layout" in default_text  # 4 layouts share it
+    assert "T1 host: 1.0 GiB for the node, shared by the layouts as demand goes" in default_text
 
 
 @pytest.mark.parametrize("endpoint", ["tcp://0.0.0.0:5557", "tcp://*:5557", "tcp://10.1.2.3:5557", "tcp://[::]:5557",

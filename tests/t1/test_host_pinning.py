@@ -1,31 +1,28 @@
-"""The host slab page-locked in the background: chunks of at most 64 GiB on slot boundaries, T1
-serving the pinned prefix while the rest is pinned, every registration undone at close, no copy span
-across two registrations. The registrar here records and paces the calls (cudaHostRegister needs a
-GPU: the gpu test below pins for real)."""
+"""The host slab page-locked grain by grain as its extent grows: grains of at most 1 GiB on slot
+boundaries, T1 serving each grain as it lands, grains unregistered and their pages given back as the
+extent shrinks, every registration undone at close, no copy span across two registrations. The
+registrar here records and paces the calls (cudaHostRegister needs a GPU: the gpu test pins for real)."""
 
 from __future__ import annotations
 
-import logging
+import os
 import threading
 
 import numpy as np
 import pytest
 import torch
-from hypothesis import given
-from hypothesis import strategies as st
 
 from kvtierd.cli.kvtierctl_report import StatsView
-from kvtierd.index.slot_entry import BlockMeta
 from kvtierd.launch.daemon_process import wait_until
 from kvtierd.movers import pinned_regions
-from kvtierd.t1.host_pinning import MAX_REGISTRATION_BYTES, parse_cpu_list, registration_chunks
+from kvtierd.t1.host_pinning import GRAIN_BYTES, grain_slots, parse_cpu_list
 from kvtierd.t1.host_slab import HostSlab
 from kvtierd.t1.host_tier import HostTier
 from kvtierd.units import GiB
 from kvtierd.v1 import kvtier_pb2 as pb
 from tests.factories import small_layout
 
-LAYOUT = small_layout()
+LAYOUT = small_layout()  # 512-byte blocks: one 4 KiB slot each
 
 
 class PacedRegistrar:
@@ -36,12 +33,10 @@ class PacedRegistrar:
         self.unregistered: list[int] = []
         self.permits = threading.Semaphore(0) if paced else None
         self.fail_on = fail_on
-        self.arrived = threading.Semaphore(0)
 
     def register(self, address: int, nbytes: int) -> None:
-        self.arrived.release()
         if self.permits is not None:
-            assert self.permits.acquire(timeout=30), "the test never let this chunk go"
+            assert self.permits.acquire(timeout=30), "the test never let this grain go"
         if self.fail_on == len(self.registered):
             raise RuntimeError("cudaHostRegister failed with CUDA error 2")
         self.registered.append((address, nbytes))
@@ -50,86 +45,74 @@ class PacedRegistrar:
         self.unregistered.append(address)
 
 
-def test_a_512_gib_slab_is_14_registrations_doubling_from_1_gib_none_above_64():
-    chunks = registration_chunks(512 * GiB // (2 << 20), 2 << 20)
-    sizes_gib = [(stop - start) * (2 << 20) / GiB for start, stop in chunks]
-    assert sizes_gib == [1, 2, 4, 8, 16, 32, 64, 64, 64, 64, 64, 64, 64, 1]
+def resident_bytes(slab: HostSlab) -> int:
+    return os.fstat(slab.segment.fd).st_blocks * 512
 
 
-@given(num_slots=st.integers(0, 5000), stride_pages=st.integers(1, 700),
-       first=st.sampled_from([4096, 1 << 20, 3 << 20]), max_mib=st.integers(1, 64))
-def test_chunks_cover_the_slab_in_order_on_slot_boundaries(num_slots, stride_pages, first, max_mib):
-    stride, max_bytes = stride_pages * 4096, max_mib << 20
-    chunks = registration_chunks(num_slots, stride, first, max_bytes)
-    assert [start for start, _ in chunks] == ([0] if chunks else []) + [stop for _, stop in chunks[:-1]]
-    assert (chunks[-1][1] if chunks else 0) == num_slots
-    assert all(stop > start for start, stop in chunks)
-    assert all((stop - start) * stride <= max_bytes for start, stop in chunks if stop - start > 1)
+def test_grains_are_at_most_1_gib_of_whole_slots():
+    assert GRAIN_BYTES == 1 * GiB <= 64 * GiB  # a 512 GiB tier is 512 registrations, none of them refused
+    assert grain_slots(2 << 20) == 512 and grain_slots(720 << 10) == 1456  # 1456 x 720 KiB < 1 GiB
+    assert grain_slots(3 * GiB) == 1  # a slot above a grain is a grain of its own
 
 
-def test_the_default_cap_is_64_gib():
-    assert MAX_REGISTRATION_BYTES == 64 * GiB
-
-
-def test_t1_serves_the_pinned_prefix_while_the_rest_is_pinned(caplog):
-    registrar = PacedRegistrar(paced=True)
-    codec_bytes = LAYOUT.bytes_per_block
-    slab = HostSlab(10, codec_bytes, pin=True, registrar=registrar, chunks=[(0, 2), (2, 6), (6, 10)])
-    host = HostTier(LAYOUT, 0, slab=slab)
+def test_the_extent_is_pinned_and_given_back_grain_by_grain():
+    registrar = PacedRegistrar()
+    slab = HostSlab(10, 4096, pin=True, registrar=registrar, grain=4)
     try:
-        assert host.index.num_slots == 0 and host.pinning and host.pinned_bytes == 0
-        assert not host.index.prepare_store([meta(0)]).stores  # nothing pinned: nothing stored
-        with caplog.at_level(logging.INFO, logger="kvtierd.t1.host_pinning"):
-            registrar.permits.release()  # the first chunk: two slots
-            assert wait_until(lambda: host.index.num_slots == 2, timeout_s=30)
-        plan = host.index.prepare_store([meta(i) for i in range(1, 6)])
-        assert sorted(e.slot for e in plan.stores) == [0, 1]  # only pinned slots are handed out
-        assert host.pinning and host.pinned_bytes == 2 * slab.stride
-        assert any("page-locked" in r.getMessage() for r in caplog.records)
-        registrar.permits.release(2)
-        assert slab.wait_pinned(30)
-        assert host.index.num_slots == 10 and not host.pinning and host.pinned_bytes == slab.nbytes
-        starts = [address for address, _ in registrar.registered]
-        base = slab.segment.flat.data_ptr()
-        assert starts == [base, base + 2 * slab.stride, base + 6 * slab.stride]
-        assert [n for _, n in registrar.registered] == [2 * slab.stride, 4 * slab.stride, 4 * slab.stride]
+        assert slab.nbytes == 0 and resident_bytes(slab) == 0  # mapped for 10 slots, backed for none
+        ready = []
+        slab.extend_to(5, ready.append)  # 5 slots: two grains
+        assert ready == [4, 8] and slab.num_ready_slots == 8 and resident_bytes(slab) == 8 * 4096
+        base = slab.flat.data_ptr()
+        assert registrar.registered == [(base, 4 * 4096), (base + 4 * 4096, 4 * 4096)]
+        slab.extend_to(10)
+        assert slab.num_ready_slots == 10 and registrar.registered[-1] == (base + 8 * 4096, 2 * 4096)  # the end
+        assert slab.shrink_to(5) == 8  # a grain is given back whole, or not at all
+        assert registrar.unregistered == [base + 8 * 4096] and resident_bytes(slab) == 8 * 4096
+        assert slab.shrink_to(0) == 0 and resident_bytes(slab) == 0
+        assert registrar.unregistered == [base + 8 * 4096, base + 4 * 4096, base]
+        assert not pinned_regions._boundaries
     finally:
-        host.close()
-    assert registrar.unregistered == starts[::-1]  # every registration undone, last first
-    assert not pinned_regions._boundaries
+        slab.close()
 
 
-def test_a_failed_registration_keeps_what_was_pinned_and_undoes_it_at_close():
+def test_a_refused_registration_keeps_the_grains_before_it():
     registrar = PacedRegistrar(fail_on=1)
-    slab = HostSlab(6, LAYOUT.bytes_per_block, pin=True, registrar=registrar, chunks=[(0, 3), (3, 6)])
-    host = HostTier(LAYOUT, 0, slab=slab)
+    slab = HostSlab(8, 4096, pin=True, registrar=registrar, grain=4)
     try:
-        assert slab.wait_pinned(30)
-        assert host.index.num_slots == 3 and not host.pinning and slab.pinning_stopped
+        with pytest.raises(RuntimeError, match="cudaHostRegister"):
+            slab.extend_to(8)
+        assert slab.num_ready_slots == 4
     finally:
-        host.close()
+        slab.close()
     assert len(registrar.unregistered) == 1 and not pinned_regions._boundaries
 
 
-def test_closing_while_pinning_stops_after_the_chunk_in_progress():
+def test_t1_serves_the_grains_pinned_so_far_while_the_rest_are_pinned():
     registrar = PacedRegistrar(paced=True)
-    slab = HostSlab(6, LAYOUT.bytes_per_block, pin=True, registrar=registrar, chunks=[(0, 2), (2, 4), (4, 6)])
-    host = HostTier(LAYOUT, 0, slab=slab)
-    assert registrar.arrived.acquire(timeout=30)  # the first chunk is waiting to register
-    closer = threading.Thread(target=host.close)
-    closer.start()
-    registrar.permits.release(3)
-    closer.join(30)
-    assert not closer.is_alive()
-    assert len(registrar.registered) == 1 and registrar.unregistered == [registrar.registered[0][0]]
-
-
-def test_an_unpinned_slab_is_usable_at_once():
-    host = HostTier(LAYOUT, 4 * 4096, pin=False)  # 4 slots of one page
+    slab = HostSlab(12, LAYOUT.bytes_per_block, pin=True, registrar=registrar, grain=4)
+    host = HostTier(LAYOUT, 12 * 4096, slab=slab)
     try:
-        assert host.index.num_slots == 4 and not host.pinning and host.pinned_bytes == 0
+        assert host.index.num_slots == 0 and not host.index.prepare_store([meta(0)]).stores  # nothing pinned yet
+        registrar.permits.release()  # the first grain
+        assert wait_until(lambda: host.index.num_slots == 4, timeout_s=30)
+        assert host.pinning and host.pinned_bytes == 4 * 4096
+        plan = host.index.prepare_store([meta(i) for i in range(1, 7)])
+        assert sorted(e.slot for e in plan.stores) == [0, 1, 2, 3]  # only pinned slots are handed out
+        host.index.complete_store(plan.stores, success=True)
+        registrar.permits.release(2)
+        assert wait_until(lambda: host.index.num_slots == 12 and not host.pinning, timeout_s=30)
+        assert host.capacity_bytes == host.pinned_bytes == 12 * 4096
     finally:
         host.close()
+    assert len(registrar.unregistered) == 3 and not pinned_regions._boundaries
+
+
+def test_an_unpinned_tier_is_backed_at_once_and_gives_its_pages_back_at_close():
+    host = HostTier(LAYOUT, 4 * 4096, pin=False)  # 4 slots of one page
+    assert host.index.num_slots == 4 and not host.pinning and host.pinned_bytes == 0
+    assert resident_bytes(host.slab) == 4 * 4096
+    host.close()
 
 
 def test_a_copy_span_across_two_registrations_is_cut_there():
@@ -167,15 +150,15 @@ def test_kvtierctl_stats_says_how_far_page_locking_got():
 
 
 @pytest.mark.gpu
-def test_on_cuda_the_slab_is_pinned_in_chunks_and_copies_across_them_are_exact():
-    """Real cudaHostRegister in three chunks; a shuffled batch into and out of all of them lands exactly."""
+def test_on_cuda_the_slab_is_pinned_in_grains_and_copies_across_them_are_exact():
+    """Real cudaHostRegister in three grains; a shuffled batch into and out of all of them lands exactly."""
     from kvtierd.movers.span_copy import copy_rows
 
     slot_nbytes = 256 << 10
-    slab = HostSlab(24, slot_nbytes, pin=True, chunks=[(0, 5), (5, 13), (13, 24)])
+    slab = HostSlab(24, slot_nbytes, pin=True, grain=9)
     try:
-        slab.start_pinning(lambda num_ready: None)
-        assert slab.wait_pinned(60) and slab.num_ready_slots == 24 and not slab.pinning_stopped
+        slab.extend_to(24)
+        assert slab.num_ready_slots == 24
         device = torch.randint(0, 256, (24, slot_nbytes), dtype=torch.uint8, device="cuda")
         ids = [i * 7 % 24 for i in range(24)]
         copy_rows(slab.slots, list(range(24)), device, ids)
@@ -189,6 +172,7 @@ def test_on_cuda_the_slab_is_pinned_in_chunks_and_copies_across_them_are_exact()
         slab.close()
 
 
-def meta(i: int) -> BlockMeta:
-    return BlockMeta(bytes([i]) * 33, bytes([i + 1]) * 33, b"\0" * 16)
+def meta(i: int):
+    from kvtierd.index.slot_entry import BlockMeta
 
+    return BlockMeta(bytes([i]) * 33, bytes([i + 1]) * 33, b"\0" * 16)
