@@ -147,7 +147,7 @@ class DaemonProcess:
 
 # Flags that send every committed block down T0 -> T1 -> T2 at once, so that a restart keeps it.
 WRITE_THROUGH = ["--set", "policy.t0_to_t1=write_through", "--set", "policy.t1_to_t2=write_through"]
-ONE_LAYOUT = ["--set", "pool.max_layouts=1"]  # a daemon for one layout: its T1 slab is the whole host budget
+ONE_LAYOUT = ["--set", "pool.max_layouts=1"]  # a daemon for one layout (which then holds the whole host budget)
 
 
 def written_through(client: KvtierClient) -> bool:

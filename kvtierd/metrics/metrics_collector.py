@@ -72,6 +72,10 @@ _FAMILIES: dict[str, tuple[type, str, str, tuple[str, ...]]] = {
                    "tier (as kvtierd_prefix_hit_tokens).", ("tier",)),
     "evictions": (CounterMetricFamily, "kvtierd_evictions", "Cached blocks evicted from each tier.", ("tier",)),
     "capacity": (GaugeMetricFamily, "kvtierd_tier_capacity_bytes", "Bytes each tier can hold.", ("tier",)),
+    "fair_share": (GaugeMetricFamily, "kvtierd_tier_fair_share_bytes",
+                   "What this model is guaranteed of the node's T1 / T2 budget now (the budget over the models "
+                   "that use the tier); kvtierd_tier_capacity_bytes is what it holds, above the share while "
+                   "others leave room.", ("tier",)),
     "used": (GaugeMetricFamily, "kvtierd_tier_used_bytes",
              "Bytes in use per tier (t0: blocks held by requests; t1, t2: stored blocks).", ("tier",)),
     "t0_free_blocks": (GaugeMetricFamily, "kvtierd_t0_free_blocks",
@@ -217,6 +221,8 @@ def _add_pool(families: Families, model: str, source: PoolSource, stats: Tiering
     add("t0_blocks", stats.num_blocks)
     for usage in stats.tiers:
         add("capacity", usage.capacity_bytes, usage.tier)
+        if usage.tier != Tier.T0:
+            add("fair_share", usage.fair_share_bytes, usage.tier)
         add("used", usage.used_bytes, usage.tier)
         add("cached_blocks", usage.num_cached_blocks, usage.tier)
         add("hit_blocks", usage.num_hit_blocks, usage.tier)

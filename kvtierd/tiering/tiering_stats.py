@@ -35,6 +35,7 @@ class TierUsage:
     num_quota_skips: int = 0  # T1/T2 stores refused because the tenant was at its quota
     pinned_bytes: int = 0  # T1 with CUDA: page-locked so far (the part it serves)
     pinning: bool = False  # T1: still being page-locked in the background
+    fair_share_bytes: int = 0  # T1, T2: what this layout is guaranteed of the node's budget now (0: T0)
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -76,13 +77,13 @@ def tiering_stats(tiers: Tiers) -> TieringStats:
         host = tiers.host
         t1 = TierUsage(Tier.T1, host.capacity_bytes, host.used_bytes, host.index.num_ready, hits.t1,
                        host.index.num_evictions, host.codec.name, host.index.num_quota_skips, host.pinned_bytes,
-                       host.pinning)
+                       host.pinning, host.share.share.share_bytes)
     ssd = tiers.ssd.stats() if tiers.ssd is not None else None
     t2 = None
     if ssd is not None:
         assert tiers.ssd_codec is not None, "made with T2"
         t2 = TierUsage(Tier.T2, ssd.capacity_bytes, ssd.used_bytes, ssd.num_cached_blocks, hits.t2, ssd.num_evictions,
-                       tiers.ssd_codec.name, ssd.num_quota_skips)
+                       tiers.ssd_codec.name, ssd.num_quota_skips, fair_share_bytes=ssd.share_bytes)
     bandwidth = tiers.engine.bandwidth
     return TieringStats(
         num_blocks=index.num_blocks, num_free_blocks=index.num_free_blocks, t0=t0, t1=t1, t2=t2, ssd=ssd,

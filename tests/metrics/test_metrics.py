@@ -110,7 +110,9 @@ def test_scrape_reports_what_the_tier_manager_reports(pool):
         expected[("kvtierd_prefix_hit_blocks_total", usage.tier)] = usage.num_hit_blocks
     for usage in (t1, t2):
         expected[("kvtierd_evictions_total", usage.tier)] = usage.num_evictions
+        expected[("kvtierd_tier_fair_share_bytes", usage.tier)] = usage.fair_share_bytes
         expected[("kvtierd_prefix_hit_tokens_total", usage.tier)] = usage.num_hit_blocks * LAYOUT.block_size
+    assert t1.fair_share_bytes == t1.capacity_bytes > 0  # the only layout: the whole budget is its share
     assert t0.used_bytes == 3 * LAYOUT.bytes_per_block and t1.num_cached_blocks > 0
     for (name, tier), want in expected.items():
         assert value(scraped, name, tier=tier, **m) == want, (name, tier)
