@@ -64,6 +64,7 @@ class SlotIndex:
         self._room = threading.Condition(self._lock)  # notified when a slot frees or an entry turns evictable
         self._num_room_changes = 0  # under the lock: how often that happened
         self.num_evictions = 0
+        self.num_uses = 0  # stores and loads asked of the index (under the lock): has it been used lately?
         self._owner_of: Callable[[DaemonKey], bytes] | None = None  # set by set_owner_quota
         self._max_slots_of: Callable[[bytes], int | None] = lambda owner: None
         self._num_slots_by_owner: collections.Counter[bytes] = collections.Counter()
@@ -120,6 +121,7 @@ class SlotIndex:
             stores: list[SlotEntry] = []
             evicted: list[SlotEntry] = []
             unplaced: list[BlockMeta] = []
+            self.num_uses += 1
             num_skipped = 0
             now = self._clock()
             owner_of = self._owner_of
@@ -209,6 +211,7 @@ class SlotIndex:
         """Pin the leading verified READY hits of the chain; they cannot be evicted until
         unpin. Returns the pinned entries (possibly none)."""
         with self._lock:
+            self.num_uses += 1
             hits = self._ready_prefix(block_hashes, parent, token_bytes, block_size)
             now = self._clock()
             for entry in hits:

@@ -9,6 +9,9 @@
   recently used blocks, moves the blocks it keeps out of the end of its slab (a host memcpy), and
   gives the end's memory back. Blocks that a load or a store holds never move; the shed stops above
   them.
+A layout whose T1 was neither stored into nor loaded from for `idle_s` turns idle: its fair share is
+0 (NodeBudget's dormant holder) and it gives back what another layout needs now, keeping its blocks
+until then; its next store or load makes it active again, with its fair share.
 Growing commits the slab's pages (with CUDA: touches and page-locks them grain by grain, T1 serving
 each grain as it lands) on the share's own thread; a shed runs on the asking layout's thread. Neither
 holds its lock while asking the budget for room, so two layouts growing at once cannot deadlock.
@@ -18,6 +21,7 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
 
 from kvtierd.errors import ResourceExhausted
 from kvtierd.index.extent_slot_index import ExtentSlotIndex
@@ -40,13 +44,17 @@ class HostShare:
     or drops a block a load or a store holds.
     """
 
-    def __init__(self, slab: HostSlab, index: ExtentSlotIndex, budget: NodeBudget, key: str) -> None:
+    def __init__(self, slab: HostSlab, index: ExtentSlotIndex, budget: NodeBudget, key: str,
+                 idle_s: float = 0.0) -> None:
         assert index.max_slots == slab.max_slots and index.num_slots == slab.num_ready_slots == 0
         self.slab, self.index, self.budget, self.key = slab, index, budget, key
         self.grain_bytes = slab.grain_slots * slab.stride
         self.growth_step_bytes = max(self.grain_bytes, budget.capacity_bytes // GROWTH_FRACTION)
         self.growing = False  # extending the slab now (with CUDA: pinning)
         self._evictions_seen = 0  # index.num_evictions when the share last grew: more since = demand
+        self.idle_s = idle_s  # 0: never idle
+        self.idle = False  # dormant in the budget: share 0, gives back what others need
+        self._uses_seen = (-1, time.monotonic())  # (index.num_uses, when it was last seen to change)
         self._resize = threading.Lock()
         self._wanted = threading.Event()
         self._stopped = False
@@ -68,18 +76,37 @@ class HostShare:
 
     def _run(self) -> None:
         while True:
-            self._wanted.wait(WAKE_S)
+            self._wanted.wait(min(WAKE_S, self.idle_s / 2) if self.idle_s else WAKE_S)
             self._wanted.clear()
             if self._stopped:
                 return
             try:
+                self.follow_activity()
                 self.grow()
             except Exception:  # the share stays as it is; the next wake tries again
                 log.exception("T1 of %s: growing its share failed", self.slab.what)
 
+    def follow_activity(self, now: float | None = None) -> None:
+        """Turn idle after `idle_s` without a store or load (the budget's dormant holder: share 0), and
+        active again at the next one."""
+        now = time.monotonic() if now is None else now
+        uses, since = self._uses_seen
+        if self.index.num_uses != uses:
+            self._uses_seen = (self.index.num_uses, now)
+            if self.idle:
+                self.budget.register(self.key, self.shed)
+                self.idle = False
+                log.info("T1 of %s: in use again, its fair share back", self.slab.what)
+        elif self.idle_s and not self.idle and now - since >= self.idle_s:
+            self.budget.make_dormant(self.key, self.shed)
+            self.idle = True
+            log.info("T1 of %s: idle for %.0f s, its share open to the other layouts", self.slab.what, now - since)
+
     def wanted_bytes(self) -> int:
         """How many more bytes this layout should hold now: up to its fair share, and a step past it
         while its T1 evicts and the budget has bytes free."""
+        if self.idle:
+            return 0
         share = self.share
         if share.held_bytes < share.share_bytes:
             return share.share_bytes - share.held_bytes

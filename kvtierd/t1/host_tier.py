@@ -29,10 +29,11 @@ class HostTier:
 
     def __init__(self, layout: Layout, capacity_bytes: int, codec: str = "raw", pin: bool | None = None,
                  clock: Callable[[], float] = time.monotonic, budget: NodeBudget | None = None, key: str = "",
-                 slab: HostSlab | None = None) -> None:
+                 slab: HostSlab | None = None, idle_s: float = 0.0) -> None:
         """`budget`: the node's host budget this tier shares with other layouts' (None: a budget of its
         own of `capacity_bytes`), `key` its name there. `slab`: the memory (default: a HostSlab that can
-        hold the whole budget, page-locked where CUDA is, backed only as far as the share goes)."""
+        hold the whole budget, page-locked where CUDA is, backed only as far as the share goes). `idle_s`:
+        unused this long, the tier lets the other layouts take its share (0: never idle)."""
         self.codec = make_codec(codec, layout)
         budget = budget if budget is not None else NodeBudget(capacity_bytes, "host")
         stride = slot_stride(self.codec.slot_nbytes)
@@ -40,7 +41,7 @@ class HostTier:
                                      what=f"T1 of {layout.model_id}")
         assert self.slab.slot_nbytes == self.codec.slot_nbytes
         self.index = ExtentSlotIndex(self.slab.max_slots, 0, clock)
-        self.share = HostShare(self.slab, self.index, budget, key or layout.model_id)
+        self.share = HostShare(self.slab, self.index, budget, key or layout.model_id, idle_s)
         self.share.start()
 
     @property

@@ -82,6 +82,7 @@ _POLICY = PolicyConfig()  # TierConfig's edges default to the daemon's
 class TierConfig:
     host_capacity_bytes: int = 1 << 30
     host_codec: str = "raw"  # "raw" | "fp8"
+    host_idle_s: float = 300.0  # a layout's T1 unused this long lets the others take its share (HostConfig.idle_s)
     ssd_codec: str = "raw"  # T2 may store fp8 below a raw T1 (converted on the host)
     t0_to_t1: EdgePolicy = EdgePolicy(_POLICY.t0_to_t1)
     t1_to_t2: EdgePolicy = EdgePolicy(_POLICY.t1_to_t2)
@@ -95,7 +96,8 @@ class TierConfig:
     def of_sections(cls, host: HostConfig, ssd: SsdConfig, policy: PolicyConfig, remote: RemoteConfig) -> TierConfig:
         """The daemon file's sections as a layout's tiers take them; `host.capacity_bytes` is the
         node's T1 budget here (each pool gets its share, node/pools.py)."""
-        return cls(host_capacity_bytes=host.capacity_bytes, host_codec=host.codec, ssd_codec=ssd.codec,
+        return cls(host_capacity_bytes=host.capacity_bytes, host_codec=host.codec, host_idle_s=host.idle_s,
+                   ssd_codec=ssd.codec,
                    t0_to_t1=EdgePolicy(policy.t0_to_t1), t1_to_t2=EdgePolicy(policy.t1_to_t2),
                    t1_to_t3=EdgePolicy(policy.t1_to_t3), t2_to_t3=EdgePolicy(policy.t2_to_t3),
                    remote_codec=remote.codec,

@@ -82,7 +82,7 @@ class TierManager:
         host = None
         if config.host_capacity_bytes:
             host = HostTier(layout, config.host_capacity_bytes, config.host_codec, budget=host_budget,
-                            key=host_key or layout.model_id)
+                            key=host_key or layout.model_id, idle_s=config.host_idle_s)
         ssd = None
         if ssd_config is not None:
             from kvtierd.t2.ssd_tier import SsdTier
