@@ -63,10 +63,10 @@ class HostShare:
         index.on_evicting = self._wanted.set  # under the index lock: only sets the event
 
     def start(self) -> None:
-        """Take the fair share: at once where that only commits pages (no CUDA), else on the share's
-        thread (pinning takes ~0.3 s a GiB); then follow demand on that thread."""
-        if not self.slab.pinned:
-            self.grow(ask_room=False)
+        """Take the fair share, or what is free of it: at once where that only commits pages (no CUDA);
+        with CUDA its first grain at once and the rest on the share's thread (pinning takes ~0.3 s a
+        GiB), T1 serving each grain as it lands; then follow demand on that thread."""
+        self.grow(ask_room=False, max_bytes=self.grain_bytes if self.slab.pinned else None)
         self._wanted.set()
         self._thread.start()
 
@@ -115,11 +115,13 @@ class HostShare:
             return self.growth_step_bytes
         return 0
 
-    def grow(self, ask_room: bool = True) -> int:
+    def grow(self, ask_room: bool = True, max_bytes: int | None = None) -> int:
         """Reserve what `wanted_bytes` says (asking a layout above its share to give back first when
         `ask_room` and this one is below its own) and extend the slab over it; returns the bytes
-        added. Blocking (commits, with CUDA pins)."""
+        added; at most `max_bytes`. Blocking (commits, with CUDA pins)."""
         wanted = min(self.wanted_bytes(), self.slab.max_nbytes - self.slab.nbytes)
+        if max_bytes is not None:
+            wanted = min(wanted, max_bytes)
         if wanted <= 0:
             return 0
         wanted = -(-wanted // self.grain_bytes) * self.grain_bytes

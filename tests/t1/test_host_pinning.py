@@ -89,13 +89,15 @@ def test_a_refused_registration_keeps_the_grains_before_it():
 
 
 def test_t1_serves_the_grains_pinned_so_far_while_the_rest_are_pinned():
+    """The first grain is pinned when the tier is made, the others on the share's thread; a store
+    meanwhile gets only pinned slots."""
     registrar = PacedRegistrar(paced=True)
     slab = HostSlab(12, LAYOUT.bytes_per_block, pin=True, registrar=registrar, grain=4)
+    registrar.permits.release()  # the first grain: pinned while the tier is made
     host = HostTier(LAYOUT, 12 * 4096, slab=slab)
     try:
-        assert host.index.num_slots == 0 and not host.index.prepare_store([meta(0)]).stores  # nothing pinned yet
-        registrar.permits.release()  # the first grain
-        assert wait_until(lambda: host.index.num_slots == 4, timeout_s=30)
+        assert host.index.num_slots == 4  # T1 serves its first grain at once, the rest as they are pinned
+        assert wait_until(lambda: host.share.growing, timeout_s=30)  # the second grain waits for its permit
         assert host.pinning and host.pinned_bytes == 4 * 4096
         plan = host.index.prepare_store([meta(i) for i in range(1, 7)])
         assert sorted(e.slot for e in plan.stores) == [0, 1, 2, 3]  # only pinned slots are handed out
