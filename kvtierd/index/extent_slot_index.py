@@ -1,15 +1,16 @@
 """A slot index over a growing extent: slots `[0, num_slots)` of at most `max_slots` are usable now.
 
 The SSD tier's extent is what its slot files hold: it grows as blocks are written (taking disk from
-the node's budget) and shrinks from the end when another layout needs the disk. The host tier's is
-the part of its slab page-locked so far (t1/host_pinning.py): it grows chunk by chunk at start.
+the node's budget) and shrinks when another layout needs the disk (t2/ssd_growth.py). The host
+tier's is the part of its slab backed so far (t1/host_share.py). Both shrink the same way: the least
+recently used entries go wherever they lie, and the kept ones past the new end move below it.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 from kvtierd.daemon_key import DaemonKey
 from kvtierd.index.slot_entry import SlotEntry
@@ -30,8 +31,8 @@ class Shrink:
 
 class ExtentSlotIndex(SlotIndex):
     """A SlotIndex whose `num_slots` (the extent) changes: `grow` adds free slots at the end,
-    `shrink` drops the end, `plan_shrink` / `finish_shrink` give back the end by evicting the least
-    recently used entries wherever they are and moving the kept ones below. Invariants of SlotIndex
+    `plan_shrink` / `finish_shrink` give back the end by evicting the least recently used entries
+    wherever they are and moving the kept ones below. Invariants of SlotIndex
     hold over the extent; `max_slots` bounds it; an entry being moved holds both its slots (the one
     past the extent until finished) and is invisible meanwhile. New slots are handed out after the
     free slots already there, lowest first, so a layout's blocks stay at the start and a shrink has
@@ -89,14 +90,17 @@ class ExtentSlotIndex(SlotIndex):
             self.num_slots = new
             return Shrink(old, new, evicted, moves)
 
-    def finish_shrink(self, shrink: Shrink, moved: bool) -> None:
-        """The moves' bytes landed in their new slots (`moved`), or did not: the entries live on
-        there as most recently used, or are dropped (their new slots free)."""
+    def finish_shrink(self, shrink: Shrink, moved: bool | Sequence[bool]) -> None:
+        """The moves' bytes landed in their new slots, or did not: `moved` says it for all of them or
+        one by one (in `shrink.moves` order). An entry that moved lives on there as most recently
+        used; one that did not is dropped (its new slot free)."""
+        outcomes = [moved] * len(shrink.moves) if isinstance(moved, bool) else list(moved)
+        assert len(outcomes) == len(shrink.moves), (len(outcomes), len(shrink.moves))
         with self._lock:
-            for entry, _, new_slot in shrink.moves:
+            for (entry, _, new_slot), landed in zip(shrink.moves, outcomes):
                 assert entry.storing and self._entries.get(entry.block_hash) is entry, entry
                 entry.storing = False
-                if moved:
+                if landed:
                     entry.slot = new_slot
                     self._lru[entry.block_hash] = entry
                 else:
@@ -106,20 +110,3 @@ class ExtentSlotIndex(SlotIndex):
                     self.num_evictions += 1
             if shrink.moves:
                 self._room_changed()
-
-    def shrink(self, num_slots: int) -> list[SlotEntry]:
-        """Cut the extent to `num_slots`, or to just past the last slot a store or load holds
-        (those cannot go). The entries past it are dropped and returned; the extent is then
-        `self.num_slots`."""
-        with self._lock:
-            busy = max((e.slot for e in self._entries.values() if e.storing or e.num_loads), default=-1)
-            new = min(self.num_slots, max(num_slots, busy + 1))
-            dropped = [e for e in self._entries.values() if e.slot >= new]
-            for entry in dropped:
-                del self._lru[entry.block_hash]
-                self._delete(entry.block_hash)
-                self._removed(entry)
-            self.num_evictions += len(dropped)
-            self._free_slots = [s for s in self._free_slots if s < new]
-            self.num_slots = new
-            return dropped

@@ -11,7 +11,8 @@ memory (`host_capacity_bytes`) and the T2 disk (`ssd.capacity_bytes`), each one 
 - T2: a layout's slot files (under `<ssd directory>/<layout id>`, so a restarted daemon finds
   each layout's blocks again) grow as blocks are written, by what the budget grants; with the
   budget spent a layout reuses its own least recently used slots, and one under its fair share
-  (budget / layouts with T2) makes one above it give back the end of its files (ssd_tier.py).
+  (budget / layouts with T2) makes one above it give back: its least recently used blocks first,
+  the kept ones copied out of the end of its files, which are then truncated (t2/ssd_growth.py).
   Slot files a restarted daemon finds count before their layout attaches again (dormant: they
   give back first).
 

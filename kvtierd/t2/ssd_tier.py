@@ -1,10 +1,10 @@
 """The T2 SSD tier: blocks in slot files (ssd_files.py), found through a persistent LMDB index
 (ssd_index.py) and an in-memory SlotIndex (LRU, two-phase), recovered on open.
 
-Disk: the files grow as blocks are written, in chunks the node's disk budget grants, and give
-their end back when another layout needs it (ssd_growth.py). With the budget spent, a store
-reuses this tier's least recently used slots (prepare_store); with none evictable the blocks are
-skipped and counted, never an error.
+Disk: the files grow as blocks are written, in chunks the node's disk budget grants, and shrink
+when another layout needs the disk: the least recently used blocks go, the kept ones move out of
+the end (ssd_growth.py). With the budget spent, a store reuses this tier's least recently used
+slots (prepare_store); with none evictable the blocks are skipped and counted, never an error.
 
 Write order of a store batch, so that a crash at any instant leaves the old state or the new:
   (a) the entries that give up their slots (LRU victims of prepare_store, watermark evictions)
@@ -47,9 +47,10 @@ from kvtierd.layout import Layout
 from kvtierd.t2.node_budget import NodeBudget, truncating_shed
 from kvtierd.t2.ssd_config import SsdTierConfig, describe_error, lock_directory
 from kvtierd.t2.ssd_files import SlotFiles
-from kvtierd.t2.ssd_growth import SsdGrowth, take_budget
+from kvtierd.t2.ssd_growth import SsdGrowth, TierCalls, take_budget
 from kvtierd.t2.ssd_index import Record, SsdIndex
 from kvtierd.t2.ssd_io import BlockBytes, SlotIO, checked_blocks
+from kvtierd.t2.ssd_moves import SlotMover
 from kvtierd.t2.ssd_recovery import recover_records
 from kvtierd.t2.ssd_stats import SsdStats
 from kvtierd.token_bytes import TokenBytes
@@ -105,8 +106,6 @@ class SsdTier:
         self._checksums = np.zeros(self.num_slots, dtype=np.uint64)  # per slot, of its holder
         self._write_lock = threading.Lock()  # orders slot reuse against LMDB deletes (see module doc)
         self._pending_deletes: set[DaemonKey] = set()  # under _write_lock
-        self._growth = SsdGrowth(self._budget, self._budget_key, self._files, self._index, self._write_lock,
-                                 self._commit_index, self._stop_admitting)
         self._stats_lock = threading.Lock()
         self._touched: dict[DaemonKey, float] = {}  # last uses not yet persisted; under _stats_lock
         self._state = threading.Condition()
@@ -118,6 +117,9 @@ class SsdTier:
         if not self._admitting and not self._reason:
             self._reason = "disk: no slots (capacity below one slot)"
         self._io = SlotIO(self._files, config.num_io_threads, self._checksums)
+        self._growth = SsdGrowth(self._budget, self._budget_key, self._files, self._index, self._write_lock,
+                                 SlotMover(self._files, self._io, config.durability == "fdatasync"),
+                                 TierCalls(self._commit_index, self._stop_admitting, self._record, self._count_lost))
         if self._db is not None:
             self._recover(self._db)
         self._budget.register(self._budget_key, self._shed)  # from now on others may ask it to give back
@@ -261,8 +263,9 @@ class SsdTier:
             return []
         return self._index.evict_lru(num_used - int(self.config.low_watermark * self.num_slots))
 
-    def _record(self, entry: SlotEntry, checksum: int) -> Record:
-        file_index, local_slot = self._files.location(entry.slot)
+    def _record(self, entry: SlotEntry, checksum: int, slot: int | None = None) -> Record:
+        """The LMDB record of `entry` at its slot (or at `slot`, where a give-back moves it)."""
+        file_index, local_slot = self._files.location(entry.slot if slot is None else slot)
         return Record(entry.block_hash, file_index, local_slot, self.slot_nbytes, checksum, self._layout_id,
                       entry.last_use_s, entry.meta.parent_hash, entry.meta.token_ids)
 
@@ -304,13 +307,17 @@ class SsdTier:
         with self._write_lock:
             removed = self._index.remove(list(why))
             self._commit_index("drop", deletes=[e.block_hash for e in removed])
-        num_io = sum(1 for e in removed if why[e.block_hash] == "io")
+        self._count_lost([why[e.block_hash] for e in removed])
+
+    def _count_lost(self, reasons: Sequence[str]) -> None:
+        """Blocks dropped because they failed to read ("io") or verify ("corrupt")."""
+        num_io = sum(1 for why in reasons if why == "io")
         with self._stats_lock:
             self.num_io_errors += num_io
-            self.num_corrupted += len(removed) - num_io
-        if removed:
+            self.num_corrupted += len(reasons) - num_io
+        if reasons:
             log.warning("SSD tier: dropped %d block(s) that failed to read (%d) or verify (%d)",
-                        len(removed), num_io, len(removed) - num_io)
+                        len(reasons), num_io, len(reasons) - num_io)
 
     # ------------------------------------------------------------------------------ removal, close
 

@@ -67,6 +67,21 @@ def test_a_move_that_failed_drops_the_moved_blocks():
     check_slots(index)
 
 
+def test_moves_that_failed_one_by_one_drop_only_those_blocks_and_free_their_new_slots():
+    """A disk copy reports each move (T2: a read that did not verify): the failed ones go, counted
+    as evictions, the others live at their new slots, and waiters see the room."""
+    index = filled(8, 8)  # entry i in slot i
+    shrink = index.plan_shrink(4)
+    moved_to = {e.meta: new for e, _, new in shrink.moves}
+    room_changes = index._num_room_changes
+    landed = [e.meta != meta(5) for e, _, _ in shrink.moves]
+    index.finish_shrink(shrink, landed)
+    assert {e.meta: e.slot for e in index.entries()} == {m: s for m, s in moved_to.items() if m != meta(5)}
+    assert index.lookup([meta(5).block_hash]) == 0 and index.num_evictions == 5
+    assert moved_to[meta(5)] in index._free_slots and index._num_room_changes > room_changes
+    check_slots(index)
+
+
 @given(num_slots=st.integers(1, 24), data=st.data())
 def test_any_shrink_keeps_the_most_recent_blocks_that_fit_and_every_slot_accounted(num_slots, data):
     num_entries = data.draw(st.integers(0, num_slots))

@@ -116,9 +116,12 @@ def loaded(tier: SsdTier, items) -> list[bytes]:
 
 
 def test_a_layout_under_its_share_makes_the_one_above_give_back_disk(tmp_path):
-    """A fills the node's 16 slots; B, under its share (8), gets room: A gives back the end of its
-    files (B asks for a chunk up to its share); neither ever exceeds the budget, what each still
-    holds loads exactly, and B at its share recycles its own least recently used slots."""
+    """A fills the node's 16 slots and reads back its first 4 blocks (its most recent now); B, under
+    its share (8), gets room: A evicts its 8 least recently used blocks wherever they lie, moves the
+    kept ones out of the end of its file and truncates it to 8 slots. The 8 it keeps read exactly,
+    also after A reopens on its directory; neither ever exceeds the budget, and B at its share
+    recycles its own least recently used slots. (Giving back the end of the file would keep
+    blocks 0-7.)"""
     layout = LAYOUTS[0]
     budget = NodeBudget(16 * 4096, "ssd")
 
@@ -129,20 +132,31 @@ def test_a_layout_under_its_share_makes_the_one_above_give_back_disk(tmp_path):
     def on_disk() -> int:
         return sum(os.path.getsize(tmp_path / name / SLOT_FILE_NAME) for name in ("a", "b"))
 
+    a_items = ssd_blocks(layout, 0, 16)  # block i in slot i
     a, b = tier("a"), tier("b")
     try:
-        assert a.store(ssd_blocks(layout, 0, 16)) == 16
+        assert a.store(a_items) == 16
         assert budget.used_bytes == on_disk() == 16 * 4096 and a.stats().file_bytes == 16 * 4096
+        assert loaded(a, a_items[:4]) == [data for _, data in a_items[:4]]  # used again: LRU is 4, 5, ... 15, 0 ... 3
         assert b.store(ssd_blocks(layout, 100, 4)) == 4
         assert budget.used_bytes == on_disk() <= 16 * 4096
-        assert a.stats().file_bytes == 8 * 4096 and b.stats().file_bytes == 8 * 4096
-        held_by_a = [item for item in ssd_blocks(layout, 0, 16) if a.lookup([item[0].block_hash])]
-        assert len(held_by_a) == 8 and all(loaded(a, [item]) == [item[1]] for item in held_by_a)
+        assert a.stats().file_bytes == os.path.getsize(tmp_path / "a" / SLOT_FILE_NAME) == 8 * 4096
+        assert b.stats().file_bytes == 8 * 4096
+        kept = a_items[:4] + a_items[12:]  # the 8 most recently used: 12-15 moved from the end into 4-7
+        assert sorted(a.block_hashes()) == sorted(meta.block_hash for meta, _ in kept)
+        assert all(loaded(a, [item]) == [item[1]] for item in kept)
+        assert a.stats().num_corrupted_blocks == 0 and a.stats().num_evictions == 8
         assert b.store(ssd_blocks(layout, 200, 6)) == 6  # up to its share, then its own LRU slots
         assert budget.used_bytes == on_disk() <= 16 * 4096 and b.stats().file_bytes == 8 * 4096
         assert loaded(b, ssd_blocks(layout, 200, 6)) == [data for _, data in ssd_blocks(layout, 200, 6)]
         assert b.lookup([ssd_blocks(layout, 100, 1)[0][0].block_hash]) == 0  # B's least recently used went
         assert b.stats().share_bytes == 8 * 4096 and a.stats().node_used_bytes == 16 * 4096
+        a.close()
+        a = tier("a")  # a restart: the records name the kept blocks' new slots
+        assert a.stats().num_recovered_blocks == 8 and a.stats().num_dropped_on_open == 0
+        assert sorted(a.block_hashes()) == sorted(meta.block_hash for meta, _ in kept)
+        assert all(loaded(a, [item]) == [item[1]] for item in kept)
+        assert a.stats().num_corrupted_blocks == 0
     finally:
         a.close()
         b.close()

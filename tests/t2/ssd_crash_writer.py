@@ -12,12 +12,14 @@ import os
 import random
 import resource
 import signal
+import threading
 
 import numpy as np
 import torch
 
 from kvtierd.index.slot_entry import BlockMeta
 from kvtierd.layout import Layout
+from kvtierd.t2.node_budget import NodeBudget
 from kvtierd.t2.ssd_tier import SsdTier, SsdTierConfig
 
 # 3 × 2 × 16 × 5 × 24 × 2 = 23,040 bytes a block: not a multiple of 4096, so slots are padded
@@ -105,3 +107,85 @@ def run_capped_writer(directory: str, result_path: str, max_file_bytes: int) -> 
     tier.close()
     with open(result_path, "w") as f:
         json.dump(result, f)
+
+
+# A give-back: tier A (two files) holds 16 blocks, block i in slot i, and reads 0-3 again; B, under its
+# share of a 16-slot budget, makes A evict its 8 least recently used (4-11) and move 12-15 into 4-7.
+GIVE_BACK_SLOTS = 16
+GIVE_BACK_HASHES = [i.to_bytes(4, "little") * 8 for i in range(GIVE_BACK_SLOTS)]
+GIVE_BACK_KEPT = GIVE_BACK_HASHES[:4] + GIVE_BACK_HASHES[12:]
+# where run_give_back kills itself: after the evicted records' commit, when the first of the two runs
+# of moved blocks (one per file) is written and the second not, before the moved records' commit,
+# before the truncation, after it
+GIVE_BACK_CRASH_POINTS = ("evicted", "moving", "moved", "committed", "truncated")
+
+
+def give_back_config(directory: str, name: str, budget: NodeBudget | None, durability: str = "fdatasync",
+                     num_files: int = 2) -> SsdTierConfig:
+    return SsdTierConfig([os.path.join(directory, name, str(i)) for i in range(num_files)],
+                         capacity_bytes=GIVE_BACK_SLOTS * CRASH_STRIDE, durability=durability,
+                         lmdb_map_bytes=16 << 20, node_budget=budget)
+
+
+def filled_for_give_back(directory: str, budget: NodeBudget, durability: str = "fdatasync") -> SsdTier:
+    """Tier A holding the 16 blocks, 0-3 read again last (the most recently used)."""
+    tier = SsdTier.open(give_back_config(directory, "a", budget, durability), CRASH_LAYOUT)
+    items, parent = [], ROOT
+    for block_hash in GIVE_BACK_HASHES:
+        items.append(block(block_hash, parent, CRASH_LAYOUT))
+        parent = block_hash
+    assert tier.store(items) == GIVE_BACK_SLOTS
+    out = torch.empty(4, CRASH_LAYOUT.bytes_per_block, dtype=torch.uint8)
+    assert tier.load(GIVE_BACK_HASHES[:4], out) == 4
+    return tier
+
+
+def ask_for_disk(directory: str, budget: NodeBudget, num_blocks: int = 4) -> SsdTier:
+    """Tier B, opened on the budget, stores `num_blocks` blocks: under its share and finding too few
+    bytes free, it makes A give back."""
+    tier = SsdTier.open(give_back_config(directory, "b", budget, num_files=1), CRASH_LAYOUT)
+    tier.store([block(os.urandom(32), ROOT, CRASH_LAYOUT) for _ in range(num_blocks)])
+    return tier
+
+
+def run_give_back(directory: str, crash_at: str, log_path: str) -> None:
+    """Fill A, then let B ask for disk, killing this process at `crash_at` (logged just before)."""
+    budget = NodeBudget(GIVE_BACK_SLOTS * CRASH_STRIDE, "ssd")
+    tier = filled_for_give_back(directory, budget)
+    db, files = tier._db, tier._files
+    assert db is not None
+    commit, write_run, resize = db.commit, files.write_run, files.resize
+    num_commits = num_runs = 0
+    one_run_at_a_time = threading.Lock()
+
+    def crash(point: str) -> None:
+        if point == crash_at:
+            log_fd = os.open(log_path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o600)
+            os.write(log_fd, f"{point}\n".encode())
+            os.kill(os.getpid(), signal.SIGKILL)
+
+    def crashing_commit(*args, **kwargs):
+        nonlocal num_commits
+        num_commits += 1
+        if num_commits == 2:
+            crash("moved")
+        commit(*args, **kwargs)
+        if num_commits == 1:
+            crash("evicted")
+
+    def crashing_write_run(*args, **kwargs):
+        nonlocal num_runs
+        with one_run_at_a_time:  # the first run lands whole, the second never starts
+            if num_runs == 1:
+                crash("moving")
+            write_run(*args, **kwargs)
+            num_runs += 1
+
+    def crashing_resize(*args, **kwargs):
+        crash("committed")
+        resize(*args, **kwargs)
+        crash("truncated")
+
+    db.commit, files.write_run, files.resize = crashing_commit, crashing_write_run, crashing_resize
+    ask_for_disk(directory, budget)
+    os.write(os.open(log_path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o600), b"no crash\n")
