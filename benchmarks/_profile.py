@@ -19,6 +19,10 @@ from collections.abc import Sequence
 from pathlib import Path
 
 ENTRY_FRAMES = ("kvtierd/cli/", "kvtierd/server/serve.py", "kvtierd/server/interceptor.py")  # on every stack
+# Native stacks whose top is one of these wait (py-spy samples a thread blocked in a system call as
+# busy when it pauses the process for native stacks); their samples are left out. A wait inside libc
+# that py-spy cannot name (an address) is not recognised.
+WAIT_FRAMES = ("epoll_wait (", "epoll_pwait (", "poll (", "select (", "pthread_cond_", "sem_wait", "futex")
 
 
 def py_spy(pid: int, output: Path, rate_hz: int = 250, native: bool = False) -> subprocess.Popen:
@@ -58,6 +62,8 @@ def summarize_profile(name: str, path: Path, top: int = 10, rate_hz: int = 250,
         thread, _, frames = stack.partition(";") if stack.startswith("thread (") else ("", "", stack)
         family = re.sub(r"_\d+$", "_*", thread.partition(": ")[2])
         frame_list = frames.split(";")
+        if any(frame_list[-1].startswith(w) or f" {w}" in frame_list[-1] for w in WAIT_FRAMES):
+            continue
         total += int(count)
         for frame in dict.fromkeys(frame_list):
             if any(p in frame for p in packages) and not any(e in frame for e in ENTRY_FRAMES):
