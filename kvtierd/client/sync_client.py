@@ -209,13 +209,13 @@ class Session(SessionBase):
         """Blocks committed; parent_hash None means the chain's root."""
         return self._client._run(self._commit(request_id, block_ids, block_hashes, token_ids, parent_hash))
 
-    def release(self, request_id: str) -> int:
     def commit_and_release(self, request_id: str, block_ids: Sequence[int], block_hashes: Sequence[bytes],
                            token_ids: TokenIds, parent_hash: bytes | None) -> CommitResult:
         """`commit`, then the request released, in one RPC (check `released`: see CommitResult)."""
         return self._client._run(self._commit(request_id, block_ids, block_hashes, token_ids, parent_hash,
                                               release=True))
 
+    def release(self, request_id: str) -> int:
         return self._client._run(self._release(request_id))
 
     def fork(self, request_id: str, child_request_id: str) -> list[int]:
