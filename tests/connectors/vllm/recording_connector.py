@@ -61,7 +61,8 @@ class RecordingConnector(KvtierdConnector):
             tables[request_id] = (prompt_key(request.prompt_token_ids),
                                   min(request.num_computed_tokens + num_scheduled, request.num_tokens),
                                   [list(ids) for ids in manager.get_block_ids(request_id)])
-        return RecordedStep(metadata.loads, metadata.stores, metadata.preempted_req_ids, tables)
+        fields = {f.name: getattr(metadata, f.name) for f in dataclasses.fields(metadata)}
+        return RecordedStep(**fields, tables=tables)
 
     def wait_for_save(self) -> None:
         super().wait_for_save()
