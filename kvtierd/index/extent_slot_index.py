@@ -71,14 +71,7 @@ class ExtentSlotIndex(SlotIndex):
             old = self.num_slots
             busy = max((e.slot for e in self._entries.values() if e.storing or e.num_loads), default=-1)
             new = min(old, -(-max(num_slots, busy + 1) // grain) * grain)
-            evicted = []
-            while len(self._entries) > new and self._lru:
-                _, entry = self._lru.popitem(last=False)
-                self._delete(entry.block_hash)
-                self._removed(entry)
-                self._free_slots.append(entry.slot)
-                evicted.append(entry)
-            self.num_evictions += len(evicted)
+            evicted = self._pop_lru(len(self._entries) - new)
             free_below = [s for s in self._free_slots if s < new]
             moves = []
             for entry in [e for e in self._entries.values() if e.slot >= new]:

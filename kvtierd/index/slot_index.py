@@ -270,17 +270,23 @@ class SlotIndex:
         """Drop up to `num_entries` least recently used entries that nobody loads (watermarks).
         Returns them; their slots are free."""
         with self._lock:
-            evicted = []
-            while self._lru and len(evicted) < num_entries:
-                _, entry = self._lru.popitem(last=False)
-                self._delete(entry.block_hash)
-                self._removed(entry)
-                self._free_slots.append(entry.slot)
-                evicted.append(entry)
-            self.num_evictions += len(evicted)
+            evicted = self._pop_lru(num_entries)
             if evicted:
                 self._room_changed()
             return evicted
+
+    def _pop_lru(self, num_entries: int) -> list[SlotEntry]:
+        """Under the lock: drop up to `num_entries` of the least recently used evictable entries,
+        counted as evictions, their slots free."""
+        evicted = []
+        while self._lru and len(evicted) < num_entries:
+            _, entry = self._lru.popitem(last=False)
+            self._delete(entry.block_hash)
+            self._removed(entry)
+            self._free_slots.append(entry.slot)
+            evicted.append(entry)
+        self.num_evictions += len(evicted)
+        return evicted
 
     # ----------------------------------------------------------------------------- events
 

@@ -7,19 +7,17 @@ first token is recompute's plus the Acquire. The daemon counts the declined bloc
 
 from __future__ import annotations
 
-import os
-
 import pytest
 
 from kvtierd.client import KvtierClient
 from kvtierd.connectors.reference.kv_backend import PrivateKv
 from kvtierd.connectors.reference.runner import GenerationRequest, ReferenceRunner
 from kvtierd.connectors.reference.runner_connector import KvtierdConnector
-from kvtierd.launch.daemon_process import WRITE_THROUGH, DaemonProcess, small_daemon_args, wait_until, written_through
+from kvtierd.launch.daemon_process import wait_until, written_through
 from kvtierd.tier import Tier
 from tests.connectors.reference.connector_factories import TOY, prompt, toy_model
+from tests.server.slow_t2_daemon import slow_t2_daemon
 
-REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 READ_DELAY_S = 1.5  # per read of a run of slots: 10 blocks of 2 KiB load at ~14 kB/s; the runner prefills in ms
 LAYOUT = TOY.layout("toy-llama", 4)  # 2 KiB a block
 MODEL = toy_model()
@@ -39,10 +37,8 @@ def only_in_t2(client: KvtierClient) -> None:
 
 @pytest.fixture
 def slow_ssd_daemon(tmp_path):
-    env = {"SLOW_T2_READ_DELAY_S": str(READ_DELAY_S), "PYTHONPATH": REPO}
-    with DaemonProcess(small_daemon_args(str(tmp_path), extra=WRITE_THROUGH), env=env,
-                       module="tests.server.slow_t2_serve") as daemon, KvtierClient(daemon.address) as client:
-        yield daemon, client
+    with slow_t2_daemon(str(tmp_path), READ_DELAY_S) as daemon_and_client:
+        yield daemon_and_client
 
 
 @pytest.mark.timeout(300)

@@ -3,12 +3,10 @@ rebuilt from their dict in the API server and added to Prometheus counters per e
 
 from __future__ import annotations
 
-from prometheus_client import CollectorRegistry, Counter, Histogram
-
 from kvtierd.connectors.vllm.connector import KvtierdConnector
 from kvtierd.connectors.vllm.connector_stats import LOOKUP_SECONDS, KvtierdConnectorStats, KvtierdPromMetrics
 from kvtierd.launch.daemon_process import wait_until
-from tests.connectors.vllm.vllm_fakes import BLOCK_SIZE, Engine, Request, prompt
+from tests.connectors.vllm.vllm_fakes import BLOCK_SIZE, Engine, Request, prom_metrics, prompt
 
 
 def test_each_side_reports_what_it_did_since_its_last_report(daemon):
@@ -52,18 +50,7 @@ def test_reports_aggregate_over_ranks_and_survive_the_trip_as_a_dict():
 
 
 def test_prometheus_counters_add_each_report_under_the_engines_labels():
-    registry = CollectorRegistry()
-
-    class RegistryCounter(Counter):
-        def __init__(self, *args, **kwargs):
-            super().__init__(*args, registry=registry, **kwargs)
-
-    class RegistryHistogram(Histogram):
-        def __init__(self, *args, **kwargs):
-            super().__init__(*args, registry=registry, **kwargs)
-
-    metrics = KvtierdConnector.build_prom_metrics(None, {Counter: RegistryCounter, Histogram: RegistryHistogram},
-                                                  ["model_name", "engine"], {0: ["m", "0"], 1: ["m", "1"]})
+    registry, metrics = prom_metrics(["model_name", "engine"], {0: ["m", "0"], 1: ["m", "1"]})
     assert isinstance(metrics, KvtierdPromMetrics)
     for _ in range(2):
         metrics.observe({"loaded_tokens_t1": 96, "stored_bytes": 10, "store_rpcs": 3, LOOKUP_SECONDS: [0.003]}, 1)

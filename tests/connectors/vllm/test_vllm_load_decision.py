@@ -6,21 +6,17 @@ against a real `kvtierd serve` whose SSD reads are slow on purpose."""
 
 from __future__ import annotations
 
-import os
-
 import pytest
 import torch
-from prometheus_client import CollectorRegistry, Counter, Histogram
 
 from kvtierd.client import KvtierClient
 from kvtierd.connectors.prefill_cost import PrefillCost
-from kvtierd.connectors.vllm.connector import KvtierdConnector
 from kvtierd.connectors.vllm.forward_timing import ForwardTimer, is_sample
 from kvtierd.connectors.vllm.metadata import GroupBlocks, LoadSpec, StepMetadata
-from kvtierd.launch.daemon_process import WRITE_THROUGH, DaemonProcess, small_daemon_args, wait_until, written_through
-from tests.connectors.vllm.vllm_fakes import BLOCK_SIZE, Engine, Request, prompt
+from kvtierd.launch.daemon_process import wait_until, written_through
+from tests.connectors.vllm.vllm_fakes import BLOCK_SIZE, Engine, Request, prom_metrics, prompt
+from tests.server.slow_t2_daemon import slow_t2_daemon
 
-REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 READ_DELAY_S = 1.0  # per read of a run of SSD slots: 5 blocks load at ~30 kB/s, the fake forward takes microseconds
 
 
@@ -72,18 +68,7 @@ def test_on_cuda_the_timer_reads_a_forward_from_its_events_once_they_completed()
 
 
 def test_declined_tokens_become_vllm_s_counter_by_tier():
-    registry = CollectorRegistry()
-
-    class RegistryCounter(Counter):
-        def __init__(self, *args, **kwargs):
-            super().__init__(*args, registry=registry, **kwargs)
-
-    class RegistryHistogram(Histogram):
-        def __init__(self, *args, **kwargs):
-            super().__init__(*args, registry=registry, **kwargs)
-
-    metrics = KvtierdConnector.build_prom_metrics(None, {Counter: RegistryCounter, Histogram: RegistryHistogram},
-                                                  ["engine"], {0: ["0"]})
+    registry, metrics = prom_metrics(["engine"], {0: ["0"]})
     metrics.observe({"declined_tokens_t2": 64, "declined_tokens_t3": 32})
     assert registry.get_sample_value("vllm:kvtierd_declined_slow_tokens_total", {"engine": "0", "tier": "t2"}) == 64
     assert registry.get_sample_value("vllm:kvtierd_declined_slow_tokens_total", {"engine": "0", "tier": "t3"}) == 32
@@ -92,10 +77,8 @@ def test_declined_tokens_become_vllm_s_counter_by_tier():
 
 @pytest.fixture
 def slow_ssd_daemon(tmp_path):
-    env = {"SLOW_T2_READ_DELAY_S": str(READ_DELAY_S), "PYTHONPATH": REPO}
-    with DaemonProcess(small_daemon_args(str(tmp_path), extra=WRITE_THROUGH), env=env,
-                       module="tests.server.slow_t2_serve") as daemon, KvtierClient(daemon.address) as client:
-        yield daemon, client
+    with slow_t2_daemon(str(tmp_path), READ_DELAY_S) as daemon_and_client:
+        yield daemon_and_client
 
 
 def only_in_t2(client: KvtierClient) -> None:

@@ -430,3 +430,25 @@ class Engine:
     def close(self) -> None:
         self.worker.shutdown()
         self.scheduler.shutdown()
+
+
+def prom_metrics(labelnames: list[str], per_engine_labelvalues: dict[int, list[str]]):
+    """The connector's vLLM metrics built as vLLM builds them, into a registry of their own:
+    (registry, metrics)."""
+    from prometheus_client import CollectorRegistry, Counter, Histogram
+
+    from kvtierd.connectors.vllm.connector import KvtierdConnector
+
+    registry = CollectorRegistry()
+
+    class RegistryCounter(Counter):
+        def __init__(self, *args, **kwargs):
+            super().__init__(*args, registry=registry, **kwargs)
+
+    class RegistryHistogram(Histogram):
+        def __init__(self, *args, **kwargs):
+            super().__init__(*args, registry=registry, **kwargs)
+
+    metrics = KvtierdConnector.build_prom_metrics(None, {Counter: RegistryCounter, Histogram: RegistryHistogram},
+                                                  labelnames, per_engine_labelvalues)
+    return registry, metrics
