@@ -24,6 +24,8 @@ from kvtierd.t0.shm_segment import ShmSegment, default_segment_name
 from kvtierd.t1.host_pinning import CudaHostRegistrar, HostRegistrar, first_touch, gpu_numa_cpus, grain_slots
 from kvtierd.units import ALIGNMENT_BYTES, round_up
 
+STEP_BYTES = 64 << 20  # unpinned, the extent grows this much at a time (pages committed and touched together)
+
 
 def slot_stride(slot_nbytes: int) -> int:
     """Bytes between slot starts: `slot_nbytes` rounded up to ALIGNMENT_BYTES (4 KiB), as T2's slots are."""
@@ -79,14 +81,16 @@ class HostSlab:
         return min(self.max_slots, round_up(num_slots, self.grain_slots))
 
     def extend_to(self, num_slots: int, on_ready: Callable[[int], None] = lambda num_ready: None) -> None:
-        """Give the slots up to `num_slots` (rounded up to a grain) memory, grain by grain, calling
-        `on_ready(num_ready_slots)` after each. Blocking (commits pages; pinned: touches and
-        registers them). ResourceExhausted when /dev/shm cannot hold them, RuntimeError when a
-        registration fails: the extent keeps the grains done before."""
+        """Give the slots up to `num_slots` (rounded up to a grain) memory, grain by grain (unpinned:
+        `STEP_BYTES` at a time), calling `on_ready(num_ready_slots)` after each. Blocking (commits
+        and touches pages; pinned: registers them). ResourceExhausted when /dev/shm cannot hold them,
+        RuntimeError when a registration fails: the extent keeps the grains done before."""
         with self._resize:
             target = self.grain_end(num_slots)
+            step = self.grain_slots if self.pinned else max(1, STEP_BYTES // self.stride)  # registrations: grains
             while self.num_ready_slots < target and self.flat is not None:
-                start, stop = self.num_ready_slots, self.grain_end(self.num_ready_slots + 1)
+                start = self.num_ready_slots
+                stop = min(target, self.grain_end(start + step))
                 memory = self.flat[start * self.stride:stop * self.stride]
                 self.segment.commit(start * self.stride, memory.numel(), self.what)
                 # faulted in now, not under the first copies into it (~0.25 ms of daemon CPU per 720 KiB block)

@@ -238,3 +238,39 @@ def test_one_layout_alone_takes_the_whole_host_budget_and_one_attached_later_get
                                                                                     HOST_BYTES)
     finally:
         registry.close()
+
+
+def test_on_a_daemon_a_second_model_takes_its_fair_share_of_t1_from_the_first_and_both_read_exactly(tmp_path):
+    """A real daemon, T2 off: model A alone holds all of T1 and stores 24 blocks in it; model B
+    attaches and stores 12; within a bounded time each holds half of T1, A gave up its least recently
+    used chains, and every chain either model still holds in T1 comes back byte for byte."""
+    host_bytes = 32 * 4096
+    args = small_daemon_args(str(tmp_path), t0_bytes="32KiB", host_bytes=str(host_bytes), ssd_bytes="0",
+                             extra=WRITE_THROUGH)
+
+    def t1(client: KvtierClient, model: str):
+        return next(t for p in client.stats().pools if p.layout.model_id == model for t in p.tiers if t.tier == "t1")
+
+    with DaemonProcess(args) as daemon, KvtierClient(daemon.address) as client:
+        a, b = LAYOUTS[0], LAYOUTS[1]
+        chains_a = [chain_blocks(client, a, seed) for seed in range(4)]
+        for _, blocks in chains_a:
+            client.put(a, blocks)
+        assert wait_until(lambda: t1(client, a.model_id).num_cached_blocks == 24, timeout_s=30)
+        assert t1(client, a.model_id).capacity_bytes == host_bytes  # alone: the whole budget
+
+        chains_b = [chain_blocks(client, b, seed) for seed in range(2)]  # B attaches (to hash its chains)
+        half = host_bytes // 2
+        assert wait_until(lambda: (t1(client, a.model_id).node_held_bytes, t1(client, b.model_id).node_held_bytes)
+                          == (half, half), timeout_s=30), (t1(client, a.model_id), t1(client, b.model_id))
+        for _, blocks in chains_b:
+            client.put(b, blocks)
+        assert wait_until(lambda: t1(client, b.model_id).num_cached_blocks == 12, timeout_s=30)
+        assert t1(client, a.model_id).num_cached_blocks <= 16 and t1(client, a.model_id).node_share_bytes == half
+        client.evict(tiers=["t0"])  # what comes back now comes from T1
+
+        for layout, (tokens, blocks), whole in [(a, chains_a[2], True), (a, chains_a[3], True), (a, chains_a[0], False),
+                                                *[(b, chain, True) for chain in chains_b]]:
+            got = client.get(layout, [h for h, _, _ in blocks], token_ids=tokens)
+            assert [(h, data) for h, data in got] == [(h, data) for h, _, data in blocks][:len(got)]
+            assert (len(got) == CHAIN_BLOCKS) if whole else (len(got) == 0), (layout.model_id, len(got))
