@@ -85,7 +85,7 @@ def test_parts_are_read_back_into_the_report(tmp_path):
     env = dict(NO_CUDA_ENV, KVTIERD_REQUIRE_GPU="1")
     with open(tmp_path / "log", "w") as log:
         results = [runner.run_part(part, env, 300, tmp_path, log) for part in (bench, tests)]
-    assert results[0].status == PASS and [len(t["rows"]) for t in results[0].tables] == [2]
+    assert results[0].status == PASS and [len(t["rows"]) for t in results[0].tables] == [18]  # the copy sweep
     assert results[1].status == FAIL and results[1].tests["passed"] == 0 and results[1].tests["failed"] > 0
     assert results[1].checks[0]["result"] == FAIL
     results.append(PartResult("bench-ttft", "ttft", note="the run's budget was spent"))
