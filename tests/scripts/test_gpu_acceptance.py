@@ -93,7 +93,7 @@ def test_parts_are_read_back_into_the_report(tmp_path):
     document = json.loads((tmp_path / "out" / report.JSON).read_text())
     assert [p["status"] for p in document["parts"]] == [PASS, FAIL, "NOT RUN"] and document["passed"] is False
     markdown = (tmp_path / "out" / report.MARKDOWN).read_text()
-    assert "| T0 -> T1 (offload, d2h) |" in markdown and "Result: **FAIL**, 1 of 3 parts passed" in markdown
+    assert "| 2 MiB shuffled both |" in markdown and "Result: **FAIL**, 1 of 3 parts passed" in markdown
     assert sorted(p.name for p in (tmp_path / "out").iterdir()) == [report.JSON, report.MARKDOWN]
 
 
