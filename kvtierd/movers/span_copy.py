@@ -6,8 +6,9 @@ stride` bytes apart (the pool: stride = row bytes; T1's slots: the 4 KiB-aligned
 of rows `src_ids[i]` onto rows `dst_ids[i]` is planned as spans — runs where both ids go up by one
 on sides whose rows lie back to back are coalesced into one span — and submitted in one call:
 - both on the host: one `copy_spans` of the C extension `kvtierd._copy_spans` (kernels/copy_spans.c,
-  built at install: a memcpy per span with the GIL released); where it was not built, a Python loop
-  of memmoves (the same bytes, a Python step per span);
+  built at install: a memcpy per span with the GIL released), a job of 8 MiB or more cut into equal
+  shares copied on torch's number of threads at once (as torch's own copy_ splits one); where the
+  extension was not built, a Python loop of memmoves (the same bytes, a Python step per span);
 - a side on a CUDA device: one `cuMemcpyBatchAsync` on the current stream (cuda_batch_copy.py; the
   driver's per-call cost, ~2-3 µs, is paid once per job instead of once per run); where the driver
   lacks it or refuses a batch, one `copy_` per span on the current stream, said once in the log.
@@ -17,9 +18,12 @@ move from per-block copies to one batched submission.
 
 from __future__ import annotations
 
+import concurrent.futures
 import ctypes
 import dataclasses
 import logging
+import os
+import threading
 from collections.abc import Sequence
 
 import numpy as np
@@ -108,9 +112,47 @@ def copy_rows(dst: torch.Tensor, dst_ids: Sequence[int], src: torch.Tensor, src_
     return plan.num_spans
 
 
+PARALLEL_FROM_BYTES = 8 << 20  # a host job this large is cut into equal shares, one per thread
+_pool: concurrent.futures.ThreadPoolExecutor | None = None
+_pool_lock = threading.Lock()
+
+
+def _share_pool(num_threads: int) -> concurrent.futures.ThreadPoolExecutor:
+    global _pool
+    with _pool_lock:
+        if _pool is None:
+            _pool = concurrent.futures.ThreadPoolExecutor(num_threads, thread_name_prefix="kvtierd-memcpy")
+        return _pool
+
+
+def cut_shares(dst_addresses: np.ndarray, src_addresses: np.ndarray, sizes: np.ndarray,
+               num_shares: int) -> list[tuple[np.ndarray, np.ndarray, np.ndarray]]:
+    """The spans cut into `num_shares` runs of equal bytes (a span split where a share ends), in order."""
+    sizes64 = sizes.astype(np.int64)
+    ends = np.cumsum(sizes64)
+    starts = ends - sizes64
+    total = int(ends[-1]) if len(ends) else 0
+    shares = []
+    for i in range(num_shares):
+        low, high = total * i // num_shares, total * (i + 1) // num_shares
+        first, last = np.searchsorted(ends, low, side="right"), np.searchsorted(starts, high, side="left")
+        cut_low, cut_high = np.maximum(starts[first:last], low), np.minimum(ends[first:last], high)
+        offsets = (cut_low - starts[first:last]).astype(np.uint64)
+        shares.append((dst_addresses[first:last] + offsets, src_addresses[first:last] + offsets,
+                       (cut_high - cut_low).astype(np.uint64)))
+    return shares
+
+
 def _copy_on_host(plan: SpanPlan) -> None:
     if _NATIVE is not None:
-        _NATIVE.copy_spans(plan.dst_addresses, plan.src_addresses, plan.sizes)
+        num_threads = min(torch.get_num_threads(), os.cpu_count() or 1, 8)
+        if num_threads > 1 and int(plan.sizes.sum()) >= PARALLEL_FROM_BYTES:  # as torch's copy_ splits one
+            pool = _share_pool(num_threads)
+            shares = cut_shares(plan.dst_addresses, plan.src_addresses, plan.sizes, num_threads)
+            for done in [pool.submit(_NATIVE.copy_spans, *share) for share in shares]:
+                done.result()
+        else:
+            _NATIVE.copy_spans(plan.dst_addresses, plan.src_addresses, plan.sizes)
         return
     for dst_address, src_address, nbytes in zip(plan.dst_addresses.tolist(), plan.src_addresses.tolist(),
                                                 plan.sizes.tolist()):

@@ -127,3 +127,30 @@ def test_on_cuda_a_shuffled_job_is_one_batched_driver_call_and_bit_exact(directi
         assert torch.equal(host[ids], device.cpu())
     else:
         assert torch.equal(device.cpu(), host[ids])
+
+
+@given(sizes=st.lists(st.integers(1, 5000), min_size=1, max_size=12), num_shares=st.integers(1, 5))
+def test_shares_cover_every_byte_once_in_order(sizes, num_shares):
+    """Cut into shares, the spans still name every byte once, dst and src advancing together."""
+    from kvtierd.movers.span_copy import cut_shares
+
+    sizes_array = np.asarray(sizes, dtype=np.uint64)
+    starts = np.concatenate(([0], np.cumsum(sizes_array)[:-1])).astype(np.uint64)
+    dst, src = starts + np.uint64(1 << 40), starts + np.uint64(1 << 41)
+    shares = cut_shares(dst, src, sizes_array, num_shares)
+    assert len(shares) == num_shares
+    pieces = [(int(d), int(s), int(n)) for share in shares for d, s, n in zip(*share) if n]
+    covered = [(d - (1 << 40), n) for d, _, n in pieces]
+    assert all(s - d == (1 << 41) - (1 << 40) for d, s, _ in pieces)
+    assert [b for start, n in covered for b in range(start, start + n)] == list(range(sum(sizes)))
+    totals = [int(share[2].sum()) for share in shares]
+    assert max(totals) - min(totals) <= 1
+
+
+def test_a_large_host_job_in_shares_copies_the_same_bytes(monkeypatch):
+    monkeypatch.setattr(span_copy, "PARALLEL_FROM_BYTES", 1)
+    monkeypatch.setattr(torch, "get_num_threads", lambda: 3)
+    ids = [i * 97 % 256 for i in range(256)]
+    src, dst = byte_rows(256), byte_rows(256, fill=False)
+    copy_rows(dst, ids, src, list(range(256)))
+    assert torch.equal(dst[ids], src)
