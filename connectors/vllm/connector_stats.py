@@ -22,11 +22,13 @@ first full-attention group, by the tier that held them).
 from __future__ import annotations
 
 import threading
+from collections.abc import Sequence
 from typing import Any
 
 from prometheus_client import Counter, Histogram
 
 from kvtierd.tier import TierCounts
+from kvtierd.token_bytes import packed_size
 
 TIERS = ("t0", "t1", "t2", "t3")
 LOADED_TOKENS = tuple(f"loaded_tokens_{tier}" for tier in TIERS)  # loaded into vLLM, by the tier that held them
@@ -186,3 +188,8 @@ class KvtierdPromMetrics(KVConnectorPromMetrics):
                 counters[key].inc(transfer_stats_data[key])
         for seconds in transfer_stats_data.get(LOOKUP_SECONDS) or ():
             self._lookups[engine_idx].observe(seconds)
+
+
+def request_payload_nbytes(block_hashes: Sequence[bytes], token_ids: Sequence[int]) -> int:
+    """The bytes of hashes and token ids (u32) a request carries: what a store sends besides the ids."""
+    return sum(map(len, block_hashes)) + packed_size(len(token_ids))

@@ -24,7 +24,7 @@ churn hands out one run per block) and however many layers share the engine's al
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 
@@ -87,6 +87,18 @@ def _checked_ids(block_ids: Sequence[int], limit: int, what: str) -> torch.Tenso
     if ids.numel() and (int(ids.min()) < 0 or int(ids.max()) >= limit):
         raise ValueError(f"{what} must be in [0, {limit}), got {int(ids.min())}..{int(ids.max())}")
     return ids
+
+
+class EnginePagesLike(Protocol):
+    """The engine's KV pages as the worker moves them: the interface EnginePages implements (tests pass fakes)."""
+
+    device: torch.device
+
+    def to_pool(self, group: ServedGroup, engine_block_ids: Sequence[int], pool: torch.Tensor,
+                pool_block_ids: Sequence[int]) -> None: ...
+
+    def from_pool(self, group: ServedGroup, pool: torch.Tensor, pool_block_ids: Sequence[int],
+                  engine_block_ids: Sequence[int]) -> None: ...
 
 
 class EnginePages:

@@ -45,39 +45,21 @@ import itertools
 import logging
 import threading
 from collections.abc import Sequence
-from typing import Protocol
 
 import torch
 
 from kvtierd.client import Session
 from kvtierd.connectors.prefill_cost import PrefillCost
-from kvtierd.connectors.vllm.connector_stats import StatsRecorder
+from kvtierd.connectors.vllm.connector_stats import StatsRecorder, request_payload_nbytes
 from kvtierd.connectors.vllm.daemon_link import DaemonLink
+from kvtierd.connectors.vllm.engine_pages import EnginePagesLike
 from kvtierd.connectors.vllm.kv_groups import EngineGroups, ServedGroup
 from kvtierd.connectors.vllm.metadata import GroupBlocks, GroupStore, LoadSpec, StepMetadata, StoreSpec
 from kvtierd.errors import KvtierError
-from kvtierd.token_bytes import packed_size
 
 log = logging.getLogger(__name__)
 
 DEFAULT_START_ATTACH_S = 10.0  # the longest an engine's start waits for its first Attach
-
-
-def _payload_nbytes(block_hashes: Sequence[bytes], token_ids: Sequence[int]) -> int:
-    """The bytes of hashes and token ids (u32) a request carries: what a store sends besides the ids."""
-    return sum(map(len, block_hashes)) + packed_size(len(token_ids))
-
-
-class EnginePagesLike(Protocol):
-    """The engine's KV pages as the worker moves them (engine_pages.EnginePages)."""
-
-    device: torch.device
-
-    def to_pool(self, group: ServedGroup, engine_block_ids: Sequence[int], pool: torch.Tensor,
-                pool_block_ids: Sequence[int]) -> None: ...
-
-    def from_pool(self, group: ServedGroup, pool: torch.Tensor, pool_block_ids: Sequence[int],
-                  engine_block_ids: Sequence[int]) -> None: ...
 
 
 class WorkerSide:
@@ -327,7 +309,7 @@ class WorkerSide:
 
     def _count_store_rpcs(self, num_rpcs: int, block_hashes: Sequence[bytes], token_ids: Sequence[int]) -> None:
         self.stats.add("store_rpcs", num_rpcs)
-        self.stats.add("store_request_bytes", _payload_nbytes(block_hashes, token_ids))
+        self.stats.add("store_request_bytes", request_payload_nbytes(block_hashes, token_ids))
 
     def _count_dropped(self, why: str, request_id: str) -> None:
         """Count a dropped store; log the first and then every 100th (a daemon that is down drops many)."""
