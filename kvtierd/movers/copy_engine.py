@@ -11,9 +11,11 @@ event fires. In-flight bytes are bounded: `submit` blocks while the budget is sp
 from __future__ import annotations
 
 import abc
+import collections
 import concurrent.futures
 import contextlib
 import enum
+import statistics
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -30,22 +32,31 @@ class Direction(enum.Enum):
 
 
 class Bandwidth:
-    """Measured bytes per second of one direction: an exponentially weighted moving average."""
+    """Measured bytes per second of one direction (or one store's reads): the median rate of the
+    last RECENT_SAMPLES copies, the first guess until the first. A median, not a moving average:
+    one copy stalled by the scheduler on a loaded node (milliseconds for kilobytes) would drag an
+    average down by orders of magnitude for many copies after it, and a load decision made on it
+    (tiering/load_decision.py) would decline every hit of a healthy tier.
 
-    def __init__(self, initial_bytes_per_s: float, weight: float = 0.2) -> None:
+    Invariants: `num_samples` counts every sample recorded; `bytes_per_s` is the initial guess
+    while it is 0, else the median of the last min(num_samples, RECENT_SAMPLES) sample rates."""
+
+    RECENT_SAMPLES = 16
+
+    def __init__(self, initial_bytes_per_s: float) -> None:
+        assert initial_bytes_per_s > 0, initial_bytes_per_s
         self.bytes_per_s = initial_bytes_per_s
-        self.weight = weight
         self.num_samples = 0
         self.total_bytes = 0
+        self._recent_rates: collections.deque[float] = collections.deque(maxlen=self.RECENT_SAMPLES)
         self._lock = threading.Lock()
 
     def record(self, nbytes: int, seconds: float) -> None:
         if nbytes <= 0 or seconds <= 0:
             return
         with self._lock:
-            sample = nbytes / seconds
-            self.bytes_per_s = sample if self.num_samples == 0 else (
-                self.weight * sample + (1 - self.weight) * self.bytes_per_s)
+            self._recent_rates.append(nbytes / seconds)
+            self.bytes_per_s = statistics.median(self._recent_rates)
             self.num_samples += 1
             self.total_bytes += nbytes
 

@@ -107,7 +107,7 @@ class Promoter:
         cost = self._cost(recompute_s_per_token)
         paths = {level.tier: level.load_path for level in self.levels}
         return load_decision.declined(hits, lambda tier, num_blocks: paths[tier](num_blocks),
-                                      self.tiers.layout.block_size, cost)
+                                      self.tiers.layout.block_size, cost, self.remeasures.t1_due)
 
     def _cost(self, recompute_s_per_token: float | None | LayoutCost) -> float | None:
         return self.tiers.recompute.s_per_token if recompute_s_per_token is LAYOUT_COST else recompute_s_per_token
@@ -229,7 +229,8 @@ class Promoter:
                 continue
             segment = level.claim(self._rest(block_hashes, token_bytes, start), answers.get(level.tier), count_misses)
             num_blocks = len(segment.metas)
-            if not load_decision.worth_loading(num_blocks * block_size, level.load_path(num_blocks), cost):
+            if not (load_decision.worth_loading(num_blocks * block_size, level.load_path(num_blocks), cost)
+                    or self.remeasures.t1_due(level.tier)):
                 level.release(segment)
                 declined = TierCounts.of(level.tier, num_blocks)
                 if level.tier is not Tier.T1 and self.tiers.host is not None and self.remeasures.due(level.tier):

@@ -63,12 +63,18 @@ def test_a_transfer_larger_than_the_budget_runs_alone(engine):
     assert engine.wait_idle(10) and engine.inflight_bytes == 0
 
 
-def test_bandwidth_is_a_moving_average():
-    bandwidth = Bandwidth(1e9, weight=0.5)
+def test_bandwidth_is_the_median_of_the_recent_copies():
+    bandwidth = Bandwidth(1e9)
+    assert bandwidth.bytes_per_s == 1e9 and bandwidth.num_samples == 0  # the first guess
     bandwidth.record(100, 1.0)
     assert bandwidth.bytes_per_s == 100  # the first sample replaces the guess
     bandwidth.record(300, 1.0)
-    assert bandwidth.bytes_per_s == 200 and bandwidth.seconds_for(400) == 2.0
+    bandwidth.record(1, 1.0)  # a stalled copy does not move the median of three
+    assert bandwidth.bytes_per_s == 100 and bandwidth.seconds_for(400) == 4.0
+    for _ in range(Bandwidth.RECENT_SAMPLES):  # only the recent copies count
+        bandwidth.record(1000, 1.0)
+    assert bandwidth.bytes_per_s == 1000 and bandwidth.num_samples == 3 + Bandwidth.RECENT_SAMPLES
+    assert bandwidth.total_bytes == 401 + 1000 * Bandwidth.RECENT_SAMPLES
 
 
 def test_bad_budget_is_refused():

@@ -11,18 +11,17 @@ import pytest
 from kvtierd.errors import InvalidArgument
 from kvtierd.movers.copy_engine import Bandwidth
 from kvtierd.tier import Tier, TierCounts
-from kvtierd.tiering.load_decision import declined, expected_load_s, worth_loading
+from kvtierd.tiering.load_decision import MIN_SAMPLES, declined, expected_load_s, worth_loading
 from kvtierd.tiering.recompute_cost import CostSource, RecomputeCost
+from tests.tiering.tier_factories import measure
 
 BLOCK_SIZE = 16
 MIB = 1 << 20
 
 
 def measured(bytes_per_s: float) -> Bandwidth:
-    """A bandwidth with one sample of `bytes_per_s`."""
-    bandwidth = Bandwidth(initial_bytes_per_s=1e12)  # a first guess the sample replaces
-    bandwidth.record(int(bytes_per_s), 1.0)
-    return bandwidth
+    """A bandwidth measured at `bytes_per_s`, enough times to be weighed."""
+    return measure(Bandwidth(initial_bytes_per_s=1e12), bytes_per_s)  # a first guess the samples replace
 
 
 def paths(t1: Bandwidth, t2: Bandwidth, t3: Bandwidth):
@@ -51,6 +50,38 @@ def test_a_hop_never_measured_costs_nothing_whatever_its_first_guess():
     assert expected_load_s([(guessed, 4 * MIB)]) == 0
     assert worth_loading(64, [(guessed, 4 * MIB)], 1e-9)
     assert expected_load_s([(guessed, 4 * MIB), (measured(MIB), MIB)]) == pytest.approx(1.0)
+
+
+def test_fewer_than_min_samples_never_decline_and_one_stalled_copy_does_not_once_measured():
+    """A 16 KiB copy stalled 10 ms by the scheduler (1.6 MB/s) among copies at 5 GB/s: weighed alone it
+    would make 112 KiB cost 70 ms, more than recomputing 112 tokens at 0.1 ms; it is never weighed
+    alone, and among MIN_SAMPLES - 1 healthy copies the median ignores it."""
+    bandwidth = Bandwidth(initial_bytes_per_s=5e9)
+    bandwidth.record(16 << 10, 10e-3)
+    path = [(bandwidth, 112 << 10)]
+    assert expected_load_s(path) == 0 and worth_loading(112, path, 1e-4)
+    for _ in range(MIN_SAMPLES - 1):
+        bandwidth.record(5 << 20, 1e-3)
+    assert bandwidth.bytes_per_s == pytest.approx(5 * MIB / 1e-3)
+    assert worth_loading(112, path, 1e-4)
+    for _ in range(MIN_SAMPLES):  # the copies are slow now, not one stalled: the tier is declined
+        bandwidth.record(16 << 10, 10e-3)
+    assert not worth_loading(112, path, 1e-4)
+
+
+def test_a_declined_tier_loaded_anyway_is_not_declined_nor_are_the_tiers_after_it():
+    """`load_anyway(T1)` (T1's remeasure due): T1's hits load, T2 is weighed on its own."""
+    fast, slow = measured(100 * (1 << 30)), measured(MIB)
+    hits = TierCounts(t1=2, t2=3, t3=4)
+    asked = []
+
+    def t1_due(tier: Tier) -> bool:
+        asked.append(tier)
+        return tier is Tier.T1
+
+    assert declined(hits, paths(slow, fast, fast), BLOCK_SIZE, 1e-3, t1_due) == TierCounts()
+    assert declined(hits, paths(slow, slow, fast), BLOCK_SIZE, 1e-3, t1_due) == TierCounts(t2=3, t3=4)
+    assert asked == [Tier.T1, Tier.T1, Tier.T2]  # asked only of tiers about to be declined
 
 
 def test_each_tier_is_weighed_for_its_own_blocks_and_the_prefix_breaks_at_the_first_slow_one():

@@ -8,9 +8,10 @@ import torch
 from kvtierd.index.query_counting import QueryCounting
 from kvtierd.launch.daemon_process import wait_until
 from kvtierd.movers.copy_engine import Direction
+from kvtierd.tiering.load_decision import MIN_SAMPLES, Remeasures
 from kvtierd.tiering.tier_config import EdgePolicy
 from tests.factories import BLOCK_SIZE, NAMESPACE, tokens
-from tests.tiering.tier_factories import content_for, make_manager, prefill, promote_exactly
+from tests.tiering.tier_factories import content_for, make_manager, measure, prefill, promote_exactly
 
 PROMPT = tokens(100, 4 * BLOCK_SIZE)
 
@@ -118,7 +119,7 @@ def test_off_policy_moves_nothing():
 
 def test_a_tier_slower_than_recompute_is_skipped(manager):
     chain = only_in_t1(manager)
-    manager.tiers.engine.bandwidth[Direction.HOST_TO_DEVICE].record(1 << 20, 1.0)  # measured: 1 MiB/s
+    measure(manager.tiers.engine.bandwidth[Direction.HOST_TO_DEVICE], 1 << 20)  # measured: 1 MiB/s
     slow = manager.acquire("b", chain, 0, PROMPT, recompute_s_per_token=1e-15)
     assert slow.num_t1_blocks == 0 and slow.ticket.wait(1) == 0
     assert manager.stats().num_skipped_slow_blocks.t1 == 4
@@ -126,6 +127,19 @@ def test_a_tier_slower_than_recompute_is_skipped(manager):
     fast = manager.acquire("c", chain, 0, PROMPT, recompute_s_per_token=1.0)
     assert fast.num_t1_blocks == 4 and fast.ticket.wait(10) == 4
     manager.release("c")
+
+
+def test_a_declined_host_tier_is_loaded_anyway_once_due_and_that_load_measures_it(manager):
+    """With T1 declined nothing uploads, so nothing would measure host -> device again: once an
+    interval the declined hit is loaded, and the copy is a sample."""
+    chain = only_in_t1(manager)
+    h2d = manager.tiers.engine.bandwidth[Direction.HOST_TO_DEVICE]
+    measure(h2d, 1 << 20)
+    manager.promoter.remeasures = Remeasures(interval_s=0.0)
+    probed = manager.acquire("b", chain, 0, PROMPT, recompute_s_per_token=1e-15)
+    assert probed.num_t1_blocks == 4 and probed.ticket.wait(10) == 4
+    assert h2d.num_samples == MIN_SAMPLES + 1 and manager.stats().num_skipped_slow_blocks.t1 == 0
+    manager.release("b")
 
 
 def test_a_failed_load_is_a_miss_and_leaves_the_blocks_writable(manager, monkeypatch):

@@ -10,11 +10,11 @@ import pytest
 
 from kvtierd.index.query_counting import QueryCounting
 from kvtierd.tier import TierCounts
-from kvtierd.tiering.load_decision import Remeasures
+from kvtierd.tiering.load_decision import MIN_SAMPLES, Remeasures
 from kvtierd.tiering.tier_config import EdgePolicy
 from tests.factories import BLOCK_SIZE, NAMESPACE, tokens
 from tests.tiering.test_tier_manager_ssd import ssd_config
-from tests.tiering.tier_factories import assert_holds, make_manager, prefill
+from tests.tiering.tier_factories import assert_holds, make_manager, measure, prefill
 
 PROMPT = tokens(300, 4 * BLOCK_SIZE)
 CHAIN = NAMESPACE.hash_blocks(PROMPT)
@@ -33,7 +33,7 @@ def t1_then_slow_t2(manager, ssd_measured_bytes_per_s: float | None = 1000.0) ->
     manager.tiers.host.index.remove(CHAIN[2:])
     assert manager.lookup(CHAIN, PROMPT) == SPLIT
     if ssd_measured_bytes_per_s is not None:
-        manager.tiers.ssd_read.record(int(ssd_measured_bytes_per_s), 1.0)
+        measure(manager.tiers.ssd_read, ssd_measured_bytes_per_s)
 
 
 @pytest.fixture
@@ -65,7 +65,7 @@ def test_an_acquire_loads_the_fast_tier_and_recomputes_from_the_first_slow_one(m
     assert stats.t2.num_hit_blocks == 0 and stats.t1.num_hit_blocks == 2
     manager.release("b")
     manager.drain()
-    assert manager.tiers.ssd_read.num_samples == 1  # the disk was not read (a re-measure is not due yet)
+    assert manager.tiers.ssd_read.num_samples == MIN_SAMPLES  # the disk was not read (a re-measure is not due yet)
 
 
 def test_a_declined_disk_is_read_again_in_the_background_once_due(make):
@@ -78,7 +78,7 @@ def test_a_declined_disk_is_read_again_in_the_background_once_due(make):
     assert acquisition.num_t2_blocks == 0 and acquisition.ticket.wait(10) == 2
     manager.release("b")
     manager.drain()
-    assert manager.tiers.ssd_read.num_samples == 2
+    assert manager.tiers.ssd_read.num_samples == MIN_SAMPLES + 1
     assert manager.lookup(CHAIN, PROMPT) == TierCounts(t0=2, t1=2)  # blocks 2-3 came up into T1
 
 
@@ -154,4 +154,4 @@ def test_a_prefetch_reads_only_what_would_be_loaded(make):
     assert manager.lookup(CHAIN, PROMPT, prefetch=True) == SPLIT
     manager.drain()
     assert manager.lookup(CHAIN, PROMPT) == SPLIT  # the declined blocks stayed on the SSD
-    assert manager.tiers.ssd_read.num_samples == 1  # the one the test recorded: no read
+    assert manager.tiers.ssd_read.num_samples == MIN_SAMPLES  # the test's: no read

@@ -10,7 +10,7 @@ import pytest
 from kvtierd.t2.ssd_tier import SsdTierConfig
 from kvtierd.tiering.tier_config import EdgePolicy
 from tests.factories import BLOCK_SIZE, NAMESPACE, tokens
-from tests.tiering.tier_factories import assert_holds, content_for, make_manager, prefill, promote_exactly
+from tests.tiering.tier_factories import assert_holds, content_for, make_manager, measure, prefill, promote_exactly
 
 PROMPT = tokens(100, 4 * BLOCK_SIZE)
 CHAIN = NAMESPACE.hash_blocks(PROMPT)
@@ -77,7 +77,7 @@ def test_a_slow_ssd_is_skipped_when_recompute_is_faster(manager):
     prefill(manager, "a", PROMPT)
     manager.release("a")
     only_in_t2(manager)
-    manager.tiers.ssd_read.record(1000, 1.0)  # measured as slow as a failing disk
+    measure(manager.tiers.ssd_read, 1000)  # measured as slow as a failing disk
     acquisition = manager.acquire("b", CHAIN, 0, PROMPT, recompute_s_per_token=1e-3)
     assert acquisition.num_t2_blocks == 0 and acquisition.ticket.wait(1) == 0
     assert manager.stats().num_skipped_slow_blocks.t2 == 4

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import torch
 
+from kvtierd.movers.copy_engine import Bandwidth
+from kvtierd.tiering.load_decision import MIN_SAMPLES
 from kvtierd.tiering.tier_config import TierConfig
 from kvtierd.tiering.tier_manager import TierManager
 from tests.factories import BLOCK_SIZE, NAMESPACE, small_layout
@@ -16,6 +18,14 @@ def content_for(block_hash: bytes) -> torch.Tensor:
     seed = int.from_bytes(block_hash[:4], "little") % 1024
     numel = torch.Size(LAYOUT.block_shape).numel()
     return ((torch.arange(numel) * 7 + seed) % 2048).to(LAYOUT.torch_dtype).view(LAYOUT.block_shape)
+
+
+def measure(bandwidth: Bandwidth, bytes_per_s: float) -> Bandwidth:
+    """Record MIN_SAMPLES samples of `bytes_per_s` (as many copies of that many bytes in 1 s each):
+    the fewest a load decision weighs."""
+    for _ in range(MIN_SAMPLES):
+        bandwidth.record(int(bytes_per_s), 1.0)
+    return bandwidth
 
 
 def make_manager(num_device_blocks: int = 8, host_blocks: int = 32, ssd_config=None, **config) -> TierManager:

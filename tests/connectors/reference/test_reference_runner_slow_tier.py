@@ -1,6 +1,6 @@
 """The reference runner against a daemon whose SSD reads are slow on purpose
 (tests/server/slow_t2_serve.py, every read of a run of slots sleeps first): a hit there is loaded
-only while the disk has not been measured, then declined as slower than the runner's own prefill,
+while the disk has been measured fewer than MIN_SAMPLES times, then declined as slower than the runner's own prefill,
 which the runner measures and reports on its Acquires. The declined request computes every
 token, generates exactly what recompute generates, and reads nothing from the disk: its time to
 first token is recompute's plus the Acquire. The daemon counts the declined blocks."""
@@ -15,10 +15,11 @@ from kvtierd.connectors.reference.runner import GenerationRequest, ReferenceRunn
 from kvtierd.connectors.reference.runner_connector import KvtierdConnector
 from kvtierd.launch.daemon_process import wait_until, written_through
 from kvtierd.tier import Tier
+from kvtierd.tiering.load_decision import MIN_SAMPLES
 from tests.connectors.reference.connector_factories import TOY, prompt, toy_model
 from tests.server.slow_t2_daemon import slow_t2_daemon
 
-READ_DELAY_S = 1.5  # per read of a run of slots: 10 blocks of 2 KiB load at ~14 kB/s; the runner prefills in ms
+READ_DELAY_S = 0.5  # per read of a run of slots: 10 blocks of 2 KiB load at ~40 kB/s; the runner prefills in ms
 LAYOUT = TOY.layout("toy-llama", 4)  # 2 KiB a block
 MODEL = toy_model()
 PROMPT = prompt(31, 42)  # 10 full blocks and 2 tokens
@@ -53,17 +54,18 @@ def test_a_hit_on_a_disk_slower_than_recompute_is_declined_and_the_tokens_are_re
     cold = generate("cold")  # computes the prompt (measuring its prefill), stores it
     assert runner.backend.prefill_cost.num_samples == 1
     only_in_t2(client)
-    # Its Acquire reports the runner's cost; T2's reads were never measured, so the hit is loaded
-    # (a first guess never declines a tier), and the slow read measures the disk.
-    measuring = generate("measuring")
-    assert (measuring.num_t2_hit_tokens, measuring.num_computed_prompt_tokens) == (40, 2)
+    # Its Acquires report the runner's cost; until T2's reads are measured MIN_SAMPLES times the hit
+    # is loaded (neither a first guess nor one sample declines a tier), and each slow read measures the disk.
+    for i in range(MIN_SAMPLES):
+        measuring = generate(f"measuring-{i}")
+        assert (measuring.num_t2_hit_tokens, measuring.num_computed_prompt_tokens) == (40, 2)
+        assert measuring.output_token_ids == cold.output_token_ids
+        only_in_t2(client)
     reported_s = runner.backend.prefill_cost.s_per_token  # measured on the cold prefill (2 tokens are no sample)
-    only_in_t2(client)
     declined = generate("declined")
     assert (declined.num_hit_tokens, declined.num_computed_prompt_tokens) == (0, 42)
-    assert cold.output_token_ids == measuring.output_token_ids == declined.output_token_ids == \
-        expected.output_token_ids
+    assert cold.output_token_ids == declined.output_token_ids == expected.output_token_ids
     pool, t2 = t2_tier(client)
-    assert t2.num_declined_blocks == 10 and t2.num_hit_blocks == 10  # the measuring load only
-    assert pool.recompute_source == "measured" and pool.num_recompute_reports == 2
+    assert t2.num_declined_blocks == 10 and t2.num_hit_blocks == 10 * MIN_SAMPLES  # the measuring loads only
+    assert pool.recompute_source == "measured" and pool.num_recompute_reports == MIN_SAMPLES + 1
     assert pool.recompute_s_per_token == pytest.approx(reported_s)  # both Acquires reported the same figure
