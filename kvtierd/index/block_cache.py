@@ -14,13 +14,14 @@ from types import MappingProxyType
 
 from kvtierd.daemon_key import DaemonKey
 from kvtierd.errors import FailedPrecondition, InvalidArgument
+from kvtierd.index.classed_free_queue import ClassedFreeQueue
 from kvtierd.index.eviction import EvictionHook, Evictor
-from kvtierd.index.free_queue import FreeBlockQueue
 from kvtierd.index.hash_to_blocks import HashToBlocks
 from kvtierd.index.index_events import AllBlocksCleared, BlockStored, Doorbell, EventQueue, IndexEvent
 from kvtierd.index.index_metrics import IndexObserver
 from kvtierd.index.kv_block import KVBlock
 from kvtierd.index.prefix_match import check_hashes, match_prefix, pack_prompt_tokens
+from kvtierd.retention.tier_retention import TierRetention
 from kvtierd.token_bytes import PackableTokenIds, TokenBytes
 
 
@@ -67,7 +68,7 @@ class BlockCache:
         self.hash_size = hash_size
         self.root = root  # when set, block 0 of every chain must name it as its parent
         self.blocks = [KVBlock(block_id) for block_id in range(num_blocks)]
-        self.free_queue = FreeBlockQueue(self.blocks)
+        self.free_queue = ClassedFreeQueue(self.blocks)
         self.hash_to_blocks = HashToBlocks()
         self.hash_to_block: Mapping[DaemonKey, KVBlock] = MappingProxyType(self.hash_to_blocks.first)
         self._observer = observer
@@ -137,11 +138,24 @@ class BlockCache:
                     num_evicted += self._evictor.evict_free(copies, now, copy_down)
             return num_evicted
 
+    def set_retention(self, retention: TierRetention) -> None:
+        """Evict by retention class, then LRU (classed_free_queue.py); set once, before any hint."""
+        with self._lock:
+            self.free_queue.retention = retention
+
+    def reclassify(self, block_hashes: Sequence[DaemonKey]) -> None:
+        """The retention hints of these hashes changed (a HintTable listener): their free copies
+        move to their class."""
+        with self._lock:
+            for block_hash in block_hashes:
+                self.free_queue.reclassify(self.hash_to_blocks.copies(block_hash))
+
     def reset(self) -> bool:
         """Forget every cached block. Refused (False, nothing changed) while any block is in use."""
         with self._lock:
             if self.free_queue.num_free_blocks != self.num_blocks:
                 return False
+            self.free_queue.declassify_all()
             for block in self.hash_to_blocks.all_blocks():
                 block.forget_content()
             self.hash_to_blocks.clear()

@@ -12,7 +12,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable
 
-from kvtierd.index.free_queue import FreeBlockQueue
+from kvtierd.index.classed_free_queue import ClassedFreeQueue
 from kvtierd.index.hash_to_blocks import HashToBlocks
 from kvtierd.index.index_events import BlockRemoved, EventQueue
 from kvtierd.index.index_metrics import IndexObserver
@@ -30,7 +30,7 @@ class Evictor:
     manager offloads through it), and runs under that lock.
     """
 
-    def __init__(self, free_queue: FreeBlockQueue, hash_to_blocks: HashToBlocks, on_evict: EvictionHook | None,
+    def __init__(self, free_queue: ClassedFreeQueue, hash_to_blocks: HashToBlocks, on_evict: EvictionHook | None,
                  observer: IndexObserver | None, events: EventQueue | None) -> None:
         self.free_queue = free_queue
         self.hash_to_blocks = hash_to_blocks
@@ -77,8 +77,8 @@ class Evictor:
         first when `copy_down`) and move them to the head of the free queue, reused first.
         Returns how many hashes left."""
         assert all(block.ref_cnt == 0 for block in blocks)
+        self.free_queue.remove_many(blocks)  # while they hold their keys (their retention class counts them)
         num_left = self.evict(blocks, now, copy_down)
         for block in blocks:
-            self.free_queue.remove(block)
             self.free_queue.appendleft(block)
         return num_left

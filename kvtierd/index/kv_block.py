@@ -7,6 +7,7 @@ import enum
 
 from kvtierd.daemon_key import DaemonKey
 from kvtierd.index.slot_entry import BlockMeta
+from kvtierd.retention.hint import Priority
 from kvtierd.token_bytes import TokenBytes
 
 
@@ -36,6 +37,7 @@ class KVBlock:
     ref_cnt: int = 0
     committed_at_s: float = 0.0  # when the block got its hash
     released_at_s: float = 0.0  # when ref_cnt last fell to 0 (free): read for reuse gaps and idle times
+    retention_class: Priority = Priority.NONE  # the free queue it is on (ClassedFreeQueue); NONE off it
     prev_free: KVBlock | None = dataclasses.field(default=None, repr=False)
     next_free: KVBlock | None = dataclasses.field(default=None, repr=False)
 

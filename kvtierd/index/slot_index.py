@@ -30,8 +30,10 @@ from collections.abc import Callable, Sequence
 
 from kvtierd.daemon_key import DaemonKey
 from kvtierd.errors import InvalidArgument
+from kvtierd.index.classed_lru import ClassedLru
 from kvtierd.index.index_events import BlockRemoved, BlockStored, Doorbell, EventQueue, IndexEvent
 from kvtierd.index.slot_entry import BlockMeta, SlotEntry, StorePlan
+from kvtierd.retention.tier_retention import TierRetention
 from kvtierd.token_bytes import TokenBytes, matching_blocks
 
 
@@ -58,7 +60,7 @@ class SlotIndex:
         self.num_slots = num_slots
         self._free_slots = list(range(num_slots - 1, -1, -1))  # a stack: slot 0 first
         self._entries: dict[DaemonKey, SlotEntry] = {}
-        self._lru: collections.OrderedDict[DaemonKey, SlotEntry] = collections.OrderedDict()
+        self._lru = ClassedLru()  # the evictable entries, next victim first (retention classes, then LRU)
         self._clock = clock
         self._lock = threading.Lock()
         self._room = threading.Condition(self._lock)  # notified when a slot frees or an entry turns evictable
@@ -315,6 +317,22 @@ class SlotIndex:
     def _removed(self, entry: SlotEntry) -> None:
         if self._events is not None and not entry.storing:
             self._events.put(BlockRemoved(entry.block_hash))
+
+    # ----------------------------------------------------------------------------- retention
+
+    def set_retention(self, retention: TierRetention) -> None:
+        """Evict by retention class, then LRU (classed_lru.py); set once, before any hint."""
+        with self._lock:
+            self._lru.retention = retention
+
+    def reclassify(self, block_hashes: Sequence[DaemonKey]) -> None:
+        """The retention hints of these blocks changed (a HintTable listener)."""
+        with self._lock:
+            self._lru.reclassify(block_hashes)
+
+    @property
+    def retention(self) -> TierRetention | None:
+        return self._lru.retention
 
     # ----------------------------------------------------------------------------- owners
 

@@ -78,7 +78,8 @@ def pool_settings(config: DaemonConfig) -> PoolSettings:
     A daemon without its unix socket has no fd socket to pass a CUDA pool's descriptor over: its CUDA
     pools are shared by IPC handle (config_summary says so)."""
     pool = config.pool if config.server.socket else dataclasses.replace(config.pool, cuda_share="ipc")
-    return PoolSettings(pool, TierConfig.of_sections(config.host, config.ssd, config.policy, config.remote),
+    return PoolSettings(pool, TierConfig.of_sections(config.host, config.ssd, config.policy, config.remote,
+                                                      config.retention),
                         ssd=config.ssd if config.ssd.enabled else None,
                         remote=config.remote.with_password_read() if config.remote.enabled else None)
 

@@ -44,6 +44,7 @@ from kvtierd.index.index_events import Doorbell, IndexEvent
 from kvtierd.index.slot_entry import BlockMeta, SlotEntry
 from kvtierd.index.slot_index import slots_within
 from kvtierd.layout import Layout
+from kvtierd.retention.tier_retention import TierRetention
 from kvtierd.t2.node_budget import NodeBudget, truncating_shed
 from kvtierd.t2.ssd_config import SsdTierConfig, describe_error, lock_directory
 from kvtierd.t2.ssd_files import SlotFiles
@@ -177,6 +178,14 @@ class SsdTier:
                         limit_bytes: Callable[[bytes], int | None]) -> None:
         """Per-owner byte limits (None = none), enforced in slots; see SlotIndex.set_owner_quota."""
         self._index.set_owner_quota(owner_of, lambda owner: slots_within(limit_bytes(owner), self.stride))
+
+    def set_retention(self, retention: TierRetention) -> None:
+        """Evict by retention class, then LRU (index/classed_lru.py)."""
+        self._index.set_retention(retention)
+
+    def reclassify(self, block_hashes: Sequence[DaemonKey]) -> None:
+        """The retention hints of these blocks changed (a HintTable listener)."""
+        self._index.reclassify(block_hashes)
 
     def stats(self) -> SsdStats:
         share = self._budget.share(self._budget_key)

@@ -78,8 +78,12 @@ class Offloader:
         """The block index's eviction hook (its lock is held): plan the copy down of what T1
         lacks and hand it to a mover thread. No copy, no disk, no wait here."""
         tiers = self.tiers
-        if tiers.host is None or tiers.config.t0_to_t1 is not EdgePolicy.ON_EVICT:
+        if tiers.host is None:
             return
+        if tiers.config.t0_to_t1 is not EdgePolicy.ON_EVICT:  # retained blocks are demoted, whatever the policy
+            victims = [b for b in victims if tiers.hints.is_retained(b.meta().block_hash)]
+            if not victims:
+                return
         metas = [b.meta() for b in victims]
         plan = self.prepare_t1_store(metas)
         tiers.counters.count_dropped_offloads(Edge.T0_T1, len(plan.unplaced))  # an eviction cannot wait for room
@@ -195,12 +199,24 @@ class Offloader:
             return
         codec, rows = self._host.codec, self._t1_rows(plan.evicted)
         for store, edge in self._stores_below(Tier.T1, EdgePolicy.ON_EVICT):
-            store_rows = _in_codec(codec, rows, store.codec)
-            if store.offer_waits:
-                copied = torch.stack(store_rows) if isinstance(store_rows, list) else store_rows
-                self.spills.queue(plan.evicted, copied, functools.partial(self._offer, store, edge))
-            else:
-                self._offer(store, edge, plan.evicted, store_rows)
+            self._spill(store, edge, plan.evicted, _in_codec(codec, rows, store.codec))
+        retained = [i for i, e in enumerate(plan.evicted) if self.tiers.hints.is_retained(e.block_hash)]
+        if not retained:
+            return
+        entries, retained_rows = [plan.evicted[i] for i in retained], [rows[i] for i in retained]
+        for store, edge in self._stores_below(Tier.T1, EdgePolicy.OFF) + self._stores_below(
+                Tier.T1, EdgePolicy.WRITE_THROUGH):
+            if store.tier is Tier.T2:  # demoted, not dropped (T2's store skips what it holds)
+                self._spill(store, edge, entries, _in_codec(codec, retained_rows, store.codec))
+
+    def _spill(self, store: StoringTier, edge: Edge, entries: list[SlotEntry], rows: Rows) -> None:
+        """Offer T1's evicted `entries` (`rows` in the store's codec) to `store`: on the spill thread
+        for a store that waits on a disk (a copy of the rows, taken now), at once for one that queues."""
+        if store.offer_waits:
+            copied = torch.stack(rows) if isinstance(rows, list) else rows
+            self.spills.queue(entries, copied, functools.partial(self._offer, store, edge))
+        else:
+            self._offer(store, edge, entries, rows)
 
     # ----------------------------------------------------------------------------- T1 → T2, T3
 

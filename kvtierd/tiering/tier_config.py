@@ -24,6 +24,7 @@ from typing import TYPE_CHECKING
 from kvtierd.config_checks import require, require_choice
 from kvtierd.errors import InvalidArgument
 from kvtierd.layout import FLOAT_DTYPES, Layout
+from kvtierd.retention.retention_config import RetentionConfig
 from kvtierd.tier import Edge
 
 if TYPE_CHECKING:
@@ -91,9 +92,11 @@ class TierConfig:
     remote_codec: str = "raw"  # what T3 values hold ("raw" | "fp8")
     recompute_s_per_token: float | None = None  # the operator's override; None: the engines' measurement
     write_through_wait_s: float = _POLICY.write_through_wait_s  # the longest wait for room below (PolicyConfig)
+    retention: RetentionConfig = RetentionConfig()  # the bounds of retention hints ([retention])
 
     @classmethod
-    def of_sections(cls, host: HostConfig, ssd: SsdConfig, policy: PolicyConfig, remote: RemoteConfig) -> TierConfig:
+    def of_sections(cls, host: HostConfig, ssd: SsdConfig, policy: PolicyConfig, remote: RemoteConfig,
+                    retention: RetentionConfig = RetentionConfig()) -> TierConfig:
         """The daemon file's sections as a layout's tiers take them; `host.capacity_bytes` is the
         node's T1 budget here (each pool gets its share, node/pools.py)."""
         return cls(host_capacity_bytes=host.capacity_bytes, host_codec=host.codec, host_idle_s=host.idle_s,
@@ -102,7 +105,7 @@ class TierConfig:
                    t1_to_t3=EdgePolicy(policy.t1_to_t3), t2_to_t3=EdgePolicy(policy.t2_to_t3),
                    remote_codec=remote.codec,
                    recompute_s_per_token=policy.recompute_s_per_token or None,
-                   write_through_wait_s=policy.write_through_wait_s)
+                   write_through_wait_s=policy.write_through_wait_s, retention=retention)
 
     def __post_init__(self) -> None:
         if self.host_capacity_bytes < 0:

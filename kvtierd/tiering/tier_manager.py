@@ -37,6 +37,7 @@ from kvtierd.tier import Tier, TierCounts
 from kvtierd.tiering.block_io import Admit, BlockGet, BlockPut
 from kvtierd.tiering.offload import Offloader
 from kvtierd.tiering.promotion import AcquiredBlocks, Promoter
+from kvtierd.tiering.retention_hints import LayoutRetention
 from kvtierd.tiering.tier_config import LAYOUT_COST, LayoutCost, TierConfig
 from kvtierd.tiering.tiering_stats import TieringStats, tiering_stats
 from kvtierd.tiering.tiers import Tiers
@@ -102,6 +103,7 @@ class TierManager:
         self.promoter = Promoter(self.tiers, self.offloader)
         self.offloader.connect(self.promoter.levels)  # the edges out of T1 and T2 offer to the tiers below
         index.on_evict = self.offloader.on_t0_evict
+        self.retention = LayoutRetention(self.tiers)  # hints: eviction classes in T0, T1, T2, and their quotas
 
     @property
     def index(self) -> BlockIndex:

@@ -30,6 +30,7 @@ from kvtierd.index.block_index import BlockIndex
 from kvtierd.layout import Layout
 from kvtierd.movers.block_codec import BlockCodec, make_codec
 from kvtierd.movers.copy_engine import Bandwidth, CopyEngine, Direction, Job, Transfer
+from kvtierd.retention.hint_table import HintTable
 from kvtierd.t0.device_pool import DevicePool
 from kvtierd.t1.host_tier import HostTier
 from kvtierd.tiering.recompute_cost import RecomputeCost
@@ -71,6 +72,7 @@ class Tiers:
     through: concurrent.futures.ThreadPoolExecutor = dataclasses.field(
         default_factory=lambda: concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="kvtierd-through"))
     write_backs: WriteBacks = dataclasses.field(default_factory=WriteBacks)
+    hints: HintTable = dataclasses.field(default_factory=HintTable)  # the layout's live retention hints
     # what a lower-tier hit must beat to be loaded: the config's override, else the engines' reports
     recompute: RecomputeCost = dataclasses.field(init=False)
 

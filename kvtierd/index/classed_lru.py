@@ -1,0 +1,121 @@
+"""The evictable entries of a slot index in eviction order: one LRU list per retention class."""
+
+from __future__ import annotations
+
+import collections
+import itertools
+from collections.abc import Iterable, Iterator
+
+from kvtierd.daemon_key import DaemonKey
+from kvtierd.index.slot_entry import SlotEntry
+from kvtierd.retention.hint import NUM_CLASSES, Priority
+from kvtierd.retention.tier_retention import TierRetention
+
+
+class ClassedLru:
+    """An OrderedDict's surface (what SlotIndex uses of one) over one LRU list per retention class:
+    `popitem(last=False)` takes the least recently used entry of the lowest class that has any —
+    entries without a live hint first, then LOW, NORMAL, HIGH — so no eviction scans the tier.
+
+    Without `retention` (or while no hint lives) every entry is in class NONE and the order is
+    exactly one OrderedDict's. An entry's class is decided when it is inserted (TierRetention.enter)
+    and again by `reclassify` (a hint set, released or expired); a retained class's head whose hint
+    has lapsed is moved down when it is reached (lazily), so a stale class never outlives the
+    sweep that follows. A lapsed entry goes to the head of class NONE: it stayed past its natural
+    eviction, and is the next victim. Mutated only under the owning SlotIndex's lock.
+    """
+
+    def __init__(self) -> None:
+        self._classes: list[collections.OrderedDict[DaemonKey, SlotEntry]] = [
+            collections.OrderedDict() for _ in range(NUM_CLASSES)]
+        self._retained: dict[DaemonKey, Priority] = {}  # the class of each entry above NONE
+        self.retention: TierRetention | None = None  # set once, before hints are set (SlotIndex.set_retention)
+
+    def __len__(self) -> int:
+        return sum(map(len, self._classes))
+
+    def __bool__(self) -> bool:
+        return any(self._classes)
+
+    def __contains__(self, key: DaemonKey) -> bool:
+        return key in self._classes[0] or key in self._retained
+
+    def values(self) -> Iterator[SlotEntry]:
+        """Every entry, next victim first."""
+        return itertools.chain.from_iterable(c.values() for c in self._classes)
+
+    def __setitem__(self, key: DaemonKey, entry: SlotEntry) -> None:
+        """Insert as the most recently used of its class."""
+        assert key not in self, "an entry is inserted once"
+        retention = self.retention
+        priority = retention.enter(key) if retention is not None and len(retention.table) else Priority.NONE
+        if priority is not Priority.NONE:
+            self._retained[key] = priority
+        self._classes[priority][key] = entry
+
+    def __delitem__(self, key: DaemonKey) -> None:
+        if self.pop(key, None) is None:
+            raise KeyError(key)
+
+    def pop(self, key: DaemonKey, default: SlotEntry | None = None) -> SlotEntry | None:
+        priority = self._retained.pop(key, None)
+        if priority is None:
+            return self._classes[0].pop(key, default)
+        assert self.retention is not None
+        self.retention.leave(key, priority)
+        return self._classes[priority].pop(key)
+
+    def popitem(self, last: bool = True) -> tuple[DaemonKey, SlotEntry]:
+        """The next victim (last=False): the least recently used entry of the lowest class."""
+        assert not last, "only the eviction end is taken"
+        self._settle_heads()
+        for entries in self._classes:
+            if entries:
+                key, entry = entries.popitem(last=False)
+                priority = self._retained.pop(key, None)
+                if priority is not None:
+                    assert self.retention is not None
+                    self.retention.leave(key, priority)
+                return key, entry
+        raise KeyError("popitem(): no evictable entry")
+
+    def reclassify(self, keys: Iterable[DaemonKey]) -> None:
+        """The hints of `keys` changed: move those here to their class now."""
+        if self.retention is None:
+            return
+        for key in keys:
+            self._reclassify(key)
+
+    def _reclassify(self, key: DaemonKey) -> None:
+        retention = self.retention
+        assert retention is not None
+        old = self._retained.pop(key, None)
+        if old is None:
+            if key not in self._classes[0]:
+                return
+            old = Priority.NONE
+        else:
+            retention.leave(key, old)
+        new = retention.enter(key)
+        if new is not Priority.NONE:
+            self._retained[key] = new
+        if new is old:
+            return
+        entry = self._classes[old].pop(key)
+        self._classes[new][key] = entry
+        if new is Priority.NONE:
+            self._classes[new].move_to_end(key, last=False)  # lapsed: the next victim
+
+    def _settle_heads(self) -> None:
+        """Move down each retained class's head whose hint lapsed, until every head is live."""
+        retention = self.retention
+        if retention is None or not self._retained:
+            return
+        now = retention.table.now()
+        for priority in range(NUM_CLASSES - 1, 0, -1):
+            entries = self._classes[priority]
+            while entries:
+                key = next(iter(entries))
+                if retention.table.priority(key, now) >= priority:
+                    break
+                self._reclassify(key)
