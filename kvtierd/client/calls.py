@@ -96,10 +96,13 @@ class AcquireResult(AcquiredTierFields):
 @dataclasses.dataclass(frozen=True, slots=True)
 class CommitResult:
     """A Commit that asked to release its request too: `released` is False from a daemon that
-    predates the ask, which leaves the request held (release it with Release)."""
+    predates the ask, which leaves the request held (release it with Release). With a retention
+    hint: the blocks it covers now and those kept without it (the tenant's retention quota)."""
 
     num_committed_blocks: int
     released: bool
+    num_retained_blocks: int = 0
+    num_downgraded_blocks: int = 0
 
 
 class SessionBase:
@@ -177,16 +180,24 @@ class SessionBase:
         return Call("Wait", request, lambda r: r.num_ready_blocks, timeout_s=wait_s + WAIT_MARGIN_S)
 
     def _commit(self, request_id: str, block_ids: Sequence[int], block_hashes: Sequence[bytes], token_ids: TokenIds,
-                parent_hash: bytes | None, release: bool = False) -> Call:
+                parent_hash: bytes | None, release: bool = False, retention: pb.RetentionHint | None = None) -> Call:
         """Commit (parsed: the blocks committed), or with `release` commit and release (parsed: a
-        CommitResult)."""
+        CommitResult); `retention`: a hint on the blocks (its range from the request's first token)."""
         request = pb.CommitRequest(session_id=self.session_id, request_id=request_id, block_ids=list(block_ids),
                                    block_hashes=hash_list(block_hashes), token_ids=optional_tokens(token_ids),
                                    parent_hash=bytes(self.root_hash if parent_hash is None else parent_hash),
-                                   release=release)
+                                   release=release, retention=retention)
         if release:
-            return Call("Commit", request, lambda r: CommitResult(r.num_committed_blocks, r.released))
+            return Call("Commit", request, lambda r: CommitResult(r.num_committed_blocks, r.released,
+                                                                  r.num_retained_blocks, r.num_downgraded_blocks))
         return Call("Commit", request, lambda r: r.num_committed_blocks)
+
+    def _retain(self, action: pb.RetainRequest.Action, block_hashes: Sequence[bytes],
+                hint: pb.RetentionHint | None, token_ids: TokenIds | None) -> Call:
+        """Retain on this session's pool (the call itself needs no session: the layout names the pool)."""
+        return Call("Retain", pb.RetainRequest(action=action, layout=layout_to_proto(self.layout),
+                                               block_hashes=hash_list(block_hashes),
+                                               token_ids=optional_tokens(token_ids), hint=hint))
 
     def _release(self, request_id: str) -> Call:
         return Call("Release", pb.ReleaseRequest(session_id=self.session_id, request_id=request_id),

@@ -210,10 +210,19 @@ class Session(SessionBase):
         return self._client._run(self._commit(request_id, block_ids, block_hashes, token_ids, parent_hash))
 
     def commit_and_release(self, request_id: str, block_ids: Sequence[int], block_hashes: Sequence[bytes],
-                           token_ids: TokenIds, parent_hash: bytes | None) -> CommitResult:
-        """`commit`, then the request released, in one RPC (check `released`: see CommitResult)."""
+                           token_ids: TokenIds, parent_hash: bytes | None,
+                           retention: pb.RetentionHint | None = None) -> CommitResult:
+        """`commit`, then the request released, in one RPC (check `released`: see CommitResult);
+        `retention`: a hint on the blocks, its token range counted from the request's first block."""
         return self._client._run(self._commit(request_id, block_ids, block_hashes, token_ids, parent_hash,
-                                              release=True))
+                                              release=True, retention=retention))
+
+    def retain(self, block_hashes: Sequence[bytes], hint: pb.RetentionHint | None,
+               action: pb.RetainRequest.Action = pb.RetainRequest.RETAIN,
+               token_ids: TokenIds | None = None) -> pb.RetainResponse:
+        """Retain on this session's pool: set (RETAIN), drop (RELEASE) or prefetch `hint` on the
+        chain's leading cached blocks, block 0 first (hint's range: tokens of that chain)."""
+        return self._client._run(self._retain(action, block_hashes, hint, token_ids))
 
     def release(self, request_id: str) -> int:
         return self._client._run(self._release(request_id))
