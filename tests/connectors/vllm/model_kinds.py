@@ -1,11 +1,15 @@
-"""The model kinds the vLLM connector is proven on, as tiny random-weight configs (config.json only:
-vLLM builds them with `load_format="dummy"`), and the engine settings each needs on the CPU.
+"""The model kinds the vLLM connector is proven on, as tiny models with real random weights, and the
+engine settings each needs on the CPU.
 
-    .venv-vllm/bin/python -m tests.connectors.vllm.model_kinds KIND DIRECTORY   # writes DIRECTORY/config.json
+    .venv-vllm/bin/python -m tests.connectors.vllm.model_kinds KIND DIRECTORY   # writes a checkpoint
 
-Run with the vLLM venv's python: the configs are written with its transformers, the version vLLM
-reads. Every kind has 2-4 layers, 4 query heads and a vocabulary of 1,000; `initializer_range` 0.1
-(not 0.02) so that attention is not near-uniform and a wrong KV block changes the output.
+Run with the vLLM venv's python: each model is its transformers class built from the kind's config
+with a fixed torch seed, cast to bf16 and saved as safetensors by that venv's transformers, the
+version vLLM reads; vLLM loads every tensor of it (no `load_format="dummy"`, which fills each tensor
+uniformly in +-1e-3 whatever the config says, so that a wrong KV block barely moves a logprob).
+Every kind has 2-4 layers, 4 query heads and a vocabulary of 1,000 (2.6-4.5 M parameters, 5-9 MB
+on disk); `initializer_range` 0.1 (not 0.02) so that attention is not near-uniform and a wrong KV
+block changes the output.
 """
 
 from __future__ import annotations
@@ -28,7 +32,7 @@ class ModelKind:
         """At TP 1 the engine runs in one process (the "uni" executor, the engine core in the caller:
         VLLM_ENABLE_V1_MULTIPROCESSING=0, see env), starting in ~15 s instead of ~40 s here; at TP 2
         each rank is a worker process, and the metadata crosses processes as in `vllm serve`."""
-        kwargs = {"load_format": "dummy", "skip_tokenizer_init": True, "enforce_eager": True, "dtype": "bfloat16",
+        kwargs = {"skip_tokenizer_init": True, "enforce_eager": True, "dtype": "bfloat16",
                   "max_model_len": 1024, "enable_prefix_caching": True,
                   "tensor_parallel_size": self.tensor_parallel_size}
         if self.tensor_parallel_size == 1:
@@ -44,6 +48,7 @@ class ModelKind:
         return {"VLLM_CPU_OMP_THREADS_BIND": "0|1"}
 
 
+SEED = 0
 COMMON = dict(vocab_size=1000, hidden_size=256, intermediate_size=512, num_attention_heads=4, num_key_value_heads=2,
               head_dim=64, max_position_embeddings=4096, initializer_range=0.1)
 SLIDING_AND_FULL = ["sliding_attention", "full_attention"] * 2
@@ -75,14 +80,19 @@ KINDS = {kind.name: kind for kind in [
 KINDS["deepseekv2-tp2"] = dataclasses.replace(KINDS["deepseekv2-tp2"], fields=KINDS["deepseekv2"].fields)
 
 
-def write_config(kind: ModelKind, directory: str) -> None:
+def write_model(kind: ModelKind, directory: str) -> None:
+    """DIRECTORY/config.json and model.safetensors: the kind's transformers model, initialized by
+    transformers from torch seed SEED, in bf16."""
+    import torch
     import transformers
 
     config = getattr(transformers, kind.config_class)(**kind.fields)
     config.architectures = [kind.architecture]
-    config.dtype = "bfloat16"
-    config.save_pretrained(directory)
+    torch.manual_seed(SEED)
+    model = getattr(transformers, kind.architecture)(config).to(torch.bfloat16)
+    model.config.dtype = "bfloat16"
+    model.save_pretrained(directory, safe_serialization=True)
 
 
 if __name__ == "__main__":
-    write_config(KINDS[sys.argv[1]], sys.argv[2])
+    write_model(KINDS[sys.argv[1]], sys.argv[2])

@@ -24,6 +24,7 @@ import pytest
 
 from kvtierd.client import KvtierClient
 from kvtierd.launch.daemon_process import WRITE_THROUGH, DaemonProcess, small_daemon_args, wait_until, written_through
+from kvtierd.tiering.load_decision import MIN_SAMPLES
 from tests.connectors.vllm.engine_process import EngineProcess, engine_env
 
 ENGINE_MAIN = pathlib.Path(__file__).with_name("vllm_engine_main.py")
@@ -262,9 +263,10 @@ def test_blocks_corrupted_on_ssd_never_reach_the_engine_with_prefetch_on(referen
 @pytest.mark.timeout(900)
 def test_a_disk_slower_than_vllm_s_prefill_is_not_promised_and_vllm_computes_the_same_tokens(
         reference, engines, short_dir):
-    """SSD reads slowed on purpose (tests/server/slow_t2_serve.py). A stores; B loads the prefixes
-    from T2 (the disk never measured: a first guess declines nothing) and so measures it; C, a
-    new engine, is weighed against the cost A's and B's workers measured and reported for the
+    """SSD reads slowed on purpose (tests/server/slow_t2_serve.py). A stores; B0 loads the
+    prefixes from T2 (the disk never measured: a first guess declines nothing), and B0..B2 in
+    turn read it until it is measured MIN_SAMPLES times (each reads it while it is measured
+    fewer); C, a new engine, is weighed against the cost the workers measured and reported for the
     model: the Lookup declines T2, vLLM computes those blocks, no load fails, the tokens are the
     reference's, and the connector's vllm:kvtierd_declined_slow_tokens counts them."""
     args = small_daemon_args(short_dir, t0_bytes=f"{NUM_T0_BLOCKS * BYTES_PER_BLOCK}B", host_bytes="64MiB",
@@ -278,13 +280,15 @@ def test_a_disk_slower_than_vllm_s_prefill_is_not_promised_and_vllm_computes_the
 
         engines("a", SHARED_PROMPTS, daemon.address).result()
         only_in_t2()
-        measuring = engines("b", SHARED_PROMPTS, daemon.address).result()
-        only_in_t2()
+        for i in range(MIN_SAMPLES):  # each engine reads T2 at least once until it is measured enough
+            measuring = engines(f"b{i}", SHARED_PROMPTS, daemon.address).result()
+            loaded = measuring["kvtierd_loaded_tokens"]  # from T2, or from T1 where the prefetch from T2 landed first
+            assert i or loaded.get("t1", 0) + loaded.get("t2", 0) > 0, measuring  # B0's disk is never measured
+            assert measuring["output_token_ids"] == expected(reference, SHARED_PROMPTS)
+            only_in_t2()
         declined = engines("c", SHARED_PROMPTS, daemon.address).result()
         pool = the_pool(client)
-    loaded = measuring["kvtierd_loaded_tokens"]  # from T2, or from T1 where the prefetch from T2 landed first
-    assert loaded.get("t1", 0) + loaded.get("t2", 0) > 0, measuring
-    assert measuring["output_token_ids"] == declined["output_token_ids"] == expected(reference, SHARED_PROMPTS)
+    assert declined["output_token_ids"] == expected(reference, SHARED_PROMPTS)
     assert declined["kvtierd_declined_tokens"].get("t2", 0) >= SHARED_PREFIX_LEN, declined
     assert "t2" not in declined["kvtierd_loaded_tokens"] and "disk" not in declined["cached_tokens_by_source"]
     assert declined["kvtierd_failed_load_blocks"] == 0 and pool.num_failed_load_blocks == 0, (declined, pool)

@@ -3,10 +3,11 @@ to a real `kvtierd serve`: sliding window + full attention (Gemma-3-, gpt-oss-st
 full attention (Qwen3-Next-style), MLA (DeepSeek-V2-style), at TP 1 and 2 (tests/connectors/vllm/model_kinds.py).
 
 Per kind, two engine processes with vLLM's prefix cache on and the connector: one that stores (P2
-prefilled fresh; P1, whose prefix shared with P2 is vLLM's own hit; P2 again, all of it vLLM's own
-hit), and a new one that restores P2 from kvtierd, then runs P1 (its prefix now the restored
-blocks). Random weights make text meaningless, so what is compared is what decides it: the sampled
-tokens' logprobs, bit for bit, and the KV bytes of every block of every KV cache group after every
+prefilled fresh; P1, whose prefix shared with P2 is vLLM's own hit; P2 and P1 again, all of them
+vLLM's own hits), and a new one that restores P2 from kvtierd, then P1. The models have real random
+weights (written with transformers), and text from them is meaningless, so what is compared is what
+decides it: the sampled tokens' logprobs, bit for bit against the storing engine's run that vLLM
+computed the same way (as many tokens from its own cache), and the KV bytes of every block of every KV cache group after every
 engine step (tests/connectors/vllm/recording_connector.py). For the hybrid kinds a third engine
 without the connector shows that vLLM keeps its hybrid allocator on (the same KV cache size) and
 computes P2 as the storing engine did.
@@ -36,6 +37,9 @@ _rng = random.Random(21)
 PREFIX = [_rng.randrange(3, 1000) for _ in range(PREFIX_LEN)]
 P1 = PREFIX + [_rng.randrange(3, 1000) for _ in range(SUFFIX_LEN)]
 P2 = PREFIX + [_rng.randrange(3, 1000) for _ in range(SUFFIX_LEN)]
+# The storing engine's prompts: each fresh, then each again on vLLM's own prefix cache (P1 first hits
+# the prefix P2 left, then its whole self).
+STORED = [P2, P1, P2, P1]
 GROUPS = {"gemma3": 2, "gptoss": 2, "qwen3next": 2, "deepseekv2": 1, "deepseekv2-tp2": 1, "llama-tp2": 1}
 KV_CACHE_TOKENS = re.compile(r"KV cache size: ([\d,]+) tokens")
 
@@ -98,6 +102,17 @@ def write_model(vllm_python: str, kind: ModelKind, directory: pathlib.Path) -> p
     return directory
 
 
+def vllm_computed_alike(stored: dict, prompt: list[int], num_cached_tokens: int) -> int:
+    """The storing engine's run of `prompt` that vLLM computed as the restoring engine did: with as many
+    tokens from its own prefix cache (a restore from kvtierd is then bit for bit that run), else its
+    fresh prefill (a kind whose vLLM keeps nothing to hit: Qwen3-Next's linear attention). Not always
+    the fresh run: MLA's prefix path differs from its fresh prefill by up to 0.3 nats on these
+    weights, in vLLM alone as much as with kvtierd."""
+    runs = [i for i, p in enumerate(STORED) if p == prompt]
+    alike = [i for i in runs if stored["num_cached_tokens"][i] == num_cached_tokens]
+    return alike[0] if alike else runs[0]
+
+
 def kind_params(names) -> list:
     """The kinds, those at TP 2 marked `alone`: their ranks bind an OpenMP thread set to each of the
     2 cores, and beside another engine the daemon starves (Attach and KeepAlive time out)."""
@@ -109,13 +124,14 @@ def kind_params(names) -> list:
 @pytest.mark.parametrize("kind_name", kind_params(sorted(GROUPS)))
 def test_a_new_engine_restores_a_prefix_with_the_bytes_and_logprobs_of_vllm(vllm_python, tmp_path, short_dir,
                                                                            kind_name):
-    """The restoring engine's logprobs equal a fresh prefill's and vLLM's own hit's, bit for bit; every
-    block it holds after every step has the storing engine's bytes, in every group on every rank."""
+    """The restoring engine's logprobs equal vLLM's own prefix-cache hit's, bit for bit (a fresh
+    prefill's where vLLM keeps nothing to hit); every block it holds after every step has the storing
+    engine's bytes, in every group on every rank."""
     kind = KINDS[kind_name]
     model_dir = write_model(vllm_python, kind, tmp_path / "model")
     args = small_daemon_args(short_dir, t0_bytes="64MiB", host_bytes="64MiB", ssd_bytes="128MiB")
     with DaemonProcess(args) as daemon, KvtierClient(daemon.address) as client:
-        storing = kind_engine(vllm_python, kind, model_dir, tmp_path, "stored", [P2, P1, P2], daemon.address)
+        storing = kind_engine(vllm_python, kind, model_dir, tmp_path, "stored", STORED, daemon.address)
         stored = storing.result()
         restoring = kind_engine(vllm_python, kind, model_dir, tmp_path, "restored", [P2, P1], daemon.address)
         restored = restoring.result()
@@ -126,16 +142,14 @@ def test_a_new_engine_restores_a_prefix_with_the_bytes_and_logprobs_of_vllm(vllm
     num_shards = kind.tensor_parallel_size // config["replicas"]  # MLA's latent is one copy for every rank
     assert sorted(pools) == [(rank, num_shards) for rank in range(num_shards)], pools  # every group in one pool
 
-    fresh, own_hit, restored_p2 = stored["logprobs"][0], stored["logprobs"][2], restored["logprobs"][0]
     assert stored["num_cached_tokens"][0] == 0 and restored["num_cached_tokens"][0] > 0, \
         (stored["num_cached_tokens"], restored["num_cached_tokens"], connector_lines(storing),
          connector_lines(restoring))
     assert sum(restored["cached_tokens_by_source"].values()) >= restored["num_cached_tokens"][0]  # from kvtierd
-    assert restored_p2 == fresh  # bit for bit, as a fresh prefill
-    if stored["num_cached_tokens"][2]:  # where vLLM's own cache hits P2 (Qwen3-Next's kept no state to hit)
-        assert restored_p2 == own_hit
-    assert restored["logprobs"][1] == stored["logprobs"][1]  # P1 on the restored prefix, as on vLLM's own
-    assert restored["output_token_ids"] == stored["output_token_ids"][:2]
+    for position, prompt in enumerate([P2, P1]):
+        same = vllm_computed_alike(stored, prompt, restored["num_cached_tokens"][position])
+        assert restored["logprobs"][position] == stored["logprobs"][same], (position, same, stored["num_cached_tokens"])
+        assert restored["output_token_ids"][position] == stored["output_token_ids"][same]
 
     assert restored_blocks, "the restoring engine recorded no block"
     assert {key[2] for key in restored_blocks} == {key[2] for key in stored_blocks}  # every group
@@ -150,7 +164,8 @@ def test_a_new_engine_restores_a_prefix_with_the_bytes_and_logprobs_of_vllm(vllm
         without = kind_engine(vllm_python, kind, model_dir, tmp_path, "without", [P2], None)
         alone = without.result()
         assert kv_cache_tokens(storing) == kv_cache_tokens(without) > 0
-        assert alone["logprobs"][0] == fresh and alone["output_token_ids"][0] == stored["output_token_ids"][0]
+        assert alone["logprobs"][0] == stored["logprobs"][0]  # P2 fresh both times
+        assert alone["output_token_ids"][0] == stored["output_token_ids"][0]
 
 
 @pytest.mark.timeout(600)
