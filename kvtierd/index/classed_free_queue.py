@@ -76,9 +76,10 @@ class ClassedFreeQueue:
         """The next `num_blocks` victims, in order, from the lowest classes."""
         assert 0 <= num_blocks <= self.num_free_blocks, f"pop {num_blocks} of {self.num_free_blocks}"
         first = self._queues[0]
+        if first.num_free_blocks < self.num_free_blocks:  # some are retained: lapsed heads go first
+            self._settle_heads()
         if num_blocks <= first.num_free_blocks:
             return first.popleft_many(num_blocks)
-        self._settle_heads()
         taken: list[KVBlock] = []
         for queue in self._queues:
             part = queue.popleft_many(min(num_blocks - len(taken), queue.num_free_blocks))
