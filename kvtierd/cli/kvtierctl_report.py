@@ -164,12 +164,16 @@ def _has_t2(pool: pb.PoolStats) -> bool:
 def tenant_lines(usage: list[pb.TenantUsage]) -> list[str]:
     if not usage:
         return ["no blocks or sessions of that tenant"]
-    lines = [f"{'tenant':<24} {'pool':<28} {'sessions':>8} {'T0 held':>9} {'T0 cached':>9} {'T1':>9} {'T2':>9}"]
+    lines = [f"{'tenant':<24} {'pool':<28} {'sessions':>8} {'T0 held':>9} {'T0 cached':>9} {'T1':>9} {'T2':>9}"
+             f"  retained T0 / T1 / T2"]
     for row in usage:
         def size(n: int) -> str:
             return format_bytes(n * row.bytes_per_block)
+        retained = " / ".join(size(n) for n in (row.num_t0_retained_blocks, row.num_t1_retained_blocks,
+                                                row.num_t2_retained_blocks))
         lines.append(f"{row.tenant:<24} {row.model_id:<28} {row.num_sessions:>8} {size(row.num_t0_held_blocks):>9} "
-                     f"{size(row.num_t0_cached_blocks):>9} {size(row.num_t1_blocks):>9} {size(row.num_t2_blocks):>9}")
+                     f"{size(row.num_t0_cached_blocks):>9} {size(row.num_t1_blocks):>9} {size(row.num_t2_blocks):>9}"
+                     f"  {retained}")
     return lines
 
 

@@ -95,6 +95,8 @@ _FAMILIES: dict[str, tuple[type, str, str, tuple[str, ...]]] = {
     "failed_loads": (CounterMetricFamily, "kvtierd_failed_loads",
                      "Blocks whose promotion from a lower tier failed (served as misses).", ()),
     "failed_offloads": (CounterMetricFamily, "kvtierd_failed_offloads", "Blocks whose copy down a tier failed.", ()),
+    "retention_downgraded": (CounterMetricFamily, "kvtierd_retention_downgraded_blocks",
+                             "Blocks a retention hint was not kept on: over the tenant's quota of a tier.", ()),
     "dropped_offloads": (CounterMetricFamily, "kvtierd_dropped_offload_blocks",
                          "Blocks an edge into T1 or T2 did not copy down: no slot free of copies in flight within "
                          "policy.write_through_wait_s (an eviction cannot wait), or T2 refused them.", ("edge",)),
@@ -254,4 +256,5 @@ def _add_pool(families: Families, model: str, source: PoolSource, stats: Tiering
             add(key, value)
     add("failed_loads", stats.num_failed_load_blocks)
     add("failed_offloads", stats.num_failed_offload_blocks)
+    add("retention_downgraded", stats.num_retention_downgraded_blocks)
     add("recompute", stats.recompute.s_per_token or 0.0)

@@ -31,17 +31,22 @@ class TenantCollector:
                                  labels=["tenant", "model", "tier"])
         quota = GaugeMetricFamily("kvtierd_tenant_quota_bytes", "A tenant's quota per tier in bytes (0: unlimited).",
                                   labels=["tenant", "tier"])
+        retained = GaugeMetricFamily("kvtierd_tenant_retained_bytes", "Bytes of a tenant's blocks a live retention "
+                                     "hint covers, per pool and tier.", labels=["tenant", "model", "tier"])
         tenants = collections.OrderedDict()
         for row in self._usage_rows():
             tenants[row["tenant"]] = None
             for tier, field in _USED_FIELDS.items():
                 used.add_metric([row["tenant"], row["model_id"], tier], row[field] * row["bytes_per_block"])
+                retained.add_metric([row["tenant"], row["model_id"], tier],
+                                    row[f"num_{tier}_retained_blocks"] * row["bytes_per_block"])
         for tenant in tenants:
             limits = self._quota_of(tenant)
             for tier in _USED_FIELDS:
                 quota.add_metric([tenant, tier], getattr(limits, f"{tier}_bytes"))
         yield used
         yield quota
+        yield retained
 
     def describe(self) -> list[Metric]:
         return []  # families are built per scrape

@@ -84,7 +84,7 @@ class Operations:
         for the caller-checked RPC above and for the metrics scrape."""
         rows = []
         for pool in self.registry.pools():
-            counts = _pool_counts(pool)
+            counts, retained = _pool_counts(pool)
             held, sessions = collections.Counter(), collections.Counter()
             for session in self.sessions.open_sessions():
                 if session.pool is pool:
@@ -95,7 +95,10 @@ class Operations:
                 rows.append(dict(tenant=self.name_of(tag), model_id=pool.layout.model_id,
                                  num_t0_held_blocks=held[tag], num_t0_cached_blocks=counts[Tier.T0][tag],
                                  num_t1_blocks=counts[Tier.T1][tag], num_t2_blocks=counts[Tier.T2][tag],
-                                 bytes_per_block=pool.layout.bytes_per_block, num_sessions=sessions[tag]))
+                                 bytes_per_block=pool.layout.bytes_per_block, num_sessions=sessions[tag],
+                                 num_t0_retained_blocks=retained[Tier.T0][tag],
+                                 num_t1_retained_blocks=retained[Tier.T1][tag],
+                                 num_t2_retained_blocks=retained[Tier.T2][tag]))
         return sorted(rows, key=lambda row: (row["tenant"], row["model_id"]))
 
     # ----------------------------------------------------------------------------- evict, flush
@@ -138,13 +141,16 @@ class Operations:
         return self.draining
 
 
-def _pool_counts(pool: LayoutPool) -> dict[Tier, collections.Counter]:
-    """Blocks per tenant tag in each tier of one pool."""
+def _pool_counts(pool: LayoutPool) -> tuple[dict[Tier, collections.Counter], dict[Tier, collections.Counter]]:
+    """Blocks per tenant tag in each tier of one pool, and of those the ones a live retention hint holds."""
     tiers = pool.manager.tiers
-    counts = {Tier.T0: collections.Counter(map(tenant_tag_of, tiers.index.cached_hashes())),
-              Tier.T1: collections.Counter(), Tier.T2: collections.Counter()}
+    keys = {Tier.T0: tiers.index.cached_hashes(), Tier.T1: [], Tier.T2: []}
     if tiers.host is not None:
-        counts[Tier.T1].update(tenant_tag_of(e.block_hash) for e in tiers.host.index.entries())
+        keys[Tier.T1] = [e.block_hash for e in tiers.host.index.entries()]
     if tiers.ssd is not None:
-        counts[Tier.T2].update(map(tenant_tag_of, tiers.ssd.block_hashes()))
-    return counts
+        keys[Tier.T2] = tiers.ssd.block_hashes()
+    retained = tiers.hints.is_retained
+    counts = {tier: collections.Counter(map(tenant_tag_of, tier_keys)) for tier, tier_keys in keys.items()}
+    retained_counts = {tier: collections.Counter(tenant_tag_of(k) for k in tier_keys if retained(k))
+                       for tier, tier_keys in keys.items()}
+    return counts, retained_counts

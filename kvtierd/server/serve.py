@@ -68,6 +68,7 @@ if TYPE_CHECKING:  # the registry imports the store's client only where T3 is on
     from kvtierd.t3.redis_store import RedisStore
 
 log = logging.getLogger("kvtierd")
+RETENTION_SWEEP_S = 1.0  # how often expired retention hints are forgotten (a lapsed hint is not live meanwhile)
 
 SERVICE_NAME = kvtier_pb2.DESCRIPTOR.services_by_name["KvTier"].full_name
 STORE_HEALTH_NAME = "kvtierd.v1.SharedStore"  # a health service name: SERVING while every T3 node answers
@@ -199,7 +200,7 @@ class Daemon:
             self.fd_listener.start()
         await self._set_serving(False)
         self._tasks = [asyncio.create_task(self.sessions.run_reaper(min(1.0, server_config.lease_s / 4))),
-                       asyncio.create_task(self.feed.run())]
+                       asyncio.create_task(self.feed.run()), asyncio.create_task(self._sweep_retention())]
         if not off_by_choice(self.config):  # T2's health known before ready, then followed
             ssd_health = SsdHealth(self.health, self.config, self.ssd_problem, self.registry.pools)
             await ssd_health.update()
@@ -243,6 +244,12 @@ class Daemon:
         serving, not_serving = health_pb2.HealthCheckResponse.SERVING, health_pb2.HealthCheckResponse.NOT_SERVING
         await self.health.set(SERVICE_NAME, not_serving if draining or stopping else serving)
         await self.health.set("", not_serving if stopping else serving)
+
+    async def _sweep_retention(self) -> None:
+        """Forget expired retention hints every RETENTION_SWEEP_S, on a thread (the tiers' locks)."""
+        while True:
+            await asyncio.sleep(RETENTION_SWEEP_S)
+            await asyncio.to_thread(lambda: [pool.manager.retention.sweep() for pool in self.registry.pools()])
 
     async def _follow_store(self, store: RedisStore) -> None:
         """Health of STORE_HEALTH_NAME from the store's probes (health() only reads their results)."""

@@ -22,6 +22,7 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import TYPE_CHECKING, TypeVar
 
 from kvtierd import __version__
+from kvtierd.daemon_key import DaemonKey
 from kvtierd.errors import DRAINING_DETAILS, DeadlineExceeded, FailedPrecondition, InvalidArgument, Unavailable
 from kvtierd.events.event_feed import EventFeed
 from kvtierd.index.query_counting import QueryCounting
@@ -43,11 +44,13 @@ from kvtierd.server.request_terms import (
     parent_key,
     position_of,
 )
+from kvtierd.server.retention_terms import UNBOUNDED_TOKENS, check_put_end, hint_of, retain, retain_committed
 from kvtierd.server.stream_items import items_until
 from kvtierd.t0.factory import shareable_fd
 from kvtierd.t0.pool_handle import FD_KINDS
 from kvtierd.tier import TierCounts
 from kvtierd.tiering.block_io import PutBlock
+from kvtierd.tiering.retention_hints import RetainOutcome
 from kvtierd.tiering.tier_config import LAYOUT_COST
 from kvtierd.token_bytes import pack_token_ids
 from kvtierd.v1 import kvtier_pb2 as pb
@@ -213,10 +216,16 @@ class KvTierServicer(kvtier_pb2_grpc.KvTierServicer):
         key = session.key(request.request_id)
         position = position_of(pool, pool.manager.block_table(key), list(request.block_ids), request.request_id)
         parent = parent_key(session.tenant, pool, position, request.parent_hash, held.first_parent)
+        num_chain_blocks = position + len(keys)  # the hint's range counts from the request's first token
+        hint = hint_of(request.retention, pool, num_chain_blocks * pool.layout.block_size) \
+            if request.HasField("retention") else None
         num_held = pool.manager.commit(key, position, keys, pack_token_ids(request.token_ids), parent)
+        kept = retain_committed(pool, key, num_chain_blocks, hint) if hint is not None else RetainOutcome(0, 0)
         if request.release:
             await self.sessions.release(session, request.request_id)
-        return pb.CommitResponse(num_committed_blocks=num_held, released=request.release)
+        return pb.CommitResponse(num_committed_blocks=num_held, released=request.release,
+                                 num_retained_blocks=kept.num_retained_blocks,
+                                 num_downgraded_blocks=kept.num_downgraded_blocks)
 
     async def Release(self, request: pb.ReleaseRequest, context: Context) -> pb.ReleaseResponse:
         session = self._session(request.session_id)
@@ -264,9 +273,12 @@ class KvTierServicer(kvtier_pb2_grpc.KvTierServicer):
             raise InvalidArgument("the first message of a Put must name the layout")
         pool = await self._pool(layout_from_proto(first.layout))
         parent = parent_key(tenant, pool, 1, first.parent_hash) if first.parent_hash else tenant.key(pool.client_root)
+        hint = hint_of(first.retention, pool, UNBOUNDED_TOKENS) if first.retention is not None else None
+        chain: list[DaemonKey] = []  # the Put's keys, for its hint
 
         def block_of(frame: PutFrame) -> PutBlock:
-            return PutBlock(client_keys(tenant, pool, [frame.block_hash])[0], frame.token_ids, frame.data)
+            chain.append(client_keys(tenant, pool, [frame.block_hash])[0])
+            return PutBlock(chain[-1], frame.token_ids, frame.data)
 
         async def blocks() -> AsyncIterator[PutBlock]:
             yield block_of(first)
@@ -274,12 +286,13 @@ class KvTierServicer(kvtier_pb2_grpc.KvTierServicer):
                 yield block_of(frame)
 
         put = await self.transfers.put(tenant, pool, parent, blocks())
+        if hint is not None:
+            pool.manager.retention.retain(chain, check_put_end(hint, len(chain), pool.layout.block_size))
         return pb.PutResponse(num_blocks=put.num_blocks, num_already_cached_blocks=put.num_already_cached)
 
     async def Get(self, request: pb.GetRequest, context: Context) -> AsyncIterator[bytes]:
         tenant = current_tenant()
-        layout = layout_from_proto(request.layout)
-        pool = self.registry.get(layout) or await asyncio.to_thread(self.registry.get_stored, layout)
+        pool = await self._stored_pool(layout_from_proto(request.layout))
         if pool is None:
             return
         hashes = list(request.block_hashes)
@@ -292,6 +305,12 @@ class KvTierServicer(kvtier_pb2_grpc.KvTierServicer):
         async with contextlib.aclosing(frames):  # a stream closed early releases the blocks now, not at collection
             async for frame in frames:
                 yield frame
+
+    async def Retain(self, request: pb.RetainRequest, context: Context) -> pb.RetainResponse:
+        tenant = current_tenant()
+        pool = await self._stored_pool(layout_from_proto(request.layout))
+        keys = client_keys(tenant, pool, request.block_hashes) if pool is not None else []
+        return retain(tenant, pool, request, keys, packed_tokens(request.token_ids))
 
     # ----------------------------------------------------------------------------- observing
 
@@ -334,6 +353,10 @@ class KvTierServicer(kvtier_pb2_grpc.KvTierServicer):
 
     def _session(self, session_id: str) -> SessionLease:
         return self.sessions.get(session_id, current_tenant())
+
+    async def _stored_pool(self, layout: Layout) -> LayoutPool | None:
+        """The layout's pool, opened from T2 when it is stored there; None when the daemon holds none."""
+        return self.registry.get(layout) or await asyncio.to_thread(self.registry.get_stored, layout)
 
     async def _pool(self, layout: Layout) -> LayoutPool:
         pool = self.registry.get(layout)

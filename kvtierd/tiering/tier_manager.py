@@ -17,6 +17,7 @@ a `writable` future, and the caller lets nobody write the blocks before it resol
 from __future__ import annotations
 
 import concurrent.futures
+import dataclasses
 import logging
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
@@ -238,7 +239,8 @@ class TierManager:
             self.tiers.remote.drain()
 
     def stats(self) -> TieringStats:
-        return tiering_stats(self.tiers)
+        return dataclasses.replace(tiering_stats(self.tiers),
+                                   num_retention_downgraded_blocks=self.retention.num_downgraded_blocks)
 
     def close(self) -> None:
         """Finish in-flight moves, flush the SSD index, release memory. Idempotent."""

@@ -59,6 +59,7 @@ class TieringStats:
     num_dropped_offload_blocks: Mapping[Edge, int]  # by edge: not copied down (no room below, or refused)
     bytes_moved: Mapping[str, int]  # by copy direction (Direction values): this layout's copies only
     bandwidth_bytes_per_s: Mapping[str, float]  # by copy direction: the device's engine's, shared by its layouts
+    num_retention_downgraded_blocks: int = 0  # retention hints not kept over a tenant's quota (retention_hints.py)
 
     @property
     def tiers(self) -> tuple[TierUsage, ...]:

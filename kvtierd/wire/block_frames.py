@@ -24,7 +24,7 @@ LENGTH_DELIMITED = 2
 _SKIP = {0: None, 1: 8, 5: 4}  # other wire types: varint, fixed64, fixed32
 
 # PutRequest field numbers (proto/kvtierd/v1/kvtier.proto)
-PUT_LAYOUT, PUT_BLOCK_HASH, PUT_PARENT_HASH, PUT_TOKEN_IDS, PUT_DATA = 1, 2, 3, 4, 5
+PUT_LAYOUT, PUT_BLOCK_HASH, PUT_PARENT_HASH, PUT_TOKEN_IDS, PUT_DATA, PUT_RETENTION = 1, 2, 3, 4, 5, 6
 # GetResponse field numbers
 GET_BLOCK_HASH, GET_DATA = 1, 2
 
@@ -55,11 +55,12 @@ def _fields(parts: list[tuple[int, Buffer]]) -> bytes:
 
 
 def encode_put_request(block_hash: bytes, token_ids: bytes, data: Buffer, layout: pb.Layout | None = None,
-                       parent_hash: bytes = b"") -> bytes:
+                       parent_hash: bytes = b"", retention: pb.RetentionHint | None = None) -> bytes:
     """A serialized PutRequest; `data` is copied once, into the result."""
     layout_bytes = layout.SerializeToString() if layout is not None else b""
+    retention_bytes = retention.SerializeToString() if retention is not None else b""
     return _fields([(PUT_LAYOUT, layout_bytes), (PUT_BLOCK_HASH, block_hash), (PUT_PARENT_HASH, parent_hash),
-                    (PUT_TOKEN_IDS, token_ids), (PUT_DATA, data)])
+                    (PUT_TOKEN_IDS, token_ids), (PUT_DATA, data), (PUT_RETENTION, retention_bytes)])
 
 
 def encode_get_response(block_hash: bytes, data: Buffer) -> bytes:
@@ -112,6 +113,7 @@ class PutFrame:
     parent_hash: bytes
     token_ids: TokenBytes  # as sent: BlockPut.check checks that they fill one block
     data: memoryview
+    retention: pb.RetentionHint | None = None  # first message only, optional
 
     @classmethod
     def decode(cls, raw: Buffer) -> PutFrame:
@@ -122,8 +124,13 @@ class PutFrame:
             layout_message = pb.Layout.FromString(bytes(layout)) if layout is not None else None
         except Exception:  # protobuf's DecodeError
             raise InvalidArgument("malformed PutRequest.layout") from None
+        retention = fields.get(PUT_RETENTION)
+        try:
+            retention_message = pb.RetentionHint.FromString(bytes(retention)) if retention is not None else None
+        except Exception:  # protobuf's DecodeError
+            raise InvalidArgument("malformed PutRequest.retention") from None
         return cls(layout_message, bytes(fields.get(PUT_BLOCK_HASH, empty)), bytes(fields.get(PUT_PARENT_HASH, empty)),
-                   TokenBytes(bytes(fields.get(PUT_TOKEN_IDS, empty))), fields.get(PUT_DATA, empty))
+                   TokenBytes(bytes(fields.get(PUT_TOKEN_IDS, empty))), fields.get(PUT_DATA, empty), retention_message)
 
 
 def decode_get_response(raw: Buffer) -> tuple[bytes, bytes]:
