@@ -1,6 +1,7 @@
 """The connector's own metrics inside vLLM: what it loaded per tier, failed to load, stored,
-dropped, the bytes it moved, its store RPCs and its lookup latency, on vLLM's /metrics and in
-its periodic "KV Transfer metrics" log line.
+dropped, the bytes it moved, its store RPCs, its retention hints (refused, and the blocks the daemon
+retained or downgraded) and its lookup latency, on vLLM's /metrics and in its periodic
+"KV Transfer metrics" log line.
 
 vLLM 0.32's path (vllm/distributed/kv_transfer/kv_connector/v1/base.py and metrics.py): every
 worker's `get_kv_connector_stats()` after each step, aggregated over workers
@@ -41,7 +42,10 @@ COUNTS = (*LOADED_TOKENS, *DECLINED_TOKENS,
           "loaded_bytes", "stored_bytes",  # KV bytes copied between vLLM's pages and the pool
           "store_rpcs",  # Acquire, Commit and Release calls of the stores
           "store_request_bytes",  # the hashes and token ids (u32) those calls carried
-          "attach_failures")  # tries to attach that failed: the daemon unreachable, vLLM serves without it
+          "attach_failures",  # tries to attach that failed: the daemon unreachable, vLLM serves without it
+          "refused_retention_hints",  # hints not sent: malformed (the scheduler), refused by the daemon (a worker)
+          "retained_blocks",  # blocks the daemon answered a hint now covers (a Commit's, a Retain's)
+          "downgraded_retention_blocks")  # blocks it kept without the hint (the tenant's retention quota)
 LOOKUP_SECONDS = "lookup_seconds"  # one float per Lookup RPC round trip (the scheduler's)
 LOOKUP_BUCKETS_S = (0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.25, 0.5, 1.0)
 
@@ -139,8 +143,9 @@ class KvtierdPromMetrics(KVConnectorPromMetrics):
     vllm:kvtierd_failed_load_blocks_total,
     vllm:kvtierd_stored_blocks_total, vllm:kvtierd_dropped_stores_total,
     vllm:kvtierd_bytes_total{direction="load"|"store"}, vllm:kvtierd_store_rpcs_total,
-    vllm:kvtierd_store_request_bytes_total, vllm:kvtierd_attach_failures_total and the histogram
-    vllm:kvtierd_lookup_seconds."""
+    vllm:kvtierd_store_request_bytes_total, vllm:kvtierd_attach_failures_total,
+    vllm:kvtierd_refused_retention_hints_total, vllm:kvtierd_retained_blocks_total,
+    vllm:kvtierd_downgraded_retention_blocks_total and the histogram vllm:kvtierd_lookup_seconds."""
 
     def __init__(self, vllm_config: Any, metric_types: dict, labelnames: list[str],
                  per_engine_labelvalues: dict[int, list[object]]) -> None:
@@ -167,6 +172,16 @@ class KvtierdPromMetrics(KVConnectorPromMetrics):
             "attach_failures": counter(name="vllm:kvtierd_attach_failures", labelnames=labelnames,
                                        documentation="Tries to attach to kvtierd that failed (the daemon "
                                                      "unreachable or refusing); vLLM serves without the cache."),
+            "refused_retention_hints": counter(
+                name="vllm:kvtierd_refused_retention_hints", labelnames=labelnames,
+                documentation="Retention hints in kv_transfer_params not sent: malformed (once per request) or "
+                              "refused by kvtierd (once per request and TP rank); the requests are served without."),
+            "retained_blocks": counter(name="vllm:kvtierd_retained_blocks", labelnames=labelnames,
+                                       documentation="Blocks kvtierd answered a retention hint now covers (each "
+                                                     "Commit's and Retain's answer, all TP ranks)."),
+            "downgraded_retention_blocks": counter(
+                name="vllm:kvtierd_downgraded_retention_blocks", labelnames=labelnames,
+                documentation="Blocks kvtierd kept without their retention hint (the tenant's retention quota)."),
         }
         lookup = histogram(name="vllm:kvtierd_lookup_seconds", labelnames=labelnames, buckets=list(LOOKUP_BUCKETS_S),
                            documentation="Round trip of the scheduler's Lookup RPCs to kvtierd.")

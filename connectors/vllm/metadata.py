@@ -16,6 +16,8 @@ from __future__ import annotations
 
 import dataclasses
 
+from kvtierd.connectors.vllm.retention_hints import PromptRetention
+
 
 @dataclasses.dataclass(frozen=True, slots=True)
 class GroupBlocks:
@@ -101,10 +103,12 @@ class GroupStore:
 
 @dataclasses.dataclass(frozen=True, slots=True)
 class StoreSpec:
-    """One request's offers this step, one per group with newly completed blocks."""
+    """One request's offers this step, one per group with newly completed blocks; `retention`: the
+    request's hint (retention_hints.py), which each Commit carries over the new blocks it covers."""
 
     request_id: str
     groups: tuple[GroupStore, ...]
+    retention: PromptRetention | None = None
 
     def __post_init__(self) -> None:
         assert self.groups, self
@@ -114,20 +118,38 @@ class StoreSpec:
         return sum(group.num_new_blocks for group in self.groups)
 
 
+@dataclasses.dataclass(frozen=True, slots=True)
+class RetainSpec:
+    """Renew a request's hint on the blocks the daemon held before the request's own stores (a
+    second turn's shared prefix, vLLM's own hits, a load) with one Retain per chain, sent after the
+    step's stores. `chains`: per group, its keys of chain positions 0 to the last the hint covers
+    (the daemon acts on the leading ones it holds)."""
+
+    request_id: str
+    retention: PromptRetention
+    chains: tuple[tuple[bytes, ...], ...]
+
+    def __post_init__(self) -> None:
+        assert self.chains and all(self.chains), self
+
+
 @dataclasses.dataclass(slots=True)
 class StepMetadata:
     """One step's work: loads (synchronous ones before the forward, asynchronous ones started
-    then), stores (started after the forward, finished in the background), and the requests vLLM
+    then), stores (started after the forward, finished in the background), the requests vLLM
     preempted this step (their blocks are about to be reused: `handle_preemptions` waits for their
-    stores). A request appears at most once in each list. The token counts tell the worker how
-    much of the step's forward is prefill (forward_timing.py)."""
+    stores), and the retention hints to renew after the stores. A request appears at most once in
+    each list. The token counts tell the worker how much of the step's forward is prefill
+    (forward_timing.py)."""
 
     loads: list[LoadSpec] = dataclasses.field(default_factory=list)
     stores: list[StoreSpec] = dataclasses.field(default_factory=list)
     preempted_req_ids: tuple[str, ...] = ()
     num_scheduled_tokens: int = 0  # every token the step's forward computes
     num_prefill_tokens: int = 0  # of those, the tokens of requests still in their prompt
+    retains: list[RetainSpec] = dataclasses.field(default_factory=list)  # sent after this step's stores
 
     def __post_init__(self) -> None:
         assert len({spec.request_id for spec in self.loads}) == len(self.loads), "a request loads twice"
         assert len({spec.request_id for spec in self.stores}) == len(self.stores), "a request stores twice"
+        assert len({spec.request_id for spec in self.retains}) == len(self.retains), "a request retains twice"

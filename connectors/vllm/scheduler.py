@@ -55,6 +55,7 @@ once and leave preempted ones out (vllm/v1/metrics/stats.py, PrefixCacheStats.re
 daemon leaves out of a hit what is slower to load than to recompute (vLLM computes it).
 `request_finished` returns True (vLLM keeps the blocks) when any store was ever issued for the
 request; the worker reports it in `finished_sending` once its stores are done.
+A request's retention hint (vLLM's kv_transfer_params) rides on its stores: retention_plan.py.
 """
 
 from __future__ import annotations
@@ -63,13 +64,16 @@ import concurrent.futures
 import dataclasses
 import logging
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 from kvtierd.connectors.vllm.connector_stats import StatsRecorder
 from kvtierd.connectors.vllm.group_hits import NO_HIT, RequestHit, needed_positions
 from kvtierd.connectors.vllm.kv_groups import NULL_BLOCK_ID, EngineGroups, GroupKind, group_block_hash
-from kvtierd.connectors.vllm.metadata import GroupBlocks, GroupStore, LoadSpec, StepMetadata, StoreSpec
+from kvtierd.connectors.vllm.metadata import GroupBlocks, GroupStore, LoadSpec, RetainSpec, StepMetadata, StoreSpec
+from kvtierd.connectors.vllm.retention_hints import PromptRetention
+from kvtierd.connectors.vllm.retention_plan import first_step_retain, request_retention
+from kvtierd.connectors.vllm.scheduler_output import scheduled_requests
 
 log = logging.getLogger(__name__)
 
@@ -155,6 +159,7 @@ class _Tracked:
     has_stores: bool = False  # a StoreSpec was issued: request_finished delays the free
     query_counted: bool = False  # a lookup of the request went out as its query
     stores_begun: bool = False  # _store_spec has run for the request (its first step is behind)
+    retention: PromptRetention | None = None  # its valid retention hint (retention_plan.py)
 
 
 class SchedulerSide:
@@ -188,7 +193,8 @@ class SchedulerSide:
         if tracked is None:
             num_groups = len(self.engine.groups)
             tracked = self._tracked[request.request_id] = _Tracked(
-                request, RequestKeys(self.engine), [[] for _ in range(num_groups)], [0] * num_groups)
+                request, RequestKeys(self.engine), [[] for _ in range(num_groups)], [0] * num_groups,
+                retention=request_retention(request, self.stats) if self.stores_enabled else None)
         tracked.request = request
         return tracked
 
@@ -291,7 +297,7 @@ class SchedulerSide:
         for request_id in preempted:
             if request_id in self._tracked:
                 self._reset_block_ids(self._tracked[request_id])  # resumed requests get a full list
-        stores = []
+        stores, retains = [], []
         for request_id, new_block_ids, resumed in scheduled_requests(scheduler_output):
             tracked = self._tracked.get(request_id)
             if tracked is None:
@@ -302,10 +308,11 @@ class SchedulerSide:
                 for ids, group in zip(tracked.engine_block_ids, self.engine.groups):
                     ids.extend(new_block_ids[group.group_id])
             if self.stores_enabled:
+                retain = self._first_step_retain(tracked) if not tracked.stores_begun else None
                 spec = self._store_spec(tracked, scheduler_output.num_scheduled_tokens.get(request_id, 0))
-                if spec is not None:
-                    stores.append(spec)
-        return StepMetadata(loads=loads, stores=stores, preempted_req_ids=preempted,
+                stores += [spec] if spec is not None else []
+                retains += [retain] if retain is not None else []
+        return StepMetadata(loads=loads, stores=stores, preempted_req_ids=preempted, retains=retains,
                             num_scheduled_tokens=sum(scheduler_output.num_scheduled_tokens.values()),
                             num_prefill_tokens=self._num_prefill_tokens(scheduler_output.num_scheduled_tokens))
 
@@ -363,7 +370,17 @@ class SchedulerSide:
         if not offers:
             return None
         tracked.has_stores = True
-        return StoreSpec(request.request_id, tuple(offers))
+        return StoreSpec(request.request_id, tuple(offers), tracked.retention)
+
+    def _first_step_retain(self, tracked: _Tracked) -> RetainSpec | None:
+        """The Retain renewing a hinted request's blocks the daemon held before its first step."""
+        if tracked.retention is None:
+            return None
+        tracked.keys.update(tracked.request)
+        full_keys = [keys for keys, group in zip(tracked.keys.keys, self.engine.groups) if group.kind is GroupKind.FULL]
+        return first_step_retain(tracked.request.request_id, tracked.retention, full_keys,
+                                 tracked.request.num_computed_tokens, tracked.hit.declined.num_blocks > 0,
+                                 self.block_size)
 
     def _group_blocks(self, tracked: _Tracked, index: int, start: int, end: int) -> GroupBlocks:
         """Chain positions [start, end) of the request's `index`th served group."""
@@ -380,21 +397,3 @@ class SchedulerSide:
 
     def shutdown(self) -> None:
         self._executor.shutdown(wait=False, cancel_futures=True)
-
-
-def scheduled_requests(scheduler_output: Any) -> Iterator[tuple[str, Sequence[Sequence[int]] | None, bool]]:
-    """(request id, new block ids per kv cache group or None, resumed from preemption) of every
-    scheduled request. Reads `scheduled_new_reqs[i].req_id / .block_ids` and
-    `scheduled_cached_reqs.req_ids / .new_block_ids / .resumed_req_ids` (vllm/v1/core/sched/
-    output.py; older releases have `resumed_from_preemption`, a list of bools)."""
-    for new in scheduler_output.scheduled_new_reqs:
-        yield new.req_id, new.block_ids, False
-    cached = scheduler_output.scheduled_cached_reqs
-    if cached is None:
-        return
-    resumed_ids = getattr(cached, "resumed_req_ids", None)
-    if resumed_ids is None:
-        flags = list(getattr(cached, "resumed_from_preemption", None) or [False] * len(cached.req_ids))
-    else:
-        flags = [request_id in resumed_ids for request_id in cached.req_ids]
-    yield from zip(cached.req_ids, cached.new_block_ids, flags)

@@ -55,6 +55,7 @@ from kvtierd.connectors.vllm.daemon_link import DaemonLink
 from kvtierd.connectors.vllm.engine_pages import EnginePagesLike
 from kvtierd.connectors.vllm.kv_groups import EngineGroups, ServedGroup
 from kvtierd.connectors.vllm.metadata import GroupBlocks, GroupStore, LoadSpec, StepMetadata, StoreSpec
+from kvtierd.connectors.vllm.retention_calls import RetentionCalls
 from kvtierd.errors import KvtierError
 
 log = logging.getLogger(__name__)
@@ -97,6 +98,7 @@ class WorkerSide:
         self._side_stream = None
         self.num_loaded_blocks = self.num_stored_blocks = self.num_dropped_stores = 0
         self.stats = StatsRecorder()  # for vLLM's connector metrics (connector_stats.py)
+        self.retention = RetentionCalls(link, self.stats, engine_groups.block_size)  # hints (retention_calls.py)
         self.prefill_cost = prefill_cost or PrefillCost(engine_groups.block_size)  # reported on Acquires
         self.counts_tokens = counts_tokens  # False on TP ranks > 0: rank 0 counts the tokens they share
 
@@ -219,11 +221,10 @@ class WorkerSide:
     # ------------------------------------------------------------------ stores
 
     def start_stores(self, metadata: StepMetadata) -> None:
-        """Queue a job per GroupStore; the copies start once the forward's writes have landed."""
-        if not metadata.stores:
-            return
-        assert self.pages is not None, "store before register_kv_caches"
-        event = self._record_event()
+        """Queue a job per GroupStore, then the step's Retains (one thread runs the full-attention
+        stores and the Retains in that order); the copies start once the forward's writes have landed."""
+        assert self.pages is not None or not metadata.stores, "store before register_kv_caches"
+        event = self._record_event() if metadata.stores else None
         for spec in metadata.stores:
             with self._lock:
                 self._requests_with_stores.add(spec.request_id)
@@ -238,6 +239,8 @@ class WorkerSide:
                                  pages_read)
                 else:
                     self._submit(spec.request_id, self._executor, self._store, spec, offer, event, None)
+        for retain in metadata.retains if self.writes else ():
+            self._executor.submit(self.retention.retain, retain)
 
     def _store(self, spec: StoreSpec, offer: GroupStore, event, pages_read: threading.Event | None) -> None:
         """One group's offer; `pages_read` (volatile offers) is set once the engine pages are read or skipped."""
@@ -286,8 +289,9 @@ class WorkerSide:
             pages_read.set()
         block_size = len(blocks.token_ids) // blocks.num_blocks
         hashes, tokens = list(blocks.block_hashes[num_hits:]), list(blocks.token_ids[num_hits * block_size:])
-        committed = session.commit_and_release(daemon_request_id, fresh_block_ids, hashes, tokens,
-                                               blocks.block_hashes[num_hits - 1] if num_hits else None)
+        committed = self.retention.commit_and_release(session, spec.request_id, spec.retention, daemon_request_id,
+                                                      blocks, num_hits, fresh_block_ids,
+                                                      blocks.block_hashes[num_hits - 1] if num_hits else None)
         self._count_store_rpcs(1, hashes, tokens)
         self.num_stored_blocks += len(fresh_block_ids)
         self.stats.add("stored_blocks", len(fresh_block_ids))
@@ -369,6 +373,7 @@ class WorkerSide:
         finished_loads = self._finished_loads()
         with self._lock:
             self._finished_waiting |= finished_req_ids & self._requests_with_stores
+            self.retention.forget(finished_req_ids)
             for request_id in finished_req_ids - self._requests_with_stores:
                 self._jobs.pop(request_id, None)  # load releases only: nobody waits for them
             for request_id, futures in self._jobs.items():

@@ -3,9 +3,9 @@ connector's two roles in the order vLLM documents for one engine step. No tests 
 test_vllm_* modules share it.
 
 Attributes are those of the real objects: `Request` (vllm/v1/request.py: request_id,
-prompt_token_ids, all_token_ids, num_tokens, num_computed_tokens, block_hashes), `KVCacheBlocks`
-(vllm/v1/core/kv_cache_manager.py: get_block_ids() → one list per KV cache group),
-`SchedulerOutput` / `NewRequestData` / `CachedRequestData` (vllm/v1/core/sched/output.py),
+prompt_token_ids, all_token_ids, num_tokens, num_computed_tokens, block_hashes,
+kv_transfer_params), `KVCacheBlocks` (vllm/v1/core/kv_cache_manager.py: get_block_ids() → one
+list per KV cache group), `SchedulerOutput` / `NewRequestData` / `CachedRequestData` (vllm/v1/core/sched/output.py),
 `VllmConfig` pieces (vllm/config/: model_config.get_num_layers / get_num_kv_heads /
 get_head_size, cache_config.block_size / cache_dtype / prefix_caching_hash_algo,
 parallel_config, kv_transfer_config.kv_role / kv_connector_extra_config), `KVCacheConfig`'s
@@ -96,8 +96,10 @@ def prompt(seed: int, num_tokens: int, shared: list[int] = ()) -> list[int]:
 
 
 class Request:
-    def __init__(self, request_id: str, prompt_token_ids: list[int], block_size: int = BLOCK_SIZE) -> None:
+    def __init__(self, request_id: str, prompt_token_ids: list[int], block_size: int = BLOCK_SIZE,
+                 kv_transfer_params: dict | None = None) -> None:
         self.request_id = request_id
+        self.kv_transfer_params = kv_transfer_params  # SamplingParams.extra_args["kv_transfer_params"] in vLLM
         self.prompt_token_ids = list(prompt_token_ids)
         self.all_token_ids = list(prompt_token_ids)
         self.num_computed_tokens = 0
