@@ -26,6 +26,7 @@ from kvtierd.client.calls import (
     events_request,
     evict_call,
     get_request,
+    retain_call,
     tenant_stats_call,
 )
 from kvtierd.layout import Layout
@@ -116,6 +117,14 @@ class AsyncKvtierClient(ClientBase):
 
     async def stats(self) -> pb.StatsResponse:
         return await self._run(Call("Stats", pb.StatsRequest()))
+
+    async def retain(self, layout: Layout, block_hashes: Sequence[bytes], hint: pb.RetentionHint | None = None, *,
+                     action: pb.RetainRequest.Action = pb.RetainRequest.RETAIN,
+                     token_ids: TokenIds | None = None) -> pb.RetainResponse:
+        """Keep the caller's cached blocks of a chain through a pause (RETAIN `hint`), stop keeping them
+        (RELEASE `hint.retention_session`'s hints; no hashes: on every block), or bring them up towards
+        T0 (PREFETCH, and RETAIN when `hint` is given). No session: `layout` names the pool."""
+        return await self._run(retain_call(layout, action, block_hashes, hint, token_ids))
 
     async def tenant_stats(self, tenant: str = "") -> list[pb.TenantUsage]:
         """Usage per pool of the caller ("") or a tenant; "*" = every tenant (admin)."""

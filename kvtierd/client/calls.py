@@ -62,6 +62,14 @@ def events_request(layout: Layout | None, resume_after_seq: int | None = None, f
     return request
 
 
+def retain_call(layout: Layout, action: pb.RetainRequest.Action, block_hashes: Sequence[bytes],
+                hint: pb.RetentionHint | None, token_ids: TokenIds | None) -> Call:
+    """Retain on `layout`'s pool: RETAIN, RELEASE or PREFETCH (kvtier.proto's RetainRequest)."""
+    return Call("Retain", pb.RetainRequest(action=action, layout=layout_to_proto(layout),
+                                           block_hashes=hash_list(block_hashes),
+                                           token_ids=optional_tokens(token_ids), hint=hint))
+
+
 def tenant_stats_call(tenant: str) -> Call:
     return Call("TenantStats", pb.TenantStatsRequest(tenant=tenant), lambda r: list(r.usage))
 
@@ -195,9 +203,7 @@ class SessionBase:
     def _retain(self, action: pb.RetainRequest.Action, block_hashes: Sequence[bytes],
                 hint: pb.RetentionHint | None, token_ids: TokenIds | None) -> Call:
         """Retain on this session's pool (the call itself needs no session: the layout names the pool)."""
-        return Call("Retain", pb.RetainRequest(action=action, layout=layout_to_proto(self.layout),
-                                               block_hashes=hash_list(block_hashes),
-                                               token_ids=optional_tokens(token_ids), hint=hint))
+        return retain_call(self.layout, action, block_hashes, hint, token_ids)
 
     def _release(self, request_id: str) -> Call:
         return Call("Release", pb.ReleaseRequest(session_id=self.session_id, request_id=request_id),

@@ -4,13 +4,14 @@ another tenant's blocks, and a bad hint changes nothing."""
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import Iterator
 from typing import cast
 
 import grpc
 import pytest
 
-from kvtierd.client import KvtierClient
+from kvtierd.client import AsyncKvtierClient, KvtierClient
 from kvtierd.client.base import map_rpc_error
 from kvtierd.client.calls import Call
 from kvtierd.errors import InvalidArgument
@@ -56,8 +57,7 @@ def put(client: KvtierClient, hashes: list[bytes], tokens: list[int], hint: pb.R
 
 def retain(client: KvtierClient, hashes: list[bytes], hint: pb.RetentionHint | None,
            action: pb.RetainRequest.Action = pb.RetainRequest.RETAIN) -> pb.RetainResponse:
-    return client._run(Call("Retain", pb.RetainRequest(action=action, layout=layout_to_proto(LAYOUT),
-                                                       block_hashes=hashes, hint=hint)))
+    return client.retain(LAYOUT, hashes, hint, action=action)
 
 
 def usage(client: KvtierClient) -> pb.TenantUsage:
@@ -118,6 +118,32 @@ def test_retained_blocks_leaving_t1_are_demoted_to_t2(tmp_path):
         oldest, oldest_tokens = chains[0]
         assert where(client, oldest, oldest_tokens).num_t2_blocks == 32  # its prefix, released first, went down
         assert exact(client, oldest[:32], oldest_tokens[:32 * LAYOUT.block_size])  # read back from T2
+
+
+def test_release_and_prefetch_through_the_asyncio_client(tmp_path):
+    """RELEASE without hashes drops the session's hints everywhere; PREFETCH with a hint brings a chain
+    held only on T2 up into T1 and retains it."""
+    args = small_args(tmp_path, "--set", "policy.t0_to_t1=write_through")
+    with DaemonProcess(args) as daemon, KvtierClient(daemon.address) as client:
+        hashes, tokens = chain(client, 12, 8)
+        put(client, hashes, tokens, pb.RetentionHint(retention_session="s", ttl_s=60))
+        assert usage(client).num_t0_retained_blocks == 8
+        assert wait_until(lambda: usage(client).num_t2_blocks == 8)
+        client.evict(tiers=["t0", "t1"])
+
+        async def release_then_prefetch() -> tuple[pb.RetainResponse, pb.RetainResponse]:
+            async with AsyncKvtierClient(daemon.address) as aio:
+                released = await aio.retain(LAYOUT, [], pb.RetentionHint(retention_session="s"),
+                                            action=pb.RetainRequest.RELEASE)
+                prefetched = await aio.retain(LAYOUT, hashes, pb.RetentionHint(retention_session="t", ttl_s=60),
+                                              action=pb.RetainRequest.PREFETCH)
+                return released, prefetched
+
+        released, prefetched = asyncio.run(release_then_prefetch())
+        assert released.num_released_hints == 8
+        assert (prefetched.num_found_blocks, prefetched.num_prefetched_blocks, prefetched.num_retained_blocks) == \
+            (8, 8, 8)
+        assert wait_until(lambda: usage(client).num_t1_retained_blocks == 8)
 
 
 def test_quota_downgrades_past_the_tenant_share_and_says_which(tmp_path):
