@@ -71,7 +71,7 @@ class RetentionCalls:
         with self._lock:
             refused = request_id in self._refused_request_ids
         hint = None if retention is None or refused else \
-            hint_over(retention, block_size, blocks.first_position, blocks.num_blocks, num_held)
+            hint_over(retention, block_size, blocks.first_position, num_held + len(block_ids), num_held)
         if hint is None:
             return session.commit_and_release(daemon_request_id, block_ids, hashes, tokens, parent_hash)
         try:

@@ -15,6 +15,7 @@ from kvtierd.connectors.vllm.retention_hints import PromptRetention
 from kvtierd.errors import InvalidArgument
 from kvtierd.launch.daemon_process import DaemonProcess, small_daemon_args, wait_until
 from kvtierd.v1 import kvtier_pb2 as pb
+from tests.connectors.vllm.retention_support import daemon_answers_retain
 from tests.connectors.vllm.vllm_fakes import BLOCK_SIZE, Engine, Request, prompt
 
 
@@ -132,3 +133,18 @@ def test_a_hint_the_daemon_refuses_is_dropped_and_the_blocks_stored_anyway(engin
     assert [line for line in warnings() if "refused" in line] == [
         "kvtierd connector: request too-long: kvtierd refused its retention hint (ttl_s 300 is above "
         "retention.max_ttl_s 60); storing it without the hint"]
+
+
+def test_what_the_daemon_answers_is_counted(daemon, engine):
+    """A second turn: its Commit's hint covers the parent and the one new block wholly inside the range,
+    its Retain the 5 blocks of the range; the answers add up in the worker's stats."""
+    if not daemon_answers_retain(daemon.address):
+        pytest.skip("this kvtierd predates retention hints (Retain is UNIMPLEMENTED)")
+    first = Request("answered-1", prompt(6, 4 * BLOCK_SIZE + 1))
+    serve(engine, first)
+    engine.worker.get_kv_connector_stats()
+    second = Request("answered-2", prompt(7, 6 * BLOCK_SIZE + 2, shared=first.all_token_ids[:4 * BLOCK_SIZE]),
+                     kv_transfer_params=hinted(end_token=5 * BLOCK_SIZE + 1))
+    serve(engine, second)
+    stats = engine.worker.get_kv_connector_stats().data
+    assert (stats.get("retained_blocks"), stats.get("downgraded_retention_blocks", 0)) == (2 + 5, 0)

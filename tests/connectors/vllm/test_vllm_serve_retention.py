@@ -16,14 +16,11 @@ import urllib.request
 
 import pytest
 
-from kvtierd.client import KvtierClient
-from kvtierd.client.calls import Call
-from kvtierd.errors import KvtierError
 from kvtierd.launch.daemon_process import DaemonProcess, small_daemon_args, wait_until
-from kvtierd.v1 import kvtier_pb2 as pb
 from tests.conftest import REPO
 from tests.connectors.vllm.engine_process import engine_env
 from tests.connectors.vllm.openai_server import SERVED_NAME, OpenAIServer
+from tests.connectors.vllm.retention_support import daemon_answers_retain
 from tests.connectors.vllm.test_vllm_serve import smollm2_hf  # noqa: F401  (a fixture)
 
 pytestmark = [pytest.mark.vllm, pytest.mark.weights, pytest.mark.timeout(1800)]
@@ -49,17 +46,6 @@ def complete(server: OpenAIServer, token_ids: list[int], kv_transfer_params: dic
                                      headers={"Content-Type": "application/json"})
     with urllib.request.urlopen(request, timeout=300) as reply:
         return json.load(reply)
-
-
-def daemon_answers_retain(address: str) -> bool:
-    """False for a daemon that predates retention hints (Retain UNIMPLEMENTED); an empty Retain is
-    otherwise refused as malformed, changing nothing."""
-    with KvtierClient(address) as client:
-        try:
-            client._run(Call("Retain", pb.RetainRequest()))
-        except KvtierError as error:
-            return error.code != "UNIMPLEMENTED"
-    return True
 
 
 def external_hit_tokens(server: OpenAIServer, token_ids: list[int]) -> float:
