@@ -7,10 +7,10 @@ prefilled fresh; P1, whose prefix shared with P2 is vLLM's own hit; P2 and P1 ag
 vLLM's own hits), and a new one that restores P2 from kvtierd, then P1. The models have real random
 weights (written with transformers), and text from them is meaningless, so what is compared is what
 decides it: the sampled tokens' logprobs, bit for bit against the storing engine's run that vLLM
-computed the same way (as many tokens from its own cache), and the KV bytes of every block of every KV cache group after every
-engine step (tests/connectors/vllm/recording_connector.py). For the hybrid kinds a third engine
-without the connector shows that vLLM keeps its hybrid allocator on (the same KV cache size) and
-computes P2 as the storing engine did.
+computed the same way (as many tokens from its own cache), and the KV bytes of every block of every
+KV cache group after every engine step (tests/connectors/vllm/recording_connector.py). For the
+hybrid kinds a third engine without the connector shows that vLLM keeps its hybrid allocator on
+(the same KV cache size) and computes P2 as the storing engine did.
 """
 
 from __future__ import annotations
