@@ -5,7 +5,7 @@ engine settings each needs on the CPU.
 
 Run with the vLLM venv's python: each model is its transformers class built from the kind's config
 with a fixed torch seed, cast to bf16 and saved as safetensors by that venv's transformers, the
-version vLLM reads; vLLM loads every tensor of it (no `load_format="dummy"`, which fills each tensor
+version vLLM reads; vLLM loads every tensor of it (not vLLM's dummy loader, which fills each tensor
 uniformly in +-1e-3 whatever the config says, so that a wrong KV block barely moves a logprob).
 Every kind has 2-4 layers, 4 query heads and a vocabulary of 1,000 (2.6-4.5 M parameters, 5-9 MB
 on disk); `initializer_range` 0.1 (not 0.02) so that attention is not near-uniform and a wrong KV
