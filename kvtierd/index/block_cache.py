@@ -15,12 +15,14 @@ from types import MappingProxyType
 from kvtierd.daemon_key import DaemonKey
 from kvtierd.errors import FailedPrecondition, InvalidArgument
 from kvtierd.index.classed_free_queue import ClassedFreeQueue
+from kvtierd.index.distinct_keys import DistinctKeys
 from kvtierd.index.eviction import EvictionHook, Evictor
 from kvtierd.index.hash_to_blocks import HashToBlocks
 from kvtierd.index.index_events import AllBlocksCleared, BlockStored, Doorbell, EventQueue, IndexEvent
 from kvtierd.index.index_metrics import IndexObserver
 from kvtierd.index.kv_block import KVBlock
 from kvtierd.index.prefix_match import check_hashes, match_prefix, pack_prompt_tokens
+from kvtierd.index.residency import LeaveReason, Residency
 from kvtierd.retention.tier_retention import TierRetention
 from kvtierd.token_bytes import PackableTokenIds, TokenBytes
 
@@ -76,6 +78,7 @@ class BlockCache:
         self._events = EventQueue(max_pending_events) if max_pending_events else None
         self._evictor = Evictor(self.free_queue, self.hash_to_blocks, on_evict, observer, self._events)
         self._pop_free = self._evictor.pop_free
+        self.distinct_keys = DistinctKeys()  # every hash ever committed here, counted once (under `_lock`)
         self._lock = threading.Lock()
 
     # ----------------------------------------------------------------------------- queries
@@ -93,6 +96,11 @@ class BlockCache:
     def num_evictions(self) -> int:
         """Blocks whose hash was dropped to reuse them (each copy counts)."""
         return self._evictor.num_evictions
+
+    @property
+    def residency(self) -> Residency:
+        """How long blocks stayed committed, by why they left (index/residency.py)."""
+        return self._evictor.residency
 
     @property
     def num_free_blocks(self) -> int:
@@ -156,7 +164,10 @@ class BlockCache:
             if self.free_queue.num_free_blocks != self.num_blocks:
                 return False
             self.free_queue.declassify_all()
+            now, left = self._clock(), self._evictor.residency.left
             for block in self.hash_to_blocks.all_blocks():
+                assert block.block_hash is not None, "a block in the table holds its hash"
+                left(block.block_hash, now - block.committed_at_s, LeaveReason.FLUSHED)
                 block.forget_content()
             self.hash_to_blocks.clear()
             if self._events is not None:
@@ -200,6 +211,8 @@ class BlockCache:
             else:
                 self._uncommit(stored)  # all or nothing
                 raise FailedPrecondition(f"block {block.block_id} is already committed under another hash")
+        for block_hash in block_hashes:
+            self.distinct_keys.add(block_hash)
         if self._events is not None:
             first = self.hash_to_blocks.first
             for block in stored:

@@ -17,6 +17,7 @@ from kvtierd.index.hash_to_blocks import HashToBlocks
 from kvtierd.index.index_events import BlockRemoved, EventQueue
 from kvtierd.index.index_metrics import IndexObserver
 from kvtierd.index.kv_block import KVBlock
+from kvtierd.index.residency import LeaveReason, Residency
 
 log = logging.getLogger(__name__)
 
@@ -36,6 +37,7 @@ class Evictor:
         self.hash_to_blocks = hash_to_blocks
         self.on_evict = on_evict
         self.num_evictions = 0  # blocks whose hash was dropped to reuse them (every copy counts)
+        self.residency = Residency()  # commit to eviction, by why each left (residency.py); every copy counts
         self._observer = observer
         self._events = events
 
@@ -50,10 +52,12 @@ class Evictor:
             block.ref_cnt = 1
         return blocks
 
-    def evict(self, victims: list[KVBlock], now: float, copy_down: bool = True) -> int:
+    def evict(self, victims: list[KVBlock], now: float, copy_down: bool = True,
+              reason: LeaveReason | None = None) -> int:
         """Drop cached blocks' content keys: unindex the copies, tell the tiers about the hashes
         that leave with them (they may copy them down; not when `copy_down` is false), then
-        forget. Returns how many hashes left."""
+        forget. Each one's residency is recorded as `reason` (None: the tier's classify says).
+        Returns how many hashes left."""
         self.num_evictions += len(victims)
         leaving = self.hash_to_blocks.remove_many(victims)  # each the last copy of its hash
         if self.on_evict is not None and leaving and copy_down:
@@ -61,6 +65,10 @@ class Evictor:
                 self.on_evict(leaving)
             except Exception:  # an offload failure must not corrupt the index; the blocks are lost below
                 log.exception("eviction hook failed for %d blocks", len(leaving))
+        left = self.residency.left
+        for block in victims:
+            assert block.block_hash is not None, "a victim holds its hash until forgotten below"
+            left(block.block_hash, now - block.committed_at_s, reason)
         if self._observer is not None:
             self._observer.on_evict([now - block.committed_at_s for block in victims],
                                     [now - block.released_at_s for block in victims])
@@ -78,7 +86,7 @@ class Evictor:
         Returns how many hashes left."""
         assert all(block.ref_cnt == 0 for block in blocks)
         self.free_queue.remove_many(blocks)  # while they hold their keys (their retention class counts them)
-        num_left = self.evict(blocks, now, copy_down)
+        num_left = self.evict(blocks, now, copy_down, LeaveReason.FLUSHED)
         for block in blocks:
             self.free_queue.appendleft(block)
         return num_left

@@ -39,6 +39,7 @@ class SlotEntry:
     storing: bool = True  # reserved, bytes being written: invisible and not evictable
     num_loads: int = 0  # pins by loads in flight: not evictable while > 0
     last_use_s: float = 0.0
+    entered_at_s: float = 0.0  # when its slot was reserved (restored: when recovered), on the index's clock
 
     @property
     def block_hash(self) -> DaemonKey:

@@ -32,6 +32,7 @@ from kvtierd.daemon_key import DaemonKey
 from kvtierd.errors import InvalidArgument
 from kvtierd.index.classed_lru import ClassedLru
 from kvtierd.index.index_events import BlockRemoved, BlockStored, Doorbell, EventQueue, IndexEvent
+from kvtierd.index.residency import LeaveReason, Residency
 from kvtierd.index.slot_entry import BlockMeta, SlotEntry, StorePlan
 from kvtierd.retention.tier_retention import TierRetention
 from kvtierd.token_bytes import TokenBytes, matching_blocks
@@ -66,6 +67,7 @@ class SlotIndex:
         self._room = threading.Condition(self._lock)  # notified when a slot frees or an entry turns evictable
         self._num_room_changes = 0  # under the lock: how often that happened
         self.num_evictions = 0
+        self.residency = Residency()  # store to removal of READY entries, by why each left (residency.py)
         self.num_uses = 0  # stores and loads asked of the index (under the lock): has it been used lately?
         self._owner_of: Callable[[DaemonKey], bytes] | None = None  # set by set_owner_quota
         self._max_slots_of: Callable[[bytes], int | None] = lambda owner: None
@@ -159,7 +161,7 @@ class SlotIndex:
                     evicted.append(victim)
                     self.num_evictions += 1
                     slot = victim.slot
-                entry = SlotEntry(meta, slot, last_use_s=now)
+                entry = SlotEntry(meta, slot, last_use_s=now, entered_at_s=now)
                 self._insert(entry)
                 stores.append(entry)
             return StorePlan(stores, evicted, num_skipped, unplaced, self._num_room_changes)
@@ -201,7 +203,7 @@ class SlotIndex:
                     or any(not 0 <= s < self.num_slots for s in taken)):
                 raise InvalidArgument("restore needs an empty index, distinct hashes and distinct slots in range")
             for meta, slot, last_use_s in sorted(entries, key=lambda e: e[2]):
-                entry = SlotEntry(meta, slot, storing=False, last_use_s=last_use_s)
+                entry = SlotEntry(meta, slot, storing=False, last_use_s=last_use_s, entered_at_s=self._clock())
                 self._insert(entry)
                 self._lru[meta.block_hash] = entry
             self._free_slots = [s for s in range(self.num_slots - 1, -1, -1) if s not in taken]
@@ -261,7 +263,7 @@ class SlotIndex:
                 if entry is None:
                     continue
                 self._delete(block_hash)
-                self._removed(entry)
+                self._removed(entry, LeaveReason.FLUSHED)
                 self._free_slots.append(entry.slot)
                 removed.append(entry)
             if removed:
@@ -314,8 +316,12 @@ class SlotIndex:
     def num_dropped_events(self) -> int:
         return self._events.num_dropped if self._events is not None else 0
 
-    def _removed(self, entry: SlotEntry) -> None:
-        if self._events is not None and not entry.storing:
+    def _removed(self, entry: SlotEntry, reason: LeaveReason | None = None) -> None:
+        """A READY entry left (`reason` None: for room, the residency's classify says why)."""
+        if entry.storing:
+            return
+        self.residency.left(entry.block_hash, self._clock() - entry.entered_at_s, reason)
+        if self._events is not None:
             self._events.put(BlockRemoved(entry.block_hash))
 
     # ----------------------------------------------------------------------------- retention

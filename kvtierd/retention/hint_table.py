@@ -12,6 +12,7 @@ from collections.abc import Callable, Iterable, Sequence
 from kvtierd.daemon_key import DaemonKey, TenantTag, tenant_tag_of
 from kvtierd.retention.hint import Priority
 
+MAX_LAPSED = 1 << 18  # lapsed keys remembered (~100 B each) for the tiers to say why a block left
 HintListener = Callable[[list[DaemonKey]], None]  # keys whose effective priority may have changed
 
 
@@ -41,6 +42,9 @@ class HintTable:
         self._lock = threading.Lock()
         self._listeners: list[HintListener] = []
         self._num_hints = 0  # pushes since the heap was last rebuilt, an upper bound of the hints held
+        # keys whose last hint lapsed (swept by `expire`) → when, newest last; a new hint drops the key,
+        # the oldest go beyond MAX_LAPSED (read by the tiers' leave reasons: `lapsed_at`)
+        self._lapsed: dict[DaemonKey, float] = {}
 
     def add_listener(self, listener: HintListener) -> None:
         self._listeners.append(listener)
@@ -64,6 +68,18 @@ class HintTable:
     def is_retained(self, key: DaemonKey) -> bool:
         return self.priority(key) is not Priority.NONE
 
+    def lapsed_at(self, key: DaemonKey) -> float:
+        """When the key's last hint expired (on the table's clock), if it has no live hint left and
+        lapsed within the last MAX_LAPSED keys to lapse; else 0. Cheap without hints: dict lookups."""
+        if key in self._hints:  # not swept yet: lapsed when no hint is live
+            now = self._clock()
+            with self._lock:
+                hints = self._hints.get(key)
+                if hints and all(h.expires_at_s <= now for h in hints.values()):
+                    return max(h.expires_at_s for h in hints.values())
+            return 0.0
+        return self._lapsed.get(key, 0.0)
+
     def __len__(self) -> int:
         """Keys with at least one hint (live, or expired and not swept yet)."""
         return len(self._hints)
@@ -79,6 +95,7 @@ class HintTable:
         hint = LiveHint(priority, expires_at_s)
         with self._lock:
             for key in keys:
+                self._lapsed.pop(key, None)
                 self._hints.setdefault(key, {})[session] = hint
                 self._by_session[(tenant_tag_of(key), session)].add(key)
                 heapq.heappush(self._expiries, (expires_at_s, key, session))
@@ -113,6 +130,10 @@ class HintTable:
                 if hint is not None and hint.expires_at_s == expires_at_s:  # not renewed since
                     self._drop(key, session)
                     changed.append(key)
+                    if key not in self._hints:  # its last hint: the key lapsed
+                        self._lapsed[key] = expires_at_s
+            while len(self._lapsed) > MAX_LAPSED:
+                del self._lapsed[next(iter(self._lapsed))]
         self._notify(changed)
         return len(changed)
 

@@ -104,6 +104,7 @@ class SsdTier:
         except OSError as error:
             log.error("SSD tier: truncating the slot files to %d slots failed: %s", extent, error)
         self._index = ExtentSlotIndex(self.num_slots, extent, clock=time.time)  # wall clock: last use persists
+        self.residency = self._index.residency  # how long blocks stayed, by why they left (index/residency.py)
         self._checksums = np.zeros(self.num_slots, dtype=np.uint64)  # per slot, of its holder
         self._write_lock = threading.Lock()  # orders slot reuse against LMDB deletes (see module doc)
         self._pending_deletes: set[DaemonKey] = set()  # under _write_lock

@@ -36,6 +36,7 @@ from kvtierd.t1.host_tier import HostTier
 from kvtierd.t2.node_budget import NodeBudget
 from kvtierd.tier import Tier, TierCounts
 from kvtierd.tiering.block_io import Admit, BlockGet, BlockPut
+from kvtierd.tiering.leave_reasons import attach_leave_reasons
 from kvtierd.tiering.offload import Offloader
 from kvtierd.tiering.promotion import AcquiredBlocks, Promoter
 from kvtierd.tiering.retention_hints import LayoutRetention
@@ -104,6 +105,7 @@ class TierManager:
         self.promoter = Promoter(self.tiers, self.offloader)
         self.offloader.connect(self.promoter.levels)  # the edges out of T1 and T2 offer to the tiers below
         index.on_evict = self.offloader.on_t0_evict
+        attach_leave_reasons(self.tiers)  # why blocks leave each tier: evicted, demoted or expired
         self.retention = LayoutRetention(self.tiers)  # hints: eviction classes in T0, T1, T2, and their quotas
 
     @property

@@ -14,9 +14,12 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Mapping
 
+from kvtierd.index.distinct_keys import unbounded_hit_blocks
+from kvtierd.index.residency import ResidencySnapshot
 from kvtierd.t2.ssd_stats import SsdStats
 from kvtierd.t3.remote_tier import RemoteTierStats
 from kvtierd.tier import Edge, Tier, TierCounts
+from kvtierd.tiering.leave_reasons import residencies
 from kvtierd.tiering.recompute_cost import CostEstimate
 from kvtierd.tiering.tiers import Tiers
 
@@ -60,6 +63,35 @@ class TieringStats:
     bytes_moved: Mapping[str, int]  # by copy direction (Direction values): this layout's copies only
     bandwidth_bytes_per_s: Mapping[str, float]  # by copy direction: the device's engine's, shared by its layouts
     num_retention_downgraded_blocks: int = 0  # retention hints not kept over a tenant's quota (retention_hints.py)
+    # per local tier present: how long blocks stayed and why they left (index/residency.py)
+    residency: Mapping[Tier, ResidencySnapshot] = dataclasses.field(default_factory=dict)
+    num_distinct_blocks: int = 0  # distinct keys ever committed into T0, estimated (index/distinct_keys.py)
+
+    @property
+    def num_served_blocks(self) -> TierCounts:
+        """The query blocks each tier served (hits of queries, T3's included)."""
+        return TierCounts(self.t0.num_hit_blocks, self.t1.num_hit_blocks if self.t1 else 0,
+                          self.t2.num_hit_blocks if self.t2 else 0, self.num_t3_hit_blocks)
+
+    @property
+    def num_miss_blocks(self) -> int:
+        """Query blocks no tier served (recomputed; declined hits included): with the served ones,
+        exactly the query blocks."""
+        return self.num_query_blocks - self.num_served_blocks.num_blocks
+
+    @property
+    def hit_rate(self) -> float:
+        """Served query blocks over query blocks (0 without queries)."""
+        return self.num_served_blocks.num_blocks / self.num_query_blocks if self.num_query_blocks else 0.0
+
+    @property
+    def unbounded_hit_rate(self) -> float:
+        """The hit rate a cache without a size limit would have had on the same queries: every
+        block but its first sight (index/distinct_keys.py); 0 without queries."""
+        if not self.num_query_blocks:
+            return 0.0
+        return unbounded_hit_blocks(self.num_query_blocks, self.num_served_blocks.num_blocks,
+                                    self.num_distinct_blocks) / self.num_query_blocks
 
     @property
     def tiers(self) -> tuple[TierUsage, ...]:
@@ -96,4 +128,6 @@ def tiering_stats(tiers: Tiers) -> TieringStats:
         num_offloaded_blocks=dict(counters.num_offloaded_blocks),
         num_dropped_offload_blocks=dict(counters.num_dropped_offload_blocks),
         bytes_moved=dict(counters.bytes_moved),
-        bandwidth_bytes_per_s={d.value: b.bytes_per_s for d, b in bandwidth.items()})
+        bandwidth_bytes_per_s={d.value: b.bytes_per_s for d, b in bandwidth.items()},
+        residency={tier: residency.snapshot() for tier, residency in residencies(tiers).items()},
+        num_distinct_blocks=index.distinct_keys.estimate())
