@@ -12,6 +12,7 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Iterable
 
+from kvtierd.cli.kvtierctl_eviction import hit_rate_words, residency_lines
 from kvtierd.cli.wording import plural
 from kvtierd.planning.capacity import format_bytes
 from kvtierd.tier import Tier
@@ -53,13 +54,7 @@ class StatsView:
 
     def pool_lines(self, pool: pb.PoolStats) -> list[str]:
         layout, before = pool.layout, self._previous_pool(pool)
-        hits = {t.tier: t.num_hit_blocks for t in pool.tiers}
-        if pool.HasField("t3"):
-            hits[Tier.T3] = pool.t3.num_query_hit_blocks  # the store's reads count prefetches too
-        queries = pool.num_query_blocks
-        rate = (f"hit rate {sum(hits.values()) / queries:.1%} of {queries * layout.block_size:,} query tokens ("
-                + ", ".join(f"{tier.upper()} {n / queries:.1%}" for tier, n in hits.items()) + ")"
-                if queries else "no queries yet")
+        rate = hit_rate_words(pool)
         lines = [f"pool {layout.model_id} ({layout.num_layers} layers x {layout.num_kv_heads} KV heads x "
                  f"{layout.head_dim}, {layout.dtype}, block {layout.block_size}): {rate}",
                  f"  {'tier':<4} {'capacity':>11} {'used':>11} {'cached blocks':>13} {'hit blocks':>10} "
@@ -75,6 +70,7 @@ class StatsView:
                 delta = tier.num_evictions - (previous.num_evictions if previous else 0)
                 line += f"  {delta / self.interval_s:>11,.1f}"
             lines.append(line)
+        lines += residency_lines(pool)
         shares = [f"{tier.tier.upper()} {'memory' if tier.tier == Tier.T1 else 'files'} "
                   f"{format_bytes(tier.node_held_bytes)} (fair share {format_bytes(tier.node_share_bytes)})"
                   for tier in pool.tiers if tier.node_capacity_bytes]

@@ -11,13 +11,16 @@ collector.
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import logging
 import threading
 from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING, Any, Protocol
 
 from prometheus_client.metrics_core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily, Metric
+from prometheus_client.utils import floatToGoString
 
+from kvtierd.index.residency import RESIDENCY_BUCKETS_S
 from kvtierd.metrics.bucket_histogram import BucketHistogram
 from kvtierd.tier import Edge, Tier
 
@@ -126,6 +129,22 @@ _FAMILIES: dict[str, tuple[type, str, str, tuple[str, ...]]] = {
                          "Writes the shared store did not take (a node failed or its breaker was open).", ()),
     "t3_dropped_writes": (CounterMetricFamily, "kvtierd_t3_dropped_writes",
                           "Writes dropped because the bounded write backlog was full.", ()),
+    "lookup_tokens": (CounterMetricFamily, "kvtierd_lookup_tokens",
+                      "Prompt tokens of queries (as kvtierd_prefix_query_tokens) by the tier that served them, "
+                      "'miss' for those no tier served (recomputed, declined hits included): the labels add up "
+                      "to the queried tokens.", ("tier",)),
+    "blocks_left": (CounterMetricFamily, "kvtierd_blocks_left",
+                    "Blocks that left a tier, by why: evicted (for room, not copied down), demoted (sent down "
+                    "to the tier below), expired (its retention hint lapsed), flushed (an operator's evict, "
+                    "flush or forget, a reset, a corrupt block).", ("tier", "reason")),
+    "hit_rate": (GaugeMetricFamily, "kvtierd_hit_rate",
+                 "Query tokens served from any tier over query tokens, since start.", ()),
+    "unbounded_hit_rate": (GaugeMetricFamily, "kvtierd_unbounded_hit_rate",
+                           "The hit rate a cache without a size limit would have had on the same queries since "
+                           "start: every query token but the first sight of each distinct block stored.", ()),
+    "distinct_blocks": (GaugeMetricFamily, "kvtierd_distinct_blocks_stored",
+                        "Distinct blocks ever committed into the device pool since start (HyperLogLog estimate, "
+                        "0.8 % standard error).", ()),
     "t3_backlog": (GaugeMetricFamily, "kvtierd_t3_write_backlog_bytes", "Bytes queued or in flight to the shared "
                    "store.", ()),
 }
@@ -212,7 +231,29 @@ def _new_families() -> Families:
                 for key, (kind, name, help_text, labels) in _FAMILIES.items()}
     families.update({key: HistogramMetricFamily(name, help_text, labels=("model",))
                      for key, (name, help_text) in _AGE_HISTOGRAMS.items()})
+    families["residency"] = HistogramMetricFamily(
+        "kvtierd_block_residency_seconds", "Time a block stayed in a tier, from entering it (t0: its commit; t1, "
+        "t2: its store) to leaving it, by why it left (as kvtierd_blocks_left_total).",
+        labels=("model", "tier", "reason"))
     return families
+
+
+def _add_residency(families: Families, model: str, stats: TieringStats) -> None:
+    bounds = [floatToGoString(bound) for bound in RESIDENCY_BUCKETS_S] + ["+Inf"]
+    for tier, snapshot in stats.residency.items():
+        for reason, counts in snapshot.by_reason.items():
+            families["blocks_left"].add_metric([model, tier, reason], counts.num_blocks)
+            cumulative = list(zip(bounds, itertools.accumulate(counts.bucket_counts)))
+            families["residency"].add_metric([model, tier, reason], cumulative, sum_value=counts.sum_s)
+
+
+def _add_served(families: Families, model: str, source: PoolSource, stats: TieringStats) -> None:
+    served = stats.num_served_blocks
+    for tier, num_blocks in (*served.items(), ("miss", stats.num_miss_blocks)):
+        families["lookup_tokens"].add_metric([model, tier], num_blocks * source.block_size_tokens)
+    families["hit_rate"].add_metric([model], stats.hit_rate)
+    families["unbounded_hit_rate"].add_metric([model], stats.unbounded_hit_rate)
+    families["distinct_blocks"].add_metric([model], stats.num_distinct_blocks)
 
 
 def _add_pool(families: Families, model: str, source: PoolSource, stats: TieringStats) -> None:
@@ -258,3 +299,5 @@ def _add_pool(families: Families, model: str, source: PoolSource, stats: Tiering
     add("failed_offloads", stats.num_failed_offload_blocks)
     add("retention_downgraded", stats.num_retention_downgraded_blocks)
     add("recompute", stats.recompute.s_per_token or 0.0)
+    _add_residency(families, model, stats)
+    _add_served(families, model, source, stats)

@@ -3,6 +3,9 @@ the node's shared store (T3) part, as proto."""
 
 from __future__ import annotations
 
+import math
+
+from kvtierd.index.residency import ResidencySnapshot
 from kvtierd.node.pools import LayoutPool
 from kvtierd.t2.node_budget import BudgetShare
 from kvtierd.t3.redis_store import RedisStore
@@ -13,8 +16,9 @@ from kvtierd.wire.conversions import layout_to_proto
 
 
 def tier_message(usage: TierUsage, share: BudgetShare | None = None, num_declined_blocks: int = 0,
-                 num_dropped_offload_blocks: int = 0) -> pb.TierStats:
-    """One tier's figures; with `share` (T1, T2), this layout's part of the node's budget beside it."""
+                 num_dropped_offload_blocks: int = 0, residency: ResidencySnapshot | None = None) -> pb.TierStats:
+    """One tier's figures; with `share` (T1, T2), this layout's part of the node's budget beside it;
+    with `residency`, why blocks left and how long they had stayed."""
     message = pb.TierStats(tier=usage.tier, capacity_bytes=usage.capacity_bytes, used_bytes=usage.used_bytes,
                            num_cached_blocks=usage.num_cached_blocks, num_hit_blocks=usage.num_hit_blocks,
                            num_evictions=usage.num_evictions, num_declined_blocks=num_declined_blocks,
@@ -23,7 +27,15 @@ def tier_message(usage: TierUsage, share: BudgetShare | None = None, num_decline
     if share is not None:
         message.node_held_bytes, message.node_share_bytes = share.held_bytes, share.share_bytes
         message.node_capacity_bytes, message.node_used_bytes = share.node_capacity_bytes, share.node_used_bytes
+    if residency is not None:
+        message.left.extend(pb.LeftBlocks(reason=reason, num_blocks=counts.num_blocks, residency_sum_s=counts.sum_s)
+                            for reason, counts in residency.by_reason.items())
+        message.residency_p50_s, message.residency_p90_s = (_or_zero(residency.percentile_s(q)) for q in (50, 90))
     return message
+
+
+def _or_zero(value: float) -> float:
+    return 0.0 if math.isnan(value) else value
 
 
 def pool_stats(pool: LayoutPool) -> pb.PoolStats:
@@ -38,7 +50,7 @@ def pool_stats(pool: LayoutPool) -> pb.PoolStats:
                         num_free_blocks=stats.num_free_blocks,
                         tiers=[tier_message(usage, pool.node_share(usage.tier), declined[usage.tier],
                                             sum(n for edge, n in stats.num_dropped_offload_blocks.items()
-                                                if edge.lower == usage.tier))
+                                                if edge.lower == usage.tier), stats.residency.get(usage.tier))
                                for usage in stats.tiers],
                         num_query_blocks=stats.num_query_blocks, transfers=transfers,
                         num_corrupted_blocks=ssd.num_corrupted_blocks if ssd else 0,
@@ -49,7 +61,9 @@ def pool_stats(pool: LayoutPool) -> pb.PoolStats:
                         t3=remote_tier_message(stats.t3, declined.t3, stats.num_t3_hit_blocks)
                         if stats.t3 is not None else None,
                         recompute_s_per_token=recompute.s_per_token or 0.0, recompute_source=recompute.source,
-                        num_recompute_reports=recompute.num_reports)
+                        num_recompute_reports=recompute.num_reports, num_miss_blocks=stats.num_miss_blocks,
+                        num_distinct_blocks=stats.num_distinct_blocks, hit_rate=stats.hit_rate,
+                        unbounded_hit_rate=stats.unbounded_hit_rate)
 
 
 def remote_tier_message(t3: RemoteTierStats, num_declined_blocks: int = 0,

@@ -51,8 +51,9 @@ def test_a_prefetched_t3_hit_counts_once_where_the_lookup_promised_it(tmp_path, 
         assert pool.num_query_blocks == 20
         assert {t.tier: t.num_hit_blocks for t in pool.tiers} == {"t0": 0, "t1": 0, "t2": 0}
         assert (pool.t3.num_query_hit_blocks, pool.t3.num_hit_blocks) == (16, 16)  # the store read them once
-        assert StatsView(on_b.stats()).pool_lines(pool)[0].endswith(
-            "hit rate 80.0% of 80 query tokens (T0 0.0%, T1 0.0%, T2 0.0%, T3 80.0%)")
+        header = StatsView(on_b.stats()).pool_lines(pool)[0]
+        assert "hit rate 80.0% (an unbounded cache: " in header
+        assert header.endswith("of 80 query tokens (T0 0.0%, T1 0.0%, T2 0.0%, T3 80.0%, miss 20.0%)")
         tokens = prefix_tokens(b)
         assert tokens[("kvtierd_prefix_query_tokens", "")] == 80
         assert {tier: tokens[("kvtierd_prefix_hit_tokens", tier)] for tier in ("t0", "t1", "t2", "t3")} == \
