@@ -37,6 +37,8 @@ def main(argv: list[str] | None = None) -> int:
                           help="blocks in the T0 pool (default 320: smaller than the working set)")
     simulate.add_argument("--seed", type=int, default=defaults.seed)
     simulate.add_argument("--json", action="store_true", help="print the report as JSON")
+    from kvtierd.cli.simulate_tiers import add_tier_flags
+    add_tier_flags(simulate)
 
     demo = commands.add_parser(
         "demo", help="run a real chat model with and without kvtierd and compare, turn by turn",
@@ -82,6 +84,10 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def run_simulate(args: argparse.Namespace) -> int:
+    if args.agentic or args.trace is not None:
+        from kvtierd.cli.simulate_tiers import run_tier_simulation
+
+        return run_tier_simulation(args)
     from kvtierd.planning.simulate import ChatSimulator, report_lines
 
     workload = ChatWorkload(num_conversations=args.conversations, num_turns=args.turns,

@@ -25,13 +25,15 @@ class TraceRequest:
     turn: int
     prompt_token_ids: tuple[int, ...]
     hint_ttl_s: float = 0.0  # the retention hint the request carried for its whole prompt; 0 = none
+    hint_priority: int = 2  # its priority: 1 low, 2 normal, 3 high (retention.hint.Priority)
 
     def __post_init__(self) -> None:
         if not 0.0 <= self.start_s <= self.end_s:
             raise ValueError(f"request of session {self.session} turn {self.turn}: start {self.start_s} s "
                              f"and end {self.end_s} s are not an interval from the run's start")
-        if self.hint_ttl_s < 0.0:
-            raise ValueError(f"request of session {self.session} turn {self.turn}: negative hint_ttl_s")
+        if self.hint_ttl_s < 0.0 or not 1 <= self.hint_priority <= 3:
+            raise ValueError(f"request of session {self.session} turn {self.turn}: a hint needs ttl_s >= 0 "
+                             f"and a priority of 1 (low) to 3 (high)")
 
     def to_json(self) -> str:
         fields = dataclasses.asdict(self)
