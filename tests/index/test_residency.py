@@ -9,6 +9,7 @@ from kvtierd.daemon_key import DaemonKey
 from kvtierd.index.residency import RESIDENCY_BUCKETS_S, LeaveReason, Residency
 from kvtierd.index.slot_entry import BlockMeta
 from kvtierd.index.slot_index import SlotIndex
+from kvtierd.token_bytes import NO_TOKENS
 
 KEY = DaemonKey(bytes(48))
 
@@ -47,7 +48,7 @@ def test_a_slot_index_records_residency_from_the_store_by_reason():
     now = [0.0]
     index = SlotIndex(1, clock=lambda: now[0])
     index.residency.classify = lambda key, resident_s: LeaveReason.DEMOTED
-    first, second = (BlockMeta(DaemonKey(bytes([i]) * 48), DaemonKey(bytes(48)), b"") for i in (1, 2))
+    first, second = (BlockMeta(DaemonKey(bytes([i]) * 48), DaemonKey(bytes(48)), NO_TOKENS) for i in (1, 2))
     index.complete_store(index.prepare_store([first]).stores, success=True)
     now[0] = 5.0
     index.complete_store(index.prepare_store([second]).stores, success=True)  # evicts the first
