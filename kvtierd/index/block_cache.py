@@ -146,6 +146,12 @@ class BlockCache:
                     num_evicted += self._evictor.evict_free(copies, now, copy_down)
             return num_evicted
 
+    def set_eviction(self, name: str) -> None:
+        """Class NONE's cached blocks leave in the order called `name` ("lru" | "s3fifo":
+        eviction_order.py); set once, before use."""
+        with self._lock:
+            self.free_queue.set_eviction(name)
+
     def set_retention(self, retention: TierRetention) -> None:
         """Evict by retention class, then LRU (classed_free_queue.py); set once, before any hint."""
         with self._lock:

@@ -1,4 +1,5 @@
-"""The evictable entries of a slot index in eviction order: one LRU list per retention class."""
+"""The evictable entries of a slot index in eviction order: one list per retention class, class NONE
+in the tier's eviction order (eviction_order.py), the retained classes LRU."""
 
 from __future__ import annotations
 
@@ -7,6 +8,7 @@ import itertools
 from collections.abc import Iterable, Iterator
 
 from kvtierd.daemon_key import DaemonKey
+from kvtierd.index.eviction_order import EvictionOrder, make_eviction_order
 from kvtierd.index.slot_entry import SlotEntry
 from kvtierd.retention.hint import NUM_CLASSES, Priority
 from kvtierd.retention.tier_retention import TierRetention
@@ -16,18 +18,22 @@ class ClassedLru:
     """An OrderedDict's surface (what SlotIndex uses of one) over one LRU list per retention class:
     `popitem(last=False)` takes the least recently used entry of the lowest class that has any —
     entries without a live hint first, then LOW, NORMAL, HIGH — so no eviction scans the tier.
+    Class NONE leaves in the order `set_eviction` names (LRU unless told; S3-FIFO counts a key's
+    return after a load as a hit, so SlotIndex tells it, by `forget`, when a key left the tier).
 
-    Without `retention` (or while no hint lives) every entry is in class NONE and the order is
-    exactly one OrderedDict's. An entry's class is decided when it is inserted (TierRetention.enter)
+    Without `retention` (or while no hint lives) every entry is in class NONE: under "lru" the order
+    is exactly one OrderedDict's. An entry's class is decided when it is inserted (TierRetention.enter)
     and again by `reclassify` (a hint set, released or expired); a retained class's head whose hint
     has lapsed is moved down when it is reached (lazily), so a stale class never outlives the
     sweep that follows. A lapsed entry goes to the head of class NONE: it stayed past its natural
-    eviction, and is the next victim. Mutated only under the owning SlotIndex's lock.
+    eviction, and is the next victim. `_classes[0]` holds class NONE's entries, `_order` their keys
+    (exactly the same keys). Mutated only under the owning SlotIndex's lock.
     """
 
     def __init__(self) -> None:
-        self._classes: list[collections.OrderedDict[DaemonKey, SlotEntry]] = [
-            collections.OrderedDict() for _ in range(NUM_CLASSES)]
+        self._classes: list[dict[DaemonKey, SlotEntry]] = [
+            {} if priority is Priority.NONE else collections.OrderedDict() for priority in Priority]
+        self._order: EvictionOrder[DaemonKey] = make_eviction_order("lru")
         self._retained: dict[DaemonKey, Priority] = {}  # the class of each entry above NONE
         self.retention: TierRetention | None = None  # set once, before hints are set (SlotIndex.set_retention)
 
@@ -42,14 +48,30 @@ class ClassedLru:
 
     def values(self) -> Iterator[SlotEntry]:
         """Every entry, next victim first."""
-        return itertools.chain.from_iterable(c.values() for c in self._classes)
+        unhinted = self._classes[0]
+        return itertools.chain((unhinted[key] for key in self._order),
+                               itertools.chain.from_iterable(c.values() for c in self._classes[1:]))
+
+    def set_eviction(self, name: str) -> None:
+        """Class NONE in the order called `name` from now on; its entries move over, next victim first."""
+        order: EvictionOrder[DaemonKey] = make_eviction_order(name)
+        for key in self._order:
+            order.insert(key)
+        self._order = order
+
+    def forget(self, key: DaemonKey) -> None:
+        """The entry of `key` left the tier (after it left this order): its history goes too."""
+        assert key not in self, "an evictable entry is popped or deleted first"
+        self._order.discard(key)
 
     def __setitem__(self, key: DaemonKey, entry: SlotEntry) -> None:
-        """Insert as the most recently used of its class."""
+        """Insert as the most recently used of its class (in class NONE: as its order takes a key)."""
         assert key not in self, "an entry is inserted once"
         retention = self.retention
         priority = retention.enter(key) if retention is not None and len(retention.table) else Priority.NONE
-        if priority is not Priority.NONE:
+        if priority is Priority.NONE:
+            self._order.insert(key)
+        else:
             self._retained[key] = priority
         self._classes[priority][key] = entry
 
@@ -60,7 +82,11 @@ class ClassedLru:
     def pop(self, key: DaemonKey, default: SlotEntry | None = None) -> SlotEntry | None:
         priority = self._retained.pop(key, None)
         if priority is None:
-            return self._classes[0].pop(key, default)
+            entry = self._classes[0].pop(key, None)
+            if entry is None:
+                return default
+            self._order.remove(key)
+            return entry
         assert self.retention is not None
         self.retention.leave(key, priority)
         return self._classes[priority].pop(key)
@@ -69,13 +95,16 @@ class ClassedLru:
         """The next victim (last=False): the least recently used entry of the lowest class."""
         assert not last, "only the eviction end is taken"
         self._settle_heads()
-        for entries in self._classes:
+        if self._order:
+            key = self._order.pop()
+            return key, self._classes[0].pop(key)
+        for priority in range(1, NUM_CLASSES):
+            entries = self._classes[priority]
             if entries:
+                assert isinstance(entries, collections.OrderedDict)
                 key, entry = entries.popitem(last=False)
-                priority = self._retained.pop(key, None)
-                if priority is not None:
-                    assert self.retention is not None
-                    self.retention.leave(key, priority)
+                assert self.retention is not None
+                self.retention.leave(key, self._retained.pop(key))
                 return key, entry
         raise KeyError("popitem(): no evictable entry")
 
@@ -103,8 +132,10 @@ class ClassedLru:
             return
         entry = self._classes[old].pop(key)
         self._classes[new][key] = entry
-        if new is Priority.NONE:
-            self._classes[new].move_to_end(key, last=False)  # lapsed: the next victim
+        if old is Priority.NONE:
+            self._order.remove(key)
+        elif new is Priority.NONE:
+            self._order.insert_first(key)  # lapsed: the next victim
 
     def _settle_heads(self) -> None:
         """Move down each retained class's head whose hint lapsed, until every head is live."""

@@ -1,7 +1,8 @@
 """The slot index of a lower tier (host DRAM, SSD): which fixed-size slot holds which block.
 
 Each slot holds one block. Entries are found by block hash and evicted least recently used
-first. Operations that move bytes are two-phase, so a slot in flight is never evicted or reused:
+first (or in the order `set_eviction` names). Operations that move bytes are two-phase, so a slot
+in flight is never evicted or reused:
 
 - `prepare_store(blocks)` reserves one slot per new block: free slots first, then the slots of
   the least recently used entries that nobody is loading. The new entries are STORING: lookups
@@ -326,6 +327,12 @@ class SlotIndex:
 
     # ----------------------------------------------------------------------------- retention
 
+    def set_eviction(self, name: str) -> None:
+        """Entries without a live hint leave in the order called `name` ("lru" | "s3fifo":
+        eviction_order.py); the evictable ones move over, next victim first."""
+        with self._lock:
+            self._lru.set_eviction(name)
+
     def set_retention(self, retention: TierRetention) -> None:
         """Evict by retention class, then LRU (classed_lru.py); set once, before any hint."""
         with self._lock:
@@ -368,6 +375,7 @@ class SlotIndex:
 
     def _delete(self, block_hash: DaemonKey) -> None:
         del self._entries[block_hash]
+        self._lru.forget(block_hash)  # its eviction order's history of it goes too
         if self._owner_of is not None:
             owner = self._owner_of(block_hash)
             self._num_slots_by_owner[owner] -= 1

@@ -43,7 +43,9 @@ def config_lines(config: DaemonConfig) -> list[str]:
                  + (f"{policy.recompute_s_per_token:g} s/token (policy.recompute_s_per_token)"
                     if policy.recompute_s_per_token > 0 else "the engines' measured cost (every hit until measured)"))
     lines += remote_summary(config.remote, policy)
-    lines.append(f"policy: T0->T1 {policy.t0_to_t1}, T1->T2 {policy.t1_to_t2}; {recompute}")
+    evictions = (policy.t0_eviction, policy.t1_eviction, policy.t2_eviction)
+    eviction = "" if evictions == ("lru",) * 3 else "; eviction T0 {}, T1 {}, T2 {}".format(*evictions)
+    lines.append(f"policy: T0->T1 {policy.t0_to_t1}, T1->T2 {policy.t1_to_t2}{eviction}; {recompute}")
     lines.append(f"quotas: {len(config.quotas)} tenants" if config.quotas else "quotas: none (unlimited)")
     events = config.events
     media = "GPU, CPU, STORAGE" if events.lower_tiers else "GPU"

@@ -180,6 +180,10 @@ class SsdTier:
         """Per-owner byte limits (None = none), enforced in slots; see SlotIndex.set_owner_quota."""
         self._index.set_owner_quota(owner_of, lambda owner: slots_within(limit_bytes(owner), self.stride))
 
+    def set_eviction(self, name: str) -> None:
+        """Blocks without a live hint leave in the order called `name` (SlotIndex.set_eviction)."""
+        self._index.set_eviction(name)
+
     def set_retention(self, retention: TierRetention) -> None:
         """Evict by retention class, then LRU (index/classed_lru.py)."""
         self._index.set_retention(retention)

@@ -23,6 +23,7 @@ from typing import TYPE_CHECKING
 
 from kvtierd.config_checks import require, require_choice
 from kvtierd.errors import InvalidArgument
+from kvtierd.index.eviction_order import EVICTION_ORDERS
 from kvtierd.layout import FLOAT_DTYPES, Layout
 from kvtierd.retention.retention_config import RetentionConfig
 from kvtierd.tier import Edge
@@ -65,6 +66,11 @@ class PolicyConfig:
     # seconds a block on a write-through edge may wait for room in the tier below (held above meanwhile;
     # a Put waits as long for room in T0) before it is dropped from the edge, counted; 0 = never wait
     write_through_wait_s: float = 10.0
+    # the order in which each tier evicts blocks without a live retention hint: "lru" | "s3fifo"
+    # (index/eviction_order.py); retained blocks leave by class, then LRU, whichever
+    t0_eviction: str = "lru"
+    t1_eviction: str = "lru"
+    t2_eviction: str = "lru"
 
     def __post_init__(self) -> None:
         require(math.isfinite(self.recompute_s_per_token) and self.recompute_s_per_token >= 0,
@@ -74,6 +80,8 @@ class PolicyConfig:
         for name in ("t0_to_t1", "t1_to_t2", "t1_to_t3"):
             require_choice(f"policy.{name}", getattr(self, name), EDGE_POLICIES)
         require_choice("policy.t2_to_t3", self.t2_to_t3, T2_TO_T3_POLICIES)
+        for name in ("t0_eviction", "t1_eviction", "t2_eviction"):
+            require_choice(f"policy.{name}", getattr(self, name), EVICTION_ORDERS)
 
 
 _POLICY = PolicyConfig()  # TierConfig's edges default to the daemon's
@@ -93,6 +101,9 @@ class TierConfig:
     recompute_s_per_token: float | None = None  # the operator's override; None: the engines' measurement
     write_through_wait_s: float = _POLICY.write_through_wait_s  # the longest wait for room below (PolicyConfig)
     retention: RetentionConfig = RetentionConfig()  # the bounds of retention hints ([retention])
+    t0_eviction: str = _POLICY.t0_eviction  # each tier's order for blocks without a live hint (PolicyConfig)
+    t1_eviction: str = _POLICY.t1_eviction
+    t2_eviction: str = _POLICY.t2_eviction
 
     @classmethod
     def of_sections(cls, host: HostConfig, ssd: SsdConfig, policy: PolicyConfig, remote: RemoteConfig,
@@ -105,7 +116,8 @@ class TierConfig:
                    t1_to_t3=EdgePolicy(policy.t1_to_t3), t2_to_t3=EdgePolicy(policy.t2_to_t3),
                    remote_codec=remote.codec,
                    recompute_s_per_token=policy.recompute_s_per_token or None,
-                   write_through_wait_s=policy.write_through_wait_s, retention=retention)
+                   write_through_wait_s=policy.write_through_wait_s, retention=retention,
+                   t0_eviction=policy.t0_eviction, t1_eviction=policy.t1_eviction, t2_eviction=policy.t2_eviction)
 
     def __post_init__(self) -> None:
         if self.host_capacity_bytes < 0:
@@ -119,6 +131,8 @@ class TierConfig:
             raise InvalidArgument("recompute_s_per_token must be positive")
         if not (math.isfinite(self.write_through_wait_s) and self.write_through_wait_s >= 0):
             raise InvalidArgument(f"write_through_wait_s must be a finite number >= 0, got {self.write_through_wait_s}")
+        for name in ("t0_eviction", "t1_eviction", "t2_eviction"):
+            require_choice(name, getattr(self, name), EVICTION_ORDERS)
 
     def policy(self, edge: Edge) -> EdgePolicy:
         """The policy of one edge."""

@@ -97,6 +97,11 @@ class TierManager:
 
             remote = RemoteTier(remote_store, layout, config.remote_codec,
                                 make_codec(config.remote_codec, layout).slot_nbytes)
+        index.set_eviction(config.t0_eviction)  # the order of blocks without a live hint, per tier
+        if host is not None:
+            host.index.set_eviction(config.t1_eviction)
+        if ssd is not None:
+            ssd.set_eviction(config.t2_eviction)
         self._closed = False
         self._engines = engines if engines is not None else CopyEngines(num_cpu_threads=copy_threads)
         engine = self._engines.acquire(str(pool.device))
