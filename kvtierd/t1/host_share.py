@@ -22,9 +22,11 @@ from __future__ import annotations
 import logging
 import threading
 import time
+from collections.abc import Callable
 
 from kvtierd.errors import ResourceExhausted
 from kvtierd.index.extent_slot_index import ExtentSlotIndex
+from kvtierd.index.slot_entry import SlotEntry
 from kvtierd.movers.span_copy import copy_rows
 from kvtierd.t1.host_slab import HostSlab
 from kvtierd.t2.node_budget import BudgetShare, NodeBudget
@@ -61,6 +63,9 @@ class HostShare:
         self._thread = threading.Thread(target=self._run, name="kvtierd-t1-share", daemon=True)
         budget.register(key, self.shed)
         index.on_evicting = self._wanted.set  # under the index lock: only sets the event
+        # sees the blocks a shed evicts, bytes intact, before the kept ones move over them (the
+        # offloader spills them down as any T1 victim: on_evict edges, retained blocks); set once
+        self.on_shed_evicted: Callable[[list[SlotEntry]], None] | None = None
 
     def start(self) -> None:
         """Take the fair share, or what is free of it: at once where that only commits pages (no CUDA);
@@ -166,6 +171,7 @@ class HostShare:
             slots = self.slab.slots
             assert slots is not None, "a closed tier is not in the budget"
             try:
+                self._spill(shrink.evicted)
                 copy_rows(slots, [new for _, _, new in moves], slots, [old for _, old, _ in moves])
                 moved = True
             finally:
@@ -178,6 +184,13 @@ class HostShare:
             log.info("T1 of %s: gave back %.1f MiB (%d blocks evicted, %d moved)", self.slab.what, given / 2**20,
                      len(shrink.evicted), len(moves))
         return given
+
+    def _spill(self, evicted: list[SlotEntry]) -> None:
+        if evicted and self.on_shed_evicted is not None:
+            try:
+                self.on_shed_evicted(evicted)
+            except Exception:  # a failed spill loses those blocks, not the shrink
+                log.exception("T1 of %s: spilling %d blocks a shed evicted failed", self.slab.what, len(evicted))
 
     def close(self) -> None:
         """Stop following demand; give every byte back."""

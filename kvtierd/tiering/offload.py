@@ -71,6 +71,8 @@ class Offloader:
         """The lower tiers (lower_tiers.py): the edges out of T1 and T2 offer to those that store."""
         stores = [level for level in levels if isinstance(level, StoringTier)]
         self._stores = sorted(stores, key=lambda store: store.tier.level, reverse=True)
+        if self.tiers.host is not None:  # a shed of T1's share evicts as a store does: its victims go down too
+            self.tiers.host.share.on_shed_evicted = self.spill_t1_evicted
 
     # ----------------------------------------------------------------------------- T0 → T1
 
@@ -191,19 +193,25 @@ class Offloader:
         return self._host.index.prepare_store(metas)
 
     def spill_t1_victims(self, plan: StorePlan) -> None:
-        """Offer the entries T1 evicted for `plan` down each on_evict edge out of T1, before their
-        slots are overwritten: T3 frames (copies) them at once; for T2 their rows are copied out
-        and written on the spill thread (spills.py). Call it off the event loop and without the
-        index lock, before writing the plan's slots: it waits while the spill backlog is full."""
-        if not plan.evicted:
+        """Offer the entries T1 evicted for `plan` down (spill_t1_evicted), before its slots are
+        overwritten. Call it off the event loop and without the index lock, before writing the
+        plan's slots: it waits while the spill backlog is full."""
+        self.spill_t1_evicted(plan.evicted)
+
+    def spill_t1_evicted(self, evicted: list[SlotEntry]) -> None:
+        """Offer entries T1 evicted (for a store, or a shed of its share: host_share.py), bytes still
+        in their slots, down each on_evict edge out of T1, and the retained ones to T2 whatever the
+        edge: T3 frames (copies) them at once; for T2 their rows are copied out and written on the
+        spill thread (spills.py)."""
+        if not evicted:
             return
-        codec, rows = self._host.codec, self._t1_rows(plan.evicted)
+        codec, rows = self._host.codec, self._t1_rows(evicted)
         for store, edge in self._stores_below(Tier.T1, EdgePolicy.ON_EVICT):
-            self._spill(store, edge, plan.evicted, _in_codec(codec, rows, store.codec))
-        retained = [i for i, e in enumerate(plan.evicted) if self.tiers.hints.is_retained(e.block_hash)]
+            self._spill(store, edge, evicted, _in_codec(codec, rows, store.codec))
+        retained = [i for i, e in enumerate(evicted) if self.tiers.hints.is_retained(e.block_hash)]
         if not retained:
             return
-        entries, retained_rows = [plan.evicted[i] for i in retained], [rows[i] for i in retained]
+        entries, retained_rows = [evicted[i] for i in retained], [rows[i] for i in retained]
         for store, edge in self._stores_below(Tier.T1, EdgePolicy.OFF) + self._stores_below(
                 Tier.T1, EdgePolicy.WRITE_THROUGH):
             if store.tier is Tier.T2:  # demoted, not dropped (T2's store skips what it holds)

@@ -5,6 +5,7 @@ another tenant's blocks, and a bad hint changes nothing."""
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 from collections.abc import Iterator
 from typing import cast
 
@@ -210,3 +211,34 @@ def test_a_bad_hint_is_refused_and_changes_nothing(tmp_path, hint, words):
         assert (row.num_t0_retained_blocks, row.num_t1_retained_blocks, row.num_t2_retained_blocks) == (0, 0, 0)
         stats = t0_stats(client)
         assert stats.num_free_blocks == stats.num_blocks  # nothing held
+
+
+def test_retained_blocks_a_shrinking_t1_share_gives_up_are_demoted_to_t2(tmp_path):
+    """Layout A alone fills the node's whole T1 (64 slots) with retained blocks; a second layout's
+    demand takes half of it back. With policy.t1_to_t2 off, the blocks A's shrinking share gives up
+    are written to T2, not dropped: all 128 of A's blocks still read back exact."""
+    args = small_args(tmp_path, "--set", "policy.t1_to_t2=off", "--set", "retention.max_tenant_share=1")
+    other_layout = dataclasses.replace(LAYOUT, model_id="retention-other-model")
+    with DaemonProcess(args) as daemon, KvtierClient(daemon.address) as client:
+        chains = [chain(client, seed, 32) for seed in range(4)]
+        for hashes, tokens in chains:
+            put(client, hashes, tokens, pb.RetentionHint(retention_session="agent", priority=NORMAL, ttl_s=600))
+        assert wait_until(lambda: usage(client).num_t1_blocks == 64)
+        assert usage(client).num_t2_blocks == 0
+
+        session = client.attach(other_layout, map_pool=False)
+        for seed in range(100, 104):
+            tokens = prompt(seed, 32 * LAYOUT.block_size)
+            hashes = session.namespace.hash_blocks(tokens)
+            size = LAYOUT.block_size
+            client.put(other_layout, [(h, tokens[i * size:(i + 1) * size], expected_block(h, LAYOUT.bytes_per_block))
+                                      for i, h in enumerate(hashes)])
+        session.close()
+
+        def t1_held_bytes() -> list[int]:
+            return sorted(t.node_held_bytes for p in client.stats().pools for t in p.tiers if t.tier == "t1")
+
+        assert wait_until(lambda: t1_held_bytes() == [128 * 1024, 128 * 1024], timeout_s=30), t1_held_bytes()
+        assert wait_until(lambda: usage(client).num_t2_blocks >= 32, timeout_s=15), usage(client)
+        for hashes, tokens in chains:
+            assert exact(client, hashes, tokens)
