@@ -110,5 +110,8 @@ def test_transfer_bytes_and_every_total_add_up_over_pools(daemon):
         idle_samples = of_model(samples, IDLE.model_id)
         if name == "kvtierd_prefix_query_tokens_total":  # its Lookup and its Get asked
             assert idle_samples == {(): len(absent) * 2 * IDLE.block_size}
+        elif name == "kvtierd_lookup_tokens_total":  # the same tokens, all misses
+            assert idle_samples == {(("tier", tier),): 0 for tier in ("t0", "t1", "t2", "t3")} | \
+                {(("tier", "miss"),): len(absent) * 2 * IDLE.block_size}
         else:
             assert set(idle_samples.values()) == {0}, (name, idle_samples)
