@@ -74,8 +74,10 @@ class ExtentSlotIndex(SlotIndex):
             evicted = self._pop_lru(len(self._entries) - new)
             free_below = [s for s in self._free_slots if s < new]
             moves = []
-            for entry in [e for e in self._entries.values() if e.slot >= new]:
-                assert not entry.storing and not entry.num_loads, "busy entries lie below the new extent"
+            past_end = [e for e in self._lru.values() if e.slot >= new]  # next victim first (a chain tail first)
+            assert len(past_end) == sum(e.slot >= new for e in self._entries.values()), \
+                "busy entries lie below the new extent"
+            for entry in past_end:
                 del self._lru[entry.block_hash]
                 entry.storing = True  # invisible and not evictable while its bytes move
                 moves.append((entry, entry.slot, free_below.pop()))
@@ -85,8 +87,9 @@ class ExtentSlotIndex(SlotIndex):
 
     def finish_shrink(self, shrink: Shrink, moved: bool | Sequence[bool]) -> None:
         """The moves' bytes landed in their new slots, or did not: `moved` says it for all of them or
-        one by one (in `shrink.moves` order). An entry that moved lives on there as most recently
-        used; one that did not is dropped (its new slot free)."""
+        one by one (in `shrink.moves` order). The entries that moved live on there as the most recently
+        used, in the eviction order they stood in before (so a chain's blocks still leave tail first);
+        one that did not move is dropped (its new slot free)."""
         outcomes = [moved] * len(shrink.moves) if isinstance(moved, bool) else list(moved)
         assert len(outcomes) == len(shrink.moves), (len(outcomes), len(shrink.moves))
         with self._lock:

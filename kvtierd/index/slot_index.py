@@ -15,7 +15,8 @@ in flight is never evicted or reused:
   waits until the index changed since that plan (a slot freed or an entry evictable again).
 - `prepare_load(hashes)` pins the leading READY hits, which leave the LRU order while pinned.
   `unpin(entries)` gives the pins back (also those of `pin_present`, a copy further down); the
-  last one puts an entry back as most recently used.
+  last one puts an entry back as most recently used. Entries that turn evictable together (a
+  chain's blocks, stored or unpinned) enter tail first, so a chain's blocks leave tail first.
 
 Events (off unless `enable_events`, which the KV event publisher calls): BlockStored when a store
 completes, BlockRemoved when a READY entry leaves (evicted, removed); a failed store, never seen,
@@ -47,7 +48,7 @@ class SlotIndex:
     - each entry is either STORING or READY, and only READY entries are pinned;
     - `_lru` holds exactly the READY entries with no load in flight (the evictable ones), oldest
       first; eviction takes its head; a completed store (unless pinned) and an entry's last unpin
-      append to it;
+      append to it, a batch (a chain's blocks) tail first, so a chain's blocks leave tail first;
     - an entry that is STORING or pinned is never evicted and its slot never handed out;
     - lookups (`lookup`, `metas`, `in`, `prepare_load`, `pin_present`) see READY entries only, so
       a store in progress is invisible until it completes, and a failed store leaves no entry;
@@ -185,13 +186,13 @@ class SlotIndex:
                     entry.storing = False
                     if pin:
                         entry.num_loads += 1
-                    else:
-                        self._lru[entry.block_hash] = entry
                     if self._events is not None:
-                        self._events.put(_stored(entry))
+                        self._events.put(_stored(entry))  # in chain order: a parent before its children
                 else:
                     self._delete(entry.block_hash)
                     self._free_slots.append(entry.slot)
+            if success and not pin:
+                self._make_evictable(entries)
             if entries and not (success and pin):
                 self._room_changed()
 
@@ -245,12 +246,15 @@ class SlotIndex:
         """Give back one pin of each entry (taken by prepare_load or pin_present, for a load up or
         a copy further down); the last one puts the entry back in the LRU order as most recent."""
         with self._lock:
+            released = []
             for entry in entries:
                 assert entry.num_loads > 0 and self._entries.get(entry.block_hash) is entry, entry
                 entry.num_loads -= 1
                 if entry.num_loads == 0:
-                    self._lru[entry.block_hash] = entry  # most recently used
-                    self._room_changed()
+                    released.append(entry)
+            self._make_evictable(released)  # most recently used
+            if released:
+                self._room_changed()
 
     # ----------------------------------------------------------------------------- removal
 
@@ -362,6 +366,13 @@ class SlotIndex:
     def num_slots_of(self, owner: bytes) -> int:
         with self._lock:
             return self._num_slots_by_owner[owner]
+
+    def _make_evictable(self, entries: Sequence[SlotEntry]) -> None:
+        """Append entries that turned evictable together, given in chain order, tail first: a lookup
+        only hits a chain's leading blocks, so its tail is what goes first (as vLLM's block pool frees
+        a request's blocks), and a chain demoted piecemeal keeps its prefix in the upper tier."""
+        for entry in reversed(entries):
+            self._lru[entry.block_hash] = entry
 
     def _room_changed(self) -> None:
         """A slot was freed or an entry turned evictable (the lock held): wake `wait_for_room`."""

@@ -60,12 +60,28 @@ def test_eviction_takes_the_least_recently_used_and_returns_its_bytes_location()
     metas = chain(3)
     store(index, metas)
     clock.advance(1)
-    pinned = index.prepare_load(hashes(metas[:1]))  # block 0 becomes most recently used
+    pinned = index.prepare_load(hashes(metas[2:]))  # block 2, the oldest (stored tail first), becomes the newest
     index.unpin(pinned)
     plan = index.prepare_store(chain(1, start=10))
     assert [e.block_hash for e in plan.evicted] == [metas[1].block_hash]
     assert plan.stores[0].slot == plan.evicted[0].slot
     assert index.num_evictions == 1
+
+
+def test_a_chain_stored_or_unpinned_together_leaves_tail_first():
+    """A lookup hits only a chain's leading blocks, so a batch that turns evictable together (a
+    completed store, an unpin) enters the LRU order tail first; stored events stay in chain order."""
+    index = SlotIndex(4)
+    index.enable_events(16)
+    metas = chain(4)
+    store(index, metas)
+    assert [e.block_hash for e in index.take_events()] == hashes(metas)  # a parent before its children
+    assert [e.block_hash for e in index.evict_lru(1)] == [metas[3].block_hash]
+    assert index.lookup(hashes(metas)) == 3  # the prefix that is left still hits
+    pinned = index.prepare_load(hashes(metas[:3]))
+    index.unpin(index.pin_present(hashes(metas[:1])))  # a pin that is not the last: nothing moves yet
+    index.unpin(pinned)
+    assert [e.block_hash for e in index.evict_lru(3)] == hashes(metas[:3])[::-1]
 
 
 def test_a_pinned_entry_is_never_evicted():
@@ -145,7 +161,8 @@ def test_pin_present_pins_unchained_entries_and_skips_missing():
     store(index, metas)
     pinned = index.pin_present([metas[3].block_hash, b"\x09" * 32, metas[1].block_hash])
     assert [e.block_hash for e in pinned] == [metas[3].block_hash, metas[1].block_hash]
-    assert [e.block_hash for e in index.evict_lru(4)] == [metas[0].block_hash, metas[2].block_hash]
+    # the rest leave tail first, as they were stored
+    assert [e.block_hash for e in index.evict_lru(4)] == [metas[2].block_hash, metas[0].block_hash]
     index.unpin(pinned)
     assert index.num_used_slots == 2
 
@@ -176,10 +193,11 @@ def test_an_owner_at_its_limit_recycles_its_own_oldest_slot_not_another_owners()
     store(index, b[1:])
     clock.advance(1)
     plan = store(index, a[2:])
-    assert [e.block_hash for e in plan.evicted] == [a[0].block_hash]  # a's oldest, though b[0] is older
+    # a's least recently used (its chain stored tail first: a[1]), though b[0] is older
+    assert [e.block_hash for e in plan.evicted] == [a[1].block_hash]
     assert index.num_slots_of(b"a") == 2 and index.num_slots_of(b"b") == 3
     assert index.lookup(hashes(b)) == 3
-    assert all(m.block_hash in index for m in a[1:]) and a[0].block_hash not in index
+    assert a[0].block_hash in index and a[2].block_hash in index and a[1].block_hash not in index
 
 
 def test_an_owner_at_its_limit_with_every_slot_pinned_stores_nothing():

@@ -1,6 +1,6 @@
 """Random prepare/complete stores, loads, pins, removals, LRU evictions and restores of a
-SlotIndex, against a reference model (a dict of entries and a list in LRU order), with the
-invariants of slot_index.py checked after each step."""
+SlotIndex, against a reference model (a dict of entries and a list in LRU order; a batch that
+turns evictable together enters it tail first), with the invariants of slot_index.py checked after each step."""
 
 from __future__ import annotations
 
@@ -140,7 +140,7 @@ class SlotIndexMachine(RuleBasedStateMachine):
         entries = self.plans.pop(data.draw(st.integers(0, len(self.plans) - 1)))
         num_used = self.index.num_used_slots
         self.index.complete_store(entries, success)
-        for entry in entries:
+        for entry in reversed(entries):  # a batch turns evictable tail first
             slot = self.storing.pop(entry.block_hash)
             if success:
                 self.ready[entry.block_hash] = slot
@@ -181,11 +181,13 @@ class SlotIndexMachine(RuleBasedStateMachine):
     def unpin(self, data):
         entries = self.pins.pop(data.draw(st.integers(0, len(self.pins) - 1)))
         self.index.unpin(entries)
+        released = []
         for entry in entries:
             self.num_pins[entry.block_hash] -= 1
             if self.num_pins[entry.block_hash] == 0:
                 del self.num_pins[entry.block_hash]
-                self.lru.append(entry.block_hash)  # the last unpin: most recently used
+                released.append(entry.block_hash)
+        self.lru.extend(reversed(released))  # the last unpins: most recently used, the batch tail first
         self.clock.advance(1)
 
     # ------------------------------------------------------------------ removal
