@@ -109,8 +109,9 @@ def run_capped_writer(directory: str, result_path: str, max_file_bytes: int) -> 
         json.dump(result, f)
 
 
-# A give-back: tier A (two files) holds 16 blocks, block i in slot i, and reads 0-3 again; B, under its
-# share of a 16-slot budget, makes A evict its 8 least recently used (4-11) and move 12-15 into 4-7.
+# A give-back: tier A (two files) holds a chain of 16 blocks, block i in slot i, stored as 0-11 and then
+# 12-15 (a later turn), and reads 0-3 again; B, under its share of a 16-slot budget, makes A evict its 8
+# least recently used (4-11: they leave tail first) and move 12-15 into 4-7.
 GIVE_BACK_SLOTS = 16
 GIVE_BACK_HASHES = [i.to_bytes(4, "little") * 8 for i in range(GIVE_BACK_SLOTS)]
 GIVE_BACK_KEPT = GIVE_BACK_HASHES[:4] + GIVE_BACK_HASHES[12:]
@@ -128,13 +129,14 @@ def give_back_config(directory: str, name: str, budget: NodeBudget | None, durab
 
 
 def filled_for_give_back(directory: str, budget: NodeBudget, durability: str = "fdatasync") -> SsdTier:
-    """Tier A holding the 16 blocks, 0-3 read again last (the most recently used)."""
+    """Tier A holding the 16-block chain, stored as 0-11 then 12-15, 0-3 read again last (the most
+    recently used): from least recently used, 11 down to 4, 15 down to 12, 3 down to 0."""
     tier = SsdTier.open(give_back_config(directory, "a", budget, durability), CRASH_LAYOUT)
     items, parent = [], ROOT
     for block_hash in GIVE_BACK_HASHES:
         items.append(block(block_hash, parent, CRASH_LAYOUT))
         parent = block_hash
-    assert tier.store(items) == GIVE_BACK_SLOTS
+    assert tier.store(items[:12]) == 12 and tier.store(items[12:]) == GIVE_BACK_SLOTS - 12
     out = torch.empty(4, CRASH_LAYOUT.bytes_per_block, dtype=torch.uint8)
     assert tier.load(GIVE_BACK_HASHES[:4], out) == 4
     return tier

@@ -132,7 +132,7 @@ def test_a_crash_at_any_step_of_a_give_back_leaves_the_kept_blocks_exact(tmp_pat
 def test_a_store_while_a_give_back_moves_blocks_reuses_slots_and_never_grows_over_them(tmp_path):
     """A (16 slots, the most it may hold) gives back 4 of a 24-slot budget to B, which wants 12; while
     A's moves are in flight the budget has bytes free, yet a store into A recycles its least recently used slots
-    (8-11) instead of growing the files over the slots the moving blocks still occupy: afterwards
+    (4-7: 8-11 went) instead of growing the files over the slots the moving blocks still occupy: afterwards
     A's files and index agree on 12 slots and every block it holds reads exactly."""
     directory = str(tmp_path)
     budget = NodeBudget(24 * CRASH_STRIDE, "ssd")

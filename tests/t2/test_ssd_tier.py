@@ -188,8 +188,8 @@ def test_entries_outside_the_files_are_dropped_when_capacity_shrinks(tmp_path):
 
 
 def test_watermarks_evict_least_recently_used_down_to_low(tmp_path, open_tiers):
-    """Above high * capacity after a store, the oldest entries go until low * capacity is left,
-    and they are gone from the persistent index too."""
+    """Above high * capacity after a store, the oldest entries go until low * capacity is left (a
+    chain stored together tail first), and they are gone from the persistent index too."""
     cfg = config(tmp_path, 20, high_watermark=0.9, low_watermark=0.5)  # high 18 slots, low 10
     tier = SsdTier.open(cfg, LAYOUT)
     items = chain(19)
@@ -198,10 +198,11 @@ def test_watermarks_evict_least_recently_used_down_to_low(tmp_path, open_tiers):
     assert tier.store(items[18:]) == 1
     stats = tier.stats()
     assert stats.num_cached_blocks == 10 and stats.used_bytes == 10 * 4096 and stats.num_evictions == 9
-    assert set(tier.block_hashes()) == set(hashes(items)[9:])
+    kept = hashes(items)[:9] + hashes(items)[18:]  # 17 down to 9 went: the first 18's prefix stays
+    assert set(tier.block_hashes()) == set(kept) and tier.lookup(hashes(items)) == 9
     tier.close()
     reopened = open_tiers(cfg)
-    assert set(reopened.block_hashes()) == set(hashes(items)[9:])
+    assert set(reopened.block_hashes()) == set(kept)
 
 
 def test_remove_drops_entries_for_good(tmp_path):
