@@ -46,6 +46,19 @@ class SlotEntry:
         return self.meta.block_hash
 
 
+def tail_first(entries: Sequence[SlotEntry]) -> list[SlotEntry]:
+    """`entries` with each run given head first (every entry's parent just before it) reversed, the
+    rest in order: a batch of a chain's blocks then enters an eviction order tail first whichever
+    way it came (a Put, a promotion, a load: head first; a tier's victims: tail first already)."""
+    ordered: list[SlotEntry] = []
+    start = 0
+    for end in range(1, len(entries) + 1):
+        if end == len(entries) or entries[end].meta.parent_hash != entries[end - 1].block_hash:
+            ordered.extend(reversed(entries[start:end]))
+            start = end
+    return ordered
+
+
 @dataclasses.dataclass(slots=True)
 class StorePlan:
     """Slots for the blocks that fit, in order; entries evicted to make room (bytes intact); the

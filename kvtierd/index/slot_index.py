@@ -35,7 +35,7 @@ from kvtierd.errors import InvalidArgument
 from kvtierd.index.classed_lru import ClassedLru
 from kvtierd.index.index_events import BlockRemoved, BlockStored, Doorbell, EventQueue, IndexEvent
 from kvtierd.index.residency import LeaveReason, Residency
-from kvtierd.index.slot_entry import BlockMeta, SlotEntry, StorePlan
+from kvtierd.index.slot_entry import BlockMeta, SlotEntry, StorePlan, tail_first
 from kvtierd.retention.tier_retention import TierRetention
 from kvtierd.token_bytes import TokenBytes, matching_blocks
 
@@ -48,7 +48,7 @@ class SlotIndex:
     - each entry is either STORING or READY, and only READY entries are pinned;
     - `_lru` holds exactly the READY entries with no load in flight (the evictable ones), oldest
       first; eviction takes its head; a completed store (unless pinned) and an entry's last unpin
-      append to it, a batch (a chain's blocks) tail first, so a chain's blocks leave tail first;
+      append to it, a chain's blocks in a batch tail first, so a chain's blocks leave tail first;
     - an entry that is STORING or pinned is never evicted and its slot never handed out;
     - lookups (`lookup`, `metas`, `in`, `prepare_load`, `pin_present`) see READY entries only, so
       a store in progress is invisible until it completes, and a failed store leaves no entry;
@@ -368,10 +368,10 @@ class SlotIndex:
             return self._num_slots_by_owner[owner]
 
     def _make_evictable(self, entries: Sequence[SlotEntry]) -> None:
-        """Append entries that turned evictable together, given in chain order, tail first: a lookup
-        only hits a chain's leading blocks, so its tail is what goes first (as vLLM's block pool frees
-        a request's blocks), and a chain demoted piecemeal keeps its prefix in the upper tier."""
-        for entry in reversed(entries):
+        """Append entries that turned evictable together, a chain's blocks tail first (slot_entry.tail_first):
+        a lookup only hits a chain's leading blocks, so its tail is what should go first (as vLLM's
+        block pool frees a request's blocks), and a chain demoted piecemeal keeps its prefix above."""
+        for entry in tail_first(entries):
             self._lru[entry.block_hash] = entry
 
     def _room_changed(self) -> None:

@@ -103,10 +103,11 @@ def test_blocks_moved_by_a_shrink_keep_their_eviction_order_a_chain_tail_first()
     """The moved entries re-enter the LRU order as they stood in it: a chain stored together still
     leaves tail first after a shrink moved it."""
     index = filled(8, 4)  # entries 0..3 in slots 0..3, the least recent
-    plan = index.prepare_store([meta(i) for i in range(4, 8)])  # one chain, in slots 4..7
+    chained = [BlockMeta(meta(i).block_hash, meta(i - 1).block_hash, b"") for i in range(4, 8)]
+    plan = index.prepare_store(chained)  # one chain, head first, in slots 4..7
     index.complete_store(plan.stores, success=True)
     shrink = index.plan_shrink(4)
     assert [e.meta for e in shrink.evicted] == [meta(i) for i in range(4)]
     index.finish_shrink(shrink, moved=True)
-    assert [e.meta for e in index.evict_lru(4)] == [meta(i) for i in (7, 6, 5, 4)]
+    assert [e.meta for e in index.evict_lru(4)] == chained[::-1]
     check_slots(index)

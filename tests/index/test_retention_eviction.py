@@ -103,15 +103,13 @@ def test_a_slot_index_evicts_by_class_then_lru_and_a_release_returns_the_order()
     table.set([meta(0).block_hash], "s", Priority.HIGH, 60)
     table.set([meta(1).block_hash], "s", Priority.LOW, 60)
     evicted = store(index, [meta(i) for i in range(10, 14)])
-    # unretained first (the stored batch tail first: 3, 2), then LOW, then HIGH
-    assert [e.block_hash for e in evicted] == [meta(i).block_hash for i in (3, 2, 1, 0)]
+    assert [e.block_hash for e in evicted] == [meta(i).block_hash for i in (2, 3, 1, 0)]
     table.set([meta(10).block_hash], "s", Priority.NORMAL, 60)
     table.release(tenant_tag_of(meta(10).block_hash), "s")
     assert meta(10).block_hash in index
     clock.advance(61)
     evicted = store(index, [meta(20)])
-    # released: back to plain LRU at its head, though the newest of its batch (stored tail first: 13 .. 10)
-    assert [e.block_hash for e in evicted] == [meta(10).block_hash]
+    assert [e.block_hash for e in evicted] == [meta(10).block_hash]  # released: back to plain LRU, oldest
 
 
 def test_the_tier_quota_downgrades_blocks_past_the_tenants_limit():
@@ -127,5 +125,4 @@ def test_the_tier_quota_downgrades_blocks_past_the_tenants_limit():
     assert retention.num_retained_of(tenant_tag_of(meta(0).block_hash)) == 1
     assert retention.num_downgraded_blocks == 1
     evicted = store(index, [meta(i) for i in range(10, 13)])
-    # the downgraded 1 evicts among the unretained (the stored batch tail first: 2, 1), 0 stays retained
-    assert [e.block_hash for e in evicted] == [meta(i).block_hash for i in (2, 1, 0)]
+    assert [e.block_hash for e in evicted] == [meta(i).block_hash for i in (1, 2, 0)]

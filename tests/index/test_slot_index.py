@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from kvtierd.errors import InvalidArgument
-from kvtierd.index.slot_entry import BlockMeta
+from kvtierd.index.slot_entry import BlockMeta, SlotEntry, tail_first
 from kvtierd.index.slot_index import SlotIndex
 from tests.factories import FakeClock
 
@@ -82,6 +82,23 @@ def test_a_chain_stored_or_unpinned_together_leaves_tail_first():
     index.unpin(index.pin_present(hashes(metas[:1])))  # a pin that is not the last: nothing moves yet
     index.unpin(pinned)
     assert [e.block_hash for e in index.evict_lru(3)] == hashes(metas[:3])[::-1]
+
+
+def test_a_batch_given_tail_first_or_unchained_enters_as_given():
+    """A tier's victims come tail first already (T0's free queue, T1's LRU) and stay so; blocks of no
+    chain keep their order."""
+    index = SlotIndex(8)
+    metas = chain(4)
+    store(index, metas[::-1])  # as T0 evicts a request's blocks
+    unchained = [chain(1, start=i)[0] for i in (20, 21, 22)]  # each a root block
+    store(index, unchained)
+    assert [e.block_hash for e in index.evict_lru(7)] == hashes(metas[::-1]) + hashes(unchained)
+
+
+def test_tail_first_reverses_each_chain_given_head_first():
+    a, b = [SlotEntry(m, slot=0) for m in chain(3, start=1)], [SlotEntry(m, slot=0) for m in chain(2, start=10)]
+    assert tail_first(a + b) == a[::-1] + b[::-1]  # two requests' chains, each head first
+    assert tail_first(a[::-1] + b) == a[::-1] + b[::-1]
 
 
 def test_a_pinned_entry_is_never_evicted():

@@ -1,6 +1,6 @@
 """Random prepare/complete stores, loads, pins, removals, LRU evictions and restores of a
-SlotIndex, against a reference model (a dict of entries and a list in LRU order; a batch that
-turns evictable together enters it tail first), with the invariants of slot_index.py checked after each step."""
+SlotIndex, against a reference model (a dict of entries and a list in LRU order, which a chain's
+blocks turning evictable together enter tail first), with the invariants of slot_index.py checked after each step."""
 
 from __future__ import annotations
 
@@ -34,6 +34,18 @@ METAS = {block_hash(i): BlockMeta(block_hash(i), ROOT if i % 4 == 0 else block_h
          for i in range(8)}
 HASHES = sorted(METAS)
 hash_lists = st.lists(st.sampled_from(HASHES), max_size=5)
+
+
+def tail_first(hashes: list[bytes]) -> list[bytes]:
+    """The order a batch turning evictable enters the LRU list in: each stretch of a chain given head
+    first (every block's parent just before it) reversed, the rest as given."""
+    runs: list[list[bytes]] = []
+    for h in hashes:
+        if runs and METAS[h].parent_hash == runs[-1][-1]:
+            runs[-1].append(h)
+        else:
+            runs.append([h])
+    return [h for run in runs for h in reversed(run)]
 
 
 class SlotIndexMachine(RuleBasedStateMachine):
@@ -140,11 +152,12 @@ class SlotIndexMachine(RuleBasedStateMachine):
         entries = self.plans.pop(data.draw(st.integers(0, len(self.plans) - 1)))
         num_used = self.index.num_used_slots
         self.index.complete_store(entries, success)
-        for entry in reversed(entries):  # a batch turns evictable tail first
+        for entry in entries:
             slot = self.storing.pop(entry.block_hash)
             if success:
                 self.ready[entry.block_hash] = slot
-                self.lru.append(entry.block_hash)
+        if success:
+            self.lru.extend(tail_first([e.block_hash for e in entries]))
         if not success:  # a failed store leaves nothing: no entry, its slots free again
             assert self.index.num_used_slots == num_used - len(entries)
             assert not {e.block_hash for e in entries} & {e.block_hash for e in self.index.entries()}
@@ -187,7 +200,7 @@ class SlotIndexMachine(RuleBasedStateMachine):
             if self.num_pins[entry.block_hash] == 0:
                 del self.num_pins[entry.block_hash]
                 released.append(entry.block_hash)
-        self.lru.extend(reversed(released))  # the last unpins: most recently used, the batch tail first
+        self.lru.extend(tail_first(released))  # the last unpins: most recently used
         self.clock.advance(1)
 
     # ------------------------------------------------------------------ removal
