@@ -117,7 +117,9 @@ def test_retained_blocks_leaving_t1_are_demoted_to_t2(tmp_path):
         assert (row.num_t0_cached_blocks, row.num_t1_blocks, row.num_t2_blocks) == (64, 64, 32)  # none dropped
         assert row.num_t2_retained_blocks == row.num_t2_blocks
         oldest, oldest_tokens = chains[0]
-        assert where(client, oldest, oldest_tokens).num_t2_blocks == 32  # its prefix, released first, went down
+        # its prefix went down first: the Put's hint, set after the Put, moves its blocks into T0's retained
+        # class in chain order (head first), so T0, then T1, evict them head first
+        assert where(client, oldest, oldest_tokens).num_t2_blocks == 32
         assert exact(client, oldest[:32], oldest_tokens[:32 * LAYOUT.block_size])  # read back from T2
 
 
