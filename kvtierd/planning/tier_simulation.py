@@ -12,7 +12,8 @@ compared at scale in seconds:
 - at its end, the engine caches every prompt block, and the blocks kvtierd lacks are stored in
   T0 (with the request's hint): T0 → T1 on eviction or write-through, T1 → T2 write-through, as
   the edge policies say; a retained block leaving a tier is written to the tier below whatever
-  the policy (demoted), as the daemon does.
+  the policy (demoted), as the daemon does. A request's blocks enter a tier's order tail first
+  (stores and hits alike), so a chain's blocks leave tail first, as in the daemon.
 
 What it leaves out: requests running at the same time hold the engine's blocks (here a request's
 blocks are evictable as soon as it ends), decoded tokens (a few per request in an agent's turn),
@@ -188,10 +189,11 @@ class TierSimulation:
         if request.hint_ttl_s and self.table is not None:  # the connector's Retain renews what kvtierd holds
             held = [key for key in keys if any(key in tier for tier in self.tiers)]
             self.table.set(held, f"s{request.session}", Priority(request.hint_priority), request.hint_ttl_s)
-        for key, tier in zip(keys[num_local:], served):
+        hits = list(zip(keys[num_local:], served))
+        for key, tier in reversed(hits):  # every served block is held at once (acquired), tail first
             self.result.tier_hit_tokens[tier.tier] += block_size
-            tier.touch(key)  # every served block is held at once (acquired), then the lower ones promoted
-        for key, tier in zip(keys[num_local:], served):
+            tier.touch(key)
+        for key, tier in reversed(hits):  # then the lower ones promoted, tail first
             if key not in self.tiers[0]:
                 self._store(key, 0)
         num_hit_tokens = (num_local + len(served)) * block_size
@@ -237,7 +239,7 @@ class TierSimulation:
             return
         if request.hint_ttl_s and self.table is not None:  # the stores' Commits carry the hint
             self.table.set(keys, f"s{request.session}", Priority(request.hint_priority), request.hint_ttl_s)
-        for key in keys:
+        for key in reversed(keys):  # tail first, as T0 frees a request's blocks
             if not any(key in tier for tier in self.tiers):
                 self._store(key, 0)
 

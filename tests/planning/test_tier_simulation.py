@@ -51,6 +51,16 @@ def test_the_engine_serves_a_prefix_it_still_holds_before_kvtierd_is_asked() -> 
     assert result.num_engine_hit_tokens == 4 * BLOCK and result.num_kvtierd_hit_tokens == 0
 
 
+def test_a_history_longer_than_the_tiers_keeps_its_prefix_its_tail_leaves_first() -> None:
+    """T0 4 + T1 2 blocks, no engine cache: a 10-block history stored tail first keeps its first 6
+    blocks (T0 the first 4, T1 the next 2), all hits on the next turn; head first, its tail would
+    stay and nothing would hit."""
+    history = prompt(1, 10)
+    trace = [request(0, 1, 0, history), request(10, 1, 1, history)]
+    result = TierSimulation(SimTiers(BLOCK, engine_blocks=0, t0_blocks=4, t1_blocks=2)).run(trace)
+    assert result.tier_hit_tokens == {Tier.T0: 4 * BLOCK, Tier.T1: 2 * BLOCK, Tier.T2: 0}
+
+
 @pytest.mark.parametrize("eviction", ["lru", "s3fifo"])
 def test_a_hinted_history_survives_a_flood_that_evicts_it_without_the_hint(eviction: str) -> None:
     """T0 4 + T1 8 blocks, no engine cache: 5 flood prompts of 4 blocks evict an unhinted history;
