@@ -155,7 +155,7 @@ class BlockCache:
     def set_retention(self, retention: TierRetention) -> None:
         """Evict by retention class, then LRU (classed_free_queue.py); set once, before any hint."""
         with self._lock:
-            self.free_queue.retention = retention
+            self.free_queue.set_retention(retention)
 
     def reclassify(self, block_hashes: Sequence[DaemonKey]) -> None:
         """The retention hints of these hashes changed (a HintTable listener): their free copies

@@ -40,6 +40,23 @@ class ClassedFreeQueue:
         self._queues[0].extend(list(blocks))
         self.retention: TierRetention | None = None  # set once, before any hint (BlockCache.set_retention)
         self._cached: EvictionOrder[KVBlock] | None = None  # class NONE's cached blocks; None: LRU, in _queues[0]
+        self._retained: dict[DaemonKey, list[KVBlock]] = {}  # the queued blocks above class NONE, by key
+
+    def set_retention(self, retention: TierRetention) -> None:
+        """Evict by retention class over `retention` from now on; set once, before any hint."""
+        self.retention = retention
+        retention.downgrade = self._downgrade
+
+    def _downgrade(self, key: DaemonKey) -> None:
+        """TierRetention gives the room of a retained block of `key` to a stronger hint: one such
+        block to class NONE, as its most recently used (its hint still lives)."""
+        block = self._retained[key][-1]
+        self._unlink(block, block.retention_class)
+        self._leave(block)
+        if self._cached is not None:
+            self._cached.insert(block)
+        else:
+            self._queues[0].append(block)
 
     def set_eviction(self, name: str) -> None:
         """Class NONE's cached blocks in the order called `name` (eviction_order.py); set once,
@@ -189,6 +206,8 @@ class ClassedFreeQueue:
         if key is not None and self._hinted():
             assert self.retention is not None
             priority = self.retention.enter(key)
+            if priority is not Priority.NONE:
+                self._retained.setdefault(key, []).append(block)
         block.retention_class = priority
         return priority
 
@@ -200,10 +219,15 @@ class ClassedFreeQueue:
             self._queues[priority].remove(block)
 
     def _leave(self, block: KVBlock) -> None:
-        if block.retention_class is not Priority.NONE:
-            assert self.retention is not None and block.block_hash is not None
-            self.retention.leave(block.block_hash, block.retention_class)
+        priority, key = block.retention_class, block.block_hash
+        if priority is not Priority.NONE:
+            assert self.retention is not None and key is not None
+            blocks = self._retained[key]
+            blocks.remove(block)
+            if not blocks:
+                del self._retained[key]
             block.retention_class = Priority.NONE
+            self.retention.leave(key, priority)
 
 
 def _block_hash(block: KVBlock) -> DaemonKey | None:

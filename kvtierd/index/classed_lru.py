@@ -52,6 +52,20 @@ class ClassedLru:
         return itertools.chain((unhinted[key] for key in self._order),
                                itertools.chain.from_iterable(c.values() for c in self._classes[1:]))
 
+    def set_retention(self, retention: TierRetention) -> None:
+        """Evict by retention class over `retention` from now on; set once, before any hint."""
+        self.retention = retention
+        retention.downgrade = self._downgrade
+
+    def _downgrade(self, key: DaemonKey) -> None:
+        """TierRetention gives the room of retained `key` to a stronger hint: `key` to class NONE,
+        as the most recently used there (its hint still lives)."""
+        priority = self._retained.pop(key)
+        assert self.retention is not None
+        self.retention.leave(key, priority)
+        self._classes[0][key] = self._classes[priority].pop(key)
+        self._order.insert(key)
+
     def set_eviction(self, name: str) -> None:
         """Class NONE in the order called `name` from now on; its entries move over, next victim first."""
         order: EvictionOrder[DaemonKey] = make_eviction_order(name)

@@ -340,7 +340,7 @@ class SlotIndex:
     def set_retention(self, retention: TierRetention) -> None:
         """Evict by retention class, then LRU (classed_lru.py); set once, before any hint."""
         with self._lock:
-            self._lru.retention = retention
+            self._lru.set_retention(retention)
 
     def reclassify(self, block_hashes: Sequence[DaemonKey]) -> None:
         """The retention hints of these blocks changed (a HintTable listener)."""

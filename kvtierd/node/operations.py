@@ -142,15 +142,15 @@ class Operations:
 
 
 def _pool_counts(pool: LayoutPool) -> tuple[dict[Tier, collections.Counter], dict[Tier, collections.Counter]]:
-    """Blocks per tenant tag in each tier of one pool, and of those the ones a live retention hint holds."""
+    """Blocks per tenant tag in each tier of one pool, and the unused ones a live retention hint keeps
+    in a retained class there (within the tenant's quota)."""
     tiers = pool.manager.tiers
     keys = {Tier.T0: tiers.index.cached_hashes(), Tier.T1: [], Tier.T2: []}
     if tiers.host is not None:
         keys[Tier.T1] = [e.block_hash for e in tiers.host.index.entries()]
     if tiers.ssd is not None:
         keys[Tier.T2] = tiers.ssd.block_hashes()
-    retained = tiers.hints.is_retained
     counts = {tier: collections.Counter(map(tenant_tag_of, tier_keys)) for tier, tier_keys in keys.items()}
-    retained_counts = {tier: collections.Counter(tenant_tag_of(k) for k in tier_keys if retained(k))
-                       for tier, tier_keys in keys.items()}
+    retention = pool.manager.retention  # what eviction protects: a block downgraded over a quota is not
+    retained_counts = {tier: collections.Counter(retention.num_retained_by_tenant(tier)) for tier in keys}
     return counts, retained_counts

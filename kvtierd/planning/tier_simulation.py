@@ -28,11 +28,12 @@ from collections.abc import Iterable, Sequence
 
 import xxhash
 
-from kvtierd.daemon_key import TAG_BYTES, DaemonKey
+from kvtierd.daemon_key import TAG_BYTES, DaemonKey, tenant_tag_of
 from kvtierd.index.classed_lru import ClassedLru
 from kvtierd.index.slot_entry import BlockMeta, SlotEntry
 from kvtierd.planning.request_trace import TraceRequest
 from kvtierd.retention.hint import Priority
+from kvtierd.retention.hint_rooms import keys_with_room
 from kvtierd.retention.hint_table import HintTable
 from kvtierd.retention.tier_retention import TierRetention
 from kvtierd.tier import Tier
@@ -110,7 +111,7 @@ class SimTier:
         self.order.set_eviction(eviction)
         if table is not None:
             limit = max(0, int(max_tenant_share * capacity_blocks))
-            self.order.retention = TierRetention(tier, table, lambda: limit)
+            self.order.set_retention(TierRetention(tier, table, lambda: limit))
             table.add_listener(self.order.reclassify)
 
     def __contains__(self, key: DaemonKey) -> bool:
@@ -188,7 +189,7 @@ class TierSimulation:
         served = self._served(keys[num_local:])
         if request.hint_ttl_s and self.table is not None:  # the connector's Retain renews what kvtierd holds
             held = [key for key in keys if any(key in tier for tier in self.tiers)]
-            self.table.set(held, f"s{request.session}", Priority(request.hint_priority), request.hint_ttl_s)
+            self._retain(held, request)
         hits = list(zip(keys[num_local:], served))
         for key, tier in reversed(hits):  # every served block is held at once (acquired), tail first
             self.result.tier_hit_tokens[tier.tier] += block_size
@@ -204,6 +205,21 @@ class TierSimulation:
             counts.num_requests += 1
             counts.num_prompt_tokens += len(request.prompt_token_ids)
             counts.num_hit_tokens += num_hit_tokens
+
+    def _retain(self, keys: list[DaemonKey], request: TraceRequest) -> None:
+        """Set the request's hint on `keys` as the daemon does (hint_rooms.py: within the tenant's
+        room for its priority in every tier a block is in)."""
+        table = self.table
+        assert table is not None
+        if not keys:
+            return
+        priority = Priority(request.hint_priority)
+        rooms = {}
+        for tier in self.tiers:
+            assert tier.order.retention is not None
+            rooms[tier.tier] = tier.order.retention.room_for(tenant_tag_of(keys[0]), priority)
+        kept, _ = keys_with_room(keys, table.is_retained, lambda key: [t.tier for t in self.tiers if key in t], rooms)
+        table.set(kept, f"s{request.session}", priority, request.hint_ttl_s)
 
     def _groups(self, request: TraceRequest) -> Iterable[str]:
         yield "all"
@@ -237,11 +253,11 @@ class TierSimulation:
         self._seen.update(keys)
         if not self.tiers:
             return
-        if request.hint_ttl_s and self.table is not None:  # the stores' Commits carry the hint
-            self.table.set(keys, f"s{request.session}", Priority(request.hint_priority), request.hint_ttl_s)
         for key in reversed(keys):  # tail first, as T0 frees a request's blocks
             if not any(key in tier for tier in self.tiers):
                 self._store(key, 0)
+        if request.hint_ttl_s and self.table is not None:  # the stores' Commits carry the hint
+            self._retain(keys, request)
 
     def _store(self, key: DaemonKey, level: int) -> None:
         """Store `key` in tiers[level], and down the write-through edges; victims go down as the

@@ -65,6 +65,16 @@ class HintTable:
                 return Priority.NONE
             return max((h.priority for h in hints.values() if h.expires_at_s > now), default=Priority.NONE)
 
+    def strength(self, key: DaemonKey, now: float | None = None) -> tuple[Priority, float]:
+        """The key's effective priority and when the last of its live hints of that priority
+        expires (NONE, 0.0 without a live hint)."""
+        if key not in self._hints:
+            return Priority.NONE, 0.0
+        now = self._clock() if now is None else now
+        with self._lock:
+            live = [(h.priority, h.expires_at_s) for h in self._hints.get(key, {}).values() if h.expires_at_s > now]
+        return max(live, default=(Priority.NONE, 0.0))
+
     def is_retained(self, key: DaemonKey) -> bool:
         return self.priority(key) is not Priority.NONE
 

@@ -9,7 +9,8 @@ import dataclasses
 from collections.abc import Sequence
 
 from kvtierd.daemon_key import DaemonKey, TenantTag, tenant_tag_of
-from kvtierd.retention.hint import Priority, RetentionHint
+from kvtierd.retention.hint import RetentionHint
+from kvtierd.retention.hint_rooms import keys_with_room
 from kvtierd.retention.tier_retention import TierRetention
 from kvtierd.tier import Tier
 from kvtierd.tiering.tiers import Tiers
@@ -60,27 +61,16 @@ class LayoutRetention:
 
     def retain(self, chain: Sequence[DaemonKey], hint: RetentionHint) -> RetainOutcome:
         """Set `hint` on the chain's blocks it covers (positions from the chain's first block; those
-        past the chain are not there), in chain order, each while the tenant has room in every tier
-        the block is in; a block already retained is renewed without counting again."""
+        past the chain are not there), in chain order, each while the tenant has room for the hint's
+        priority in every tier the block is in (hint_rooms.py; its retained blocks of lower
+        priorities give theirs up); a block already retained is renewed without counting again."""
         covered = [chain[i] for i in hint.covered_blocks(self.tiers.layout.block_size) if i < len(chain)]
         if not covered:
             return RetainOutcome(0, 0)
         tag = tenant_tag_of(covered[0])
-        rooms = {tier: retention.room_for(tag) for tier, retention in self.by_tier.items()}
-        kept: list[DaemonKey] = []
-        full: Tier | None = None
-        for key in covered:
-            if self.table.priority(key) is not Priority.NONE:
-                kept.append(key)
-                continue
-            where = [tier for tier in self.by_tier if self.holds(tier, key)]
-            over = next((tier for tier in where if rooms[tier] <= 0), None)
-            if over is not None:
-                full = full or over
-                continue
-            for tier in where:
-                rooms[tier] -= 1
-            kept.append(key)
+        rooms = {tier: retention.room_for(tag, hint.priority) for tier, retention in self.by_tier.items()}
+        kept, full = keys_with_room(covered, self.is_retained,
+                                    lambda key: [tier for tier in self.by_tier if self.holds(tier, key)], rooms)
         self.table.set(kept, hint.session, hint.priority, hint.ttl_s)
         num_downgraded = len(covered) - len(kept)
         self.num_downgraded_hints += num_downgraded

@@ -130,7 +130,7 @@ def test_release_and_prefetch_through_the_asyncio_client(tmp_path):
     with DaemonProcess(args) as daemon, KvtierClient(daemon.address) as client:
         hashes, tokens = chain(client, 12, 8)
         put(client, hashes, tokens, pb.RetentionHint(retention_session="s", ttl_s=60))
-        assert usage(client).num_t0_retained_blocks == 8
+        assert wait_until(lambda: usage(client).num_t0_retained_blocks == 8)  # once written through to T1
         assert wait_until(lambda: usage(client).num_t2_blocks == 8)
         client.evict(tiers=["t0", "t1"])
 
@@ -159,6 +159,34 @@ def test_quota_downgrades_past_the_tenant_share_and_says_which(tmp_path):
         assert (answer.num_retained_blocks, answer.num_downgraded_blocks) == (32, 16)
         assert "T0" in answer.downgrade_reason and "50%" in answer.downgrade_reason
         assert usage(client).num_t0_retained_blocks == 32
+
+
+def test_a_higher_priority_takes_the_quota_of_lower_ones_and_outlives_a_flood(tmp_path):
+    """Quota 32 of 64 T0 blocks, full of LOW hints: a HIGH hint on another 8-block chain is kept
+    whole (8 LOW blocks give up their room, still cached); a NORMAL one is not (equal-or-lower
+    blocks keep theirs... LOW is lower: it is kept too), a second LOW one is downgraded whole.
+    After a flood the HIGH chain is still in T0, byte for byte."""
+    with DaemonProcess(small_args(tmp_path, "--set", "policy.t1_to_t2=off")) as daemon, \
+            KvtierClient(daemon.address) as client:
+        low, low_tokens = chain(client, 5, 32)
+        put(client, low, low_tokens)
+        answer = retain(client, low, pb.RetentionHint(retention_session="s", priority=pb.RetentionHint.LOW, ttl_s=600))
+        assert (answer.num_retained_blocks, answer.num_downgraded_blocks) == (32, 0)
+        high, high_tokens = chain(client, 6, 8)
+        put(client, high, high_tokens)
+        answer = retain(client, high, pb.RetentionHint(retention_session="s", priority=HIGH, ttl_s=60))
+        assert (answer.num_retained_blocks, answer.num_downgraded_blocks) == (8, 0)
+        assert usage(client).num_t0_retained_blocks == 32  # 24 LOW, 8 HIGH: the quota holds
+        other, other_tokens = chain(client, 7, 8)
+        put(client, other, other_tokens)
+        answer = retain(client, other, pb.RetentionHint(retention_session="s", priority=pb.RetentionHint.LOW,
+                                                        ttl_s=60))
+        assert (answer.num_retained_blocks, answer.num_downgraded_blocks) == (0, 8)
+        assert "T0" in answer.downgrade_reason
+
+        flood(client, 100)
+        assert where(client, high, high_tokens).num_t0_blocks == 8
+        assert exact(client, high, high_tokens)
 
 
 def test_a_hint_of_one_tenant_changes_nothing_of_another(tmp_path):
