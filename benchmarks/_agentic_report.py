@@ -147,6 +147,14 @@ class ArmsReport:
         _report.print_table(["arm", "done", "prompt tokens", "hits vLLM", "hits kvtierd T0 / T1 / T2", "failed loads",
                              "hit rate all / hinted / no hint / first", "TTFT first p50 / p99 ms",
                              "TTFT resumed p50 / p99 ms", "replay s"], rows)
+        for arm in self.arms:
+            counters = arm.connector_counters
+            if counters:
+                print(f"{arm.name}: the connector stored {counters.get('vllm:kvtierd_stored_blocks_total', 0):,.0f} "
+                      f"blocks; hints: {counters.get('vllm:kvtierd_retained_blocks_total', 0):,.0f} blocks retained, "
+                      f"{counters.get('vllm:kvtierd_downgraded_retention_blocks_total', 0):,.0f} kept without the "
+                      f"hint (over the tenant's share), "
+                      f"{counters.get('vllm:kvtierd_refused_retention_hints_total', 0):,.0f} hints refused")
         print(f"capacities: {self.out / 'capacities.json'}")
         for arm in self.arms:
             if arm.trace_path:
