@@ -137,7 +137,8 @@ def test_a_layout_under_its_share_makes_the_one_above_give_back_disk(tmp_path):
     try:
         assert a.store(a_items) == 16
         assert budget.used_bytes == on_disk() == 16 * 4096 and a.stats().file_bytes == 16 * 4096
-        assert loaded(a, a_items[:4]) == [data for _, data in a_items[:4]]  # used again: LRU is 4, 5, ... 15, 0 ... 3
+        # used again: LRU is 11, 10, ... 0, then 15 ... 12 (a chain's blocks read together leave tail first)
+        assert loaded(a, a_items[12:]) == [data for _, data in a_items[12:]]
         assert b.store(ssd_blocks(layout, 100, 4)) == 4
         assert budget.used_bytes == on_disk() <= 16 * 4096
         assert a.stats().file_bytes == os.path.getsize(tmp_path / "a" / SLOT_FILE_NAME) == 8 * 4096
@@ -149,7 +150,8 @@ def test_a_layout_under_its_share_makes_the_one_above_give_back_disk(tmp_path):
         assert b.store(ssd_blocks(layout, 200, 6)) == 6  # up to its share, then its own LRU slots
         assert budget.used_bytes == on_disk() <= 16 * 4096 and b.stats().file_bytes == 8 * 4096
         assert loaded(b, ssd_blocks(layout, 200, 6)) == [data for _, data in ssd_blocks(layout, 200, 6)]
-        assert b.lookup([ssd_blocks(layout, 100, 1)[0][0].block_hash]) == 0  # B's least recently used went
+        first_chain = [meta.block_hash for meta, _ in ssd_blocks(layout, 100, 4)]
+        assert [b.lookup([h]) for h in first_chain] == [1, 1, 0, 0]  # B's least recently used went: that chain's tail
         assert b.stats().share_bytes == 8 * 4096 and a.stats().node_used_bytes == 16 * 4096
         a.close()
         a = tier("a")  # a restart: the records name the kept blocks' new slots
@@ -214,11 +216,13 @@ def test_one_layout_alone_takes_the_whole_host_budget_and_one_attached_later_get
         host_a = registry.get_or_create(LAYOUTS[0]).manager.tiers.host
         assert host_a is not None and host_a.capacity_bytes == HOST_BYTES  # one layout: the whole budget
         items = ssd_blocks(LAYOUTS[0], 0, HOST_BYTES // 4096)  # 200 blocks of 4 KiB: T1 full
-        plan = host_a.index.prepare_store([meta for meta, _ in items])
-        assert len(plan.stores) == len(items) and not plan.evicted
-        for entry, (_, data) in zip(plan.stores, items):
-            host_a.slots[entry.slot].copy_(torch.frombuffer(bytearray(data), dtype=torch.uint8))
-        host_a.index.complete_store(plan.stores, success=True)
+        half = len(items) // 2
+        for stored in (items[:half], items[half:]):  # two stores: the first half is the least recently used
+            plan = host_a.index.prepare_store([meta for meta, _ in stored])
+            assert len(plan.stores) == len(stored) and not plan.evicted
+            for entry, (_, data) in zip(plan.stores, stored):
+                host_a.slots[entry.slot].copy_(torch.frombuffer(bytearray(data), dtype=torch.uint8))
+            host_a.index.complete_store(plan.stores, success=True)
 
         pool_b = registry.get_or_create(LAYOUTS[1])
         host_b = pool_b.manager.tiers.host
