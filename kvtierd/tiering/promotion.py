@@ -80,6 +80,7 @@ class Promoter:
         self.offloader = offloader  # reserves T1 slots (spilling T1's victims to T2 by policy)
         self.reads = LowerReads(tiers, offloader)
         self.levels: list[LowerTier] = lower_tiers(tiers, self.reads)  # T1, T2, T3 when present, in chain order
+        self.levels_by_tier = {level.tier: level for level in self.levels}
         self.remeasures = load_decision.Remeasures()  # declined tiers read again in the background, now and then
         self._pending: dict[object, Ticket] = {}
         self._lock = threading.Lock()
@@ -129,11 +130,19 @@ class Promoter:
         counts (query_counting.py)."""
         tiers = self.tiers
         token_bytes = pack_optional(token_ids)
+        answers = {} if num_t3_present is None else {Tier.T3: num_t3_present}
+        cost = self._cost(recompute_s_per_token)
+        # The lower tiers' hits are claimed (T1's pinned) before T0 allocates: the allocation evicts
+        # T0's cached blocks into T1, whose room must not come from the blocks about to be loaded.
+        n0_seen = tiers.index.lookup(block_hashes, token_bytes)
+        segments, declined = self._claim(self.levels, block_hashes, token_bytes, n0_seen, cost, answers,
+                                         counting.counts)
         allocation = tiers.index.allocate(request_id, block_hashes, num_extra_blocks, token_bytes, counting=counting)
         n0 = allocation.num_hit_blocks
-        answers = {} if num_t3_present is None else {Tier.T3: num_t3_present}
-        segments, declined = self._claim(self.levels, block_hashes, token_bytes, n0,
-                                         self._cost(recompute_s_per_token), answers, counting.counts)
+        if n0 != n0_seen:  # T0's hits changed in between (another request): claim again after them
+            for segment in segments:
+                self.levels_by_tier[segment.tier].release(segment)
+            segments, declined = self._claim(self.levels, block_hashes, token_bytes, n0, cost, answers)
         if counting.counts:
             tiers.counters.count_hits(Tier.T0, n0)
             tiers.counters.count_queries(len(block_hashes))

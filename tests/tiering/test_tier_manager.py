@@ -8,6 +8,7 @@ import torch
 from kvtierd.index.query_counting import QueryCounting
 from kvtierd.launch.daemon_process import wait_until
 from kvtierd.movers.copy_engine import Direction
+from kvtierd.tier import TierCounts
 from kvtierd.tiering.load_decision import MIN_SAMPLES, Remeasures
 from kvtierd.tiering.tier_config import EdgePolicy
 from tests.factories import BLOCK_SIZE, NAMESPACE, tokens
@@ -232,5 +233,25 @@ def test_a_layout_of_opaque_pages_keeps_raw_bytes_in_t1_under_an_fp8_config():
         assert again.num_t0_hit_blocks < 3 and again.ticket.wait(10) == 3
         assert torch.equal(manager.device_pool.tensor[again.block_ids], pages)
         manager.release("b")
+    finally:
+        manager.close()
+
+
+def test_a_promotion_keeps_its_t1_hits_while_t0_makes_room_into_a_full_t1():
+    """T1 (4 slots) holds only PROMPT's 4 blocks, T0 (8) two other cached prompts: acquiring PROMPT
+    evicts one of them from T0 into T1, whose room must not come from PROMPT's own blocks (claimed
+    before T0 allocates): all 4 come back exactly and stay in T0."""
+    manager = make_manager(num_device_blocks=8, host_blocks=4)
+    try:
+        prefill(manager, "a", PROMPT)
+        manager.release("a")
+        push_out(manager, num_prompts=2)  # T0: the two others; T1: PROMPT's blocks, evicted by the second
+        chain = NAMESPACE.hash_blocks(PROMPT)
+        assert manager.lookup(chain, PROMPT) == TierCounts(t0=0, t1=4)
+        acquisition = promote_exactly(manager, "b", PROMPT)
+        assert (acquisition.num_t0_hit_blocks, acquisition.num_t1_blocks) == (0, 4)
+        manager.release("b")
+        manager.drain()
+        assert manager.lookup(chain, PROMPT).t0 == 4
     finally:
         manager.close()
