@@ -158,11 +158,11 @@ class BlockCache:
             self.free_queue.set_retention(retention)
 
     def reclassify(self, block_hashes: Sequence[DaemonKey]) -> None:
-        """The retention hints of these hashes changed (a HintTable listener): their free copies
-        move to their class."""
+        """The retention hints of these hashes (a chain, head first) changed (a HintTable listener):
+        their free copies move to their class (ClassedFreeQueue.reclassify: the chain's tail leaves it first)."""
         with self._lock:
-            for block_hash in block_hashes:
-                self.free_queue.reclassify(self.hash_to_blocks.copies(block_hash))
+            copies = self.hash_to_blocks.copies
+            self.free_queue.reclassify([block for block_hash in block_hashes for block in copies(block_hash)])
 
     def reset(self) -> bool:
         """Forget every cached block. Refused (False, nothing changed) while any block is in use."""

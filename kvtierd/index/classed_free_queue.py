@@ -158,23 +158,37 @@ class ClassedFreeQueue:
     # ----------------------------------------------------------------------------- hints changed
 
     def reclassify(self, blocks: Iterable[KVBlock]) -> None:
-        """The hints of these blocks' keys changed: move the queued ones to their class now."""
+        """The hints of these blocks' keys (a chain's, head first) changed: move the queued ones to
+        their class now. The classes are taken head first (a quota short of the chain retains its
+        head), the queues entered tail first (the chain's tail leaves its class first)."""
         if self.retention is None:
             return
         cached = self._cached
-        for block in blocks:
-            if block.is_queued or (cached is not None and block in cached):
-                self._reclassify(block)
+        moves = [move for block in blocks if block.is_queued or (cached is not None and block in cached)
+                 if (move := self._change_class(block)) is not None]
+        for block, old, new in reversed(moves):
+            self._move(block, old, new)
 
     def _reclassify(self, block: KVBlock) -> None:
+        if (move := self._change_class(block)) is not None:
+            self._move(*move)
+
+    def _change_class(self, block: KVBlock) -> tuple[KVBlock, Priority, Priority] | None:
+        """The block's class anew (its hint, within the quota): (block, old, new), or None when it
+        stays where it is."""
         old = block.retention_class
         self._leave(block)
         new = self._enter(block)
         cached = self._cached
         if new is old and cached is not None and block in cached:
-            return  # still in T0's order: it keeps its place and history there
+            return None  # still in T0's order: it keeps its place and history there
+        return block, old, new
+
+    def _move(self, block: KVBlock, old: Priority, new: Priority) -> None:
+        """From the queue of class `old` to that of `new`."""
         self._unlink(block, old)
         if new is Priority.NONE and old is not Priority.NONE:  # lapsed: the next victim
+            cached = self._cached
             if cached is not None:
                 cached.insert_first(block)
             else:

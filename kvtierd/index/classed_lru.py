@@ -123,27 +123,38 @@ class ClassedLru:
         raise KeyError("popitem(): no evictable entry")
 
     def reclassify(self, keys: Iterable[DaemonKey]) -> None:
-        """The hints of `keys` changed: move those here to their class now."""
+        """The hints of `keys` (a chain, head first) changed: move those here to their class now.
+        The classes are taken head first (a quota short of the chain retains its head), the classes'
+        orders entered tail first (the chain's tail leaves its class first)."""
         if self.retention is None:
             return
-        for key in keys:
-            self._reclassify(key)
+        moves = [move for key in keys if (move := self._change_class(key)) is not None]
+        for key, old, new in reversed(moves):
+            self._move(key, old, new)
 
     def _reclassify(self, key: DaemonKey) -> None:
+        if (move := self._change_class(key)) is not None:
+            self._move(*move)
+
+    def _change_class(self, key: DaemonKey) -> tuple[DaemonKey, Priority, Priority] | None:
+        """The key's class anew (its hint, within the quota): (key, old, new), or None when it is not
+        here or keeps its class."""
         retention = self.retention
         assert retention is not None
         old = self._retained.pop(key, None)
         if old is None:
             if key not in self._classes[0]:
-                return
+                return None
             old = Priority.NONE
         else:
             retention.leave(key, old)
         new = retention.enter(key)
         if new is not Priority.NONE:
             self._retained[key] = new
-        if new is old:
-            return
+        return None if new is old else (key, old, new)
+
+    def _move(self, key: DaemonKey, old: Priority, new: Priority) -> None:
+        """From class `old`'s order to class `new`'s."""
         entry = self._classes[old].pop(key)
         self._classes[new][key] = entry
         if old is Priority.NONE:

@@ -11,7 +11,7 @@ from kvtierd.retention.hint_table import HintTable
 from kvtierd.retention.tier_retention import TierRetention
 from kvtierd.tier import Tier
 from kvtierd.token_bytes import NO_TOKENS
-from tests.factories import FakeClock, make_index, run_request, tokens
+from tests.factories import BLOCK_SIZE, FakeClock, make_index, run_request, tokens
 
 
 def retained_index(num_blocks: int, clock: FakeClock, limit: int = 1000):
@@ -47,7 +47,8 @@ def test_t0_evicts_unretained_then_low_normal_high_lru_within_each():
     index, table = retained_index(6, clock)
     (a,), (b,), (c,), (d,), (e,), (f,) = cached_chains(index, 6)
     table.set([a], "s", Priority.HIGH, 60)
-    table.set([b, e], "s", Priority.LOW, 60)
+    table.set([b], "s", Priority.LOW, 60)  # one chain per hint: a chain's blocks enter their class tail first
+    table.set([e], "s", Priority.LOW, 60)
     table.set([c], "s", Priority.NORMAL, 60)
     assert evicted_order(index, 6) == [d, f, b, e, c, a]
 
@@ -126,3 +127,30 @@ def test_the_tier_quota_downgrades_blocks_past_the_tenants_limit():
     assert retention.num_downgraded_blocks == 1
     evicted = store(index, [meta(i) for i in range(10, 13)])
     assert [e.block_hash for e in evicted] == [meta(i).block_hash for i in (1, 2, 0)]
+
+
+def test_a_hinted_chain_enters_its_class_tail_first():
+    """T0: a hint on a cached 3-block chain moves it into its class tail first, so after the
+    unretained d its blocks leave c2, c1, c0 (set head first: the head would go first)."""
+    clock = FakeClock()
+    index, table = retained_index(4, clock)
+    allocation = run_request(index, "c", tokens(0, 3 * BLOCK_SIZE))
+    c0, c1, c2 = (index.blocks[block_id].block_hash for block_id in allocation.block_ids)
+    index.free("c")
+    (d,), = cached_chains(index, 1)
+    table.set([c0, c1, c2], "s", Priority.HIGH, 60)
+    assert evicted_order(index, 4) == [d, c2, c1, c0]
+
+
+def test_a_slot_index_takes_a_hinted_chain_into_its_class_tail_first_within_a_short_quota():
+    """T1, a quota of 2, four blocks stored apart (LRU 0, 1, 2, 3): a hint on 0, 1, 2 retains 0 and 1
+    (the head), which leave their class tail first: 2, 3, then 1, 0."""
+    table = HintTable(FakeClock())
+    index = SlotIndex(4)
+    index.set_retention(TierRetention(Tier.T1, table, lambda: 2))
+    table.add_listener(index.reclassify)
+    for i in range(4):
+        store(index, [meta(i)])
+    table.set([meta(i).block_hash for i in range(3)], "s", Priority.HIGH, 60)
+    evicted = store(index, [meta(i) for i in range(10, 14)])
+    assert [e.block_hash for e in evicted] == [meta(i).block_hash for i in (2, 3, 1, 0)]

@@ -117,10 +117,11 @@ def test_retained_blocks_leaving_t1_are_demoted_to_t2(tmp_path):
         assert (row.num_t0_cached_blocks, row.num_t1_blocks, row.num_t2_blocks) == (64, 64, 32)  # none dropped
         assert row.num_t2_retained_blocks == row.num_t2_blocks
         oldest, oldest_tokens = chains[0]
-        # its prefix went down first: the Put's hint, set after the Put, moves its blocks into T0's retained
-        # class in chain order (head first), so T0, then T1, evict them head first
-        assert where(client, oldest, oldest_tokens).num_t2_blocks == 32
-        assert exact(client, oldest[:32], oldest_tokens[:32 * LAYOUT.block_size])  # read back from T2
+        # its tail went down first (the Put's hint moves its blocks into T0's retained class tail first,
+        # and T0, then T1, evict them in that order): T1 keeps its first 8 blocks, T2 the other 32
+        found = where(client, oldest, oldest_tokens)
+        assert (found.num_t0_blocks, found.num_t1_blocks, found.num_t2_blocks) == (0, 8, 32)
+        assert exact(client, oldest, oldest_tokens)  # the whole chain, read back from T1 and T2
 
 
 def test_release_and_prefetch_through_the_asyncio_client(tmp_path):
