@@ -5,19 +5,20 @@ connector and the daemon treat them, with the daemon's own eviction orders and r
 (`ClassedLru` over a `HintTable` on the simulated clock), so eviction policies and hints can be
 compared at scale in seconds:
 
-- at a request's start, the engine's own prefix cache (vLLM's, an LRU of `engine_blocks`) serves
-  its leading blocks; kvtierd is asked for the blocks after those, and serves the leading run it
+- at a request's start, the engine's own prefix cache (vLLM's: `engine_blocks`, of which the
+  running requests hold theirs, the rest an LRU of cached blocks; engine_cache.py) serves its
+  leading blocks; kvtierd is asked for the blocks after those, and serves the leading run it
   holds in any tier (counted in the highest tier that holds each block). A block served from T1
   or T2 is promoted into T0; a hinted request renews its hint on the blocks kvtierd holds;
-- at its end, the engine caches every prompt block, and the blocks kvtierd lacks are stored in
+- at its end, the engine caches its prompt's blocks, and the blocks kvtierd lacks are stored in
   T0 (with the request's hint): T0 → T1 on eviction or write-through, T1 → T2 write-through, as
   the edge policies say; a retained block leaving a tier is written to the tier below whatever
   the policy (demoted), as the daemon does. A request's blocks enter a tier's order tail first
   (stores and hits alike), so a chain's blocks leave tail first, as in the daemon.
 
-What it leaves out: requests running at the same time hold the engine's blocks (here a request's
-blocks are evictable as soon as it ends), decoded tokens (a few per request in an agent's turn),
-and the load-versus-recompute decision (every hit is loaded).
+What it leaves out: requests the engine would queue for want of blocks (their send time is their
+start), decoded tokens past one block (a few per request in an agent's turn), and the
+load-versus-recompute decision (every hit is loaded).
 """
 
 from __future__ import annotations
@@ -31,6 +32,7 @@ import xxhash
 from kvtierd.daemon_key import TAG_BYTES, DaemonKey, tenant_tag_of
 from kvtierd.index.classed_lru import ClassedLru
 from kvtierd.index.slot_entry import BlockMeta, SlotEntry
+from kvtierd.planning.engine_cache import EngineCache
 from kvtierd.planning.request_trace import TraceRequest
 from kvtierd.retention.hint import Priority
 from kvtierd.retention.hint_rooms import keys_with_room
@@ -143,7 +145,7 @@ class TierSimulation:
         self.config = tiers
         self.now_s = 0.0
         self.table = HintTable(clock=lambda: self.now_s) if tiers.hints else None
-        self.engine: collections.OrderedDict[DaemonKey, None] = collections.OrderedDict()
+        self.engine = EngineCache(tiers.engine_blocks)
         capacities = (tiers.t0_blocks, tiers.t1_blocks, tiers.t2_blocks) if tiers.kvtierd else (0, 0, 0)
         self.tiers = [SimTier(tier, capacity, tiers.eviction, self.table, tiers.max_tenant_share)
                       for tier, capacity in zip(LOWER_TIERS, capacities) if capacity > 0]
@@ -184,7 +186,7 @@ class TierSimulation:
 
     def _start(self, request: TraceRequest, keys: list[DaemonKey]) -> None:
         block_size = self.config.block_size
-        num_local = self._engine_prefix(keys)
+        num_local = self.engine.start(keys)
         num_unbounded = next((i for i, key in enumerate(keys) if key not in self._seen), len(keys))
         served = self._served(keys[num_local:])
         if request.hint_ttl_s and self.table is not None:  # the connector's Retain renews what kvtierd holds
@@ -226,12 +228,6 @@ class TierSimulation:
         yield "first turns" if request.turn == 0 else "resumed turns"
         yield "hinted sessions" if request.session in self._hinted_sessions else "unhinted sessions"
 
-    def _engine_prefix(self, keys: list[DaemonKey]) -> int:
-        num_local = next((i for i, key in enumerate(keys) if key not in self.engine), len(keys))
-        for key in keys[:num_local]:
-            self.engine.move_to_end(key)
-        return num_local
-
     def _served(self, keys: list[DaemonKey]) -> list[SimTier]:
         """The tier that serves each of the leading blocks kvtierd holds."""
         served = []
@@ -245,11 +241,7 @@ class TierSimulation:
     # ------------------------------------------------------------------ a request's end
 
     def _end(self, request: TraceRequest, keys: list[DaemonKey]) -> None:
-        for key in keys:
-            self.engine[key] = None
-            self.engine.move_to_end(key)
-        while len(self.engine) > self.config.engine_blocks:
-            self.engine.popitem(last=False)
+        self.engine.finish(keys)
         self._seen.update(keys)
         if not self.tiers:
             return

@@ -141,3 +141,17 @@ def test_a_malformed_trace_file_is_one_line_and_exit_2(tmp_path: Path) -> None:
     done = run_simulate("--trace", str(path))
     assert done.returncode == 2 and f"{path}:1: not a trace request" in done.stderr
     assert len(done.stderr.strip().splitlines()) == 1
+
+
+def test_a_running_request_holds_engine_blocks_that_the_cache_then_lacks() -> None:
+    """A 3-block history cached in a 6-block engine; a 4-block prompt that runs from 2 s to 10 s holds
+    5 blocks meanwhile, so at 3 s only the history's first block is still cached (its tail went first);
+    with kvtierd its other two blocks come from T0."""
+    history, long_prompt = prompt(1, 3), prompt(2, 4)
+    running = TraceRequest(2, 10, 2, 0, long_prompt, 0.0)
+    during = TierSimulation(SimTiers(BLOCK, engine_blocks=6, kvtierd=False)).run(
+        [request(0, 1, 0, history), running, request(3, 1, 1, history)])
+    assert during.groups["resumed turns"].num_hit_tokens == 1 * BLOCK
+    with_kvtierd = TierSimulation(SimTiers(BLOCK, engine_blocks=6, t0_blocks=8)).run(
+        [request(0, 1, 0, history), running, request(3, 1, 1, history)])
+    assert with_kvtierd.num_engine_hit_tokens == 1 * BLOCK and with_kvtierd.tier_hit_tokens[Tier.T0] == 2 * BLOCK
