@@ -15,13 +15,11 @@ whole prompt for the coming pause.
 from __future__ import annotations
 
 import dataclasses
-import http.client
-import json
 import re
 import threading
 import time
-import urllib.parse
 
+from benchmarks._sse_completion import stream_completion_chunks
 from kvtierd.planning.agentic_trace import retention_ttl_s
 from kvtierd.planning.agentic_workload import AgenticSessions, AgenticTurn
 from kvtierd.planning.request_trace import TraceRequest
@@ -70,39 +68,19 @@ def retention_params(turn: AgenticTurn, ttl_s: float) -> dict:
 def stream_turn(url: str, turn: AgenticTurn, max_tokens: int, ttl_s: float) -> tuple[float, int, str]:
     """(seconds to the first SSE data chunk, cached prompt tokens, the completion's id) of one
     streaming greedy completion."""
-    address = urllib.parse.urlsplit(url)
     body: dict = {"model": SERVED_NAME, "prompt": list(turn.prompt_token_ids), "max_tokens": max_tokens,
-                  "temperature": 0, "ignore_eos": True, "stream": True, "stream_options": {"include_usage": True}}
+                  "temperature": 0, "ignore_eos": True, "stream_options": {"include_usage": True}}
     if ttl_s:
         body["kv_transfer_params"] = retention_params(turn, ttl_s)
-    assert address.hostname is not None, f"not a server URL: {url}"
-    connection = http.client.HTTPConnection(address.hostname, address.port, timeout=TURN_TIMEOUT_S)
-    try:
-        start = time.perf_counter()
-        connection.request("POST", "/v1/completions", body=json.dumps(body),
-                           headers={"Content-Type": "application/json"})
-        reply = connection.getresponse()
-        if reply.status != 200:
-            raise RuntimeError(f"HTTP {reply.status}: {reply.read()[:500]!r}")
-        ttft_s, usage, response_id = None, None, ""
-        for line in reply:
-            if not line.startswith(b"data:"):
-                continue
-            if ttft_s is None:
-                ttft_s = time.perf_counter() - start
-            data = line[len(b"data:"):].strip()
-            if data == b"[DONE]":
-                break
-            chunk = json.loads(data)
-            usage, response_id = chunk.get("usage") or usage, chunk.get("id", response_id)
-        if ttft_s is None or usage is None:
-            raise RuntimeError("the stream ended without a data chunk or without usage")
-        details = usage.get("prompt_tokens_details")
-        if details is None:
-            raise RuntimeError("usage without prompt_tokens_details: serve with --enable-prompt-tokens-details")
-        return ttft_s, int(details["cached_tokens"]), response_id
-    finally:
-        connection.close()
+    ttft_s, chunks = stream_completion_chunks(url, body, TURN_TIMEOUT_S)
+    usage = next((chunk["usage"] for chunk in reversed(chunks) if chunk.get("usage")), None)
+    if usage is None:
+        raise RuntimeError("the stream ended without usage")
+    details = usage.get("prompt_tokens_details")
+    if details is None:
+        raise RuntimeError("usage without prompt_tokens_details: serve with --enable-prompt-tokens-details")
+    response_id = next((chunk["id"] for chunk in chunks if chunk.get("id")), "")
+    return ttft_s, int(details["cached_tokens"]), response_id
 
 
 def failed_load_tokens(server_log: str, block_size: int) -> dict[str, int]:

@@ -13,6 +13,8 @@ import numpy as np
 from benchmarks import _report
 from benchmarks._agentic_replay import TurnResult
 from kvtierd.planning.agentic_workload import AgenticWorkload
+from kvtierd.planning.tier_simulation import SimResult, SimTiers, TierSimulation
+from kvtierd.tier import Tier
 
 if TYPE_CHECKING:
     from benchmarks.bench_agentic import ArmResult, Capacities
@@ -69,6 +71,20 @@ class ArmFigures:
                 "trace": str(arm.trace_path) if arm.trace_path else None}
 
 
+def simulated(arm: ArmResult, sizes: Capacities) -> SimResult:
+    """`kvtierd simulate` of the arm's own requests (their real send times and hints) at the arm's
+    capacities and eviction order: what the planning tool predicts for what the arm measured."""
+    tiers = SimTiers(sizes.block_size, sizes.num_vllm_blocks, sizes.num_t0_blocks, sizes.num_t1_blocks,
+                     sizes.num_t2_blocks, kvtierd=arm.name != "alone",
+                     eviction="s3fifo" if arm.name == "freq" else "lru", hints=arm.name == "hints")
+    return TierSimulation(tiers).run([result.trace_request() for result in arm.results if not result.error])
+
+
+def simulated_json(result: SimResult) -> dict:
+    return {"hit_rate": result.all.hit_rate, "vllm_hit_tokens": result.num_engine_hit_tokens,
+            "kvtierd_hit_tokens": {tier.name.lower(): n for tier, n in result.tier_hit_tokens.items()}}
+
+
 def ratio(numerator: float, denominator: float) -> float:
     return numerator / denominator if denominator else math.nan
 
@@ -110,7 +126,26 @@ class ArmsReport:
         return {"workload": dataclasses.asdict(self.workload), "time_scale": self.time_scale,
                 "capacities": dataclasses.asdict(self.sizes), "wall_s": self.wall_s, "out": str(self.out),
                 "arms": {arm.name: ArmFigures(arm).as_json() for arm in self.arms},
-                "goals": [{"goal": text, "met": met} for text, met in self.goals()]}
+                "goals": [{"goal": text, "met": met} for text, met in self.goals()],
+                "simulated": {arm.name: simulated_json(simulated(arm, self.sizes)) for arm in self.arms
+                              if not arm.error}}
+
+    def print_simulation(self) -> None:
+        """Each arm's hit rate and kvtierd hits beside the simulator's on the arm's own trace."""
+        rows = []
+        for arm in self.arms:
+            if arm.error:
+                continue
+            sim, figures = simulated(arm, self.sizes), ArmFigures(arm)
+            real_rate, sim_rate = figures.hit_rate(ALL), sim.all.hit_rate
+            rows.append([arm.name, f"{real_rate:.1%}", f"{sim_rate:.1%}", f"{(sim_rate - real_rate) * 100:+.1f}",
+                         " / ".join(f"{arm.tier_hit_tokens.get(t, 0):,}" for t in TIERS[:2]) if arm.tier_hit_tokens
+                         else "-", f"{sim.tier_hit_tokens[Tier.T0]:,} / {sim.tier_hit_tokens[Tier.T1]:,}",
+                         f"{sim.num_engine_hit_tokens:,} ({arm.vllm_hit_tokens:,})"])
+        if rows:
+            print("the tier simulator (kvtierd simulate --trace) on each arm's own requests, at its capacities:")
+            _report.print_table(["arm", "hit rate measured", "simulated", "points", "kvtierd T0 / T1 measured",
+                                 "simulated", "vLLM hits simulated (measured)"], rows)
 
     def print(self, quick: bool, model_name: str) -> None:
         workload, sizes = self.workload, self.sizes
@@ -147,6 +182,7 @@ class ArmsReport:
         _report.print_table(["arm", "done", "prompt tokens", "hits vLLM", "hits kvtierd T0 / T1 / T2", "failed loads",
                              "hit rate all / hinted / no hint / first", "TTFT first p50 / p99 ms",
                              "TTFT resumed p50 / p99 ms", "replay s"], rows)
+        self.print_simulation()
         for arm in self.arms:
             counters = arm.connector_counters
             if counters:

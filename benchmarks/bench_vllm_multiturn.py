@@ -38,8 +38,6 @@ environment with kvtierd and transformers (for the model's tokenizer).
 from __future__ import annotations
 
 import dataclasses
-import http.client
-import json
 import math
 import random
 import statistics
@@ -48,7 +46,6 @@ import sys
 import tempfile
 import threading
 import time
-import urllib.parse
 from collections.abc import Iterator
 from pathlib import Path
 from queue import Queue
@@ -57,6 +54,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from benchmarks import _report  # noqa: E402
+from benchmarks._sse_completion import stream_completion_chunks  # noqa: E402
 from benchmarks.bench_vllm_serve import BLOCK_SIZE, process_cpu_s, start_daemon, tokens_by_tier  # noqa: E402
 from kvtierd.connectors.demo import demo_texts  # noqa: E402
 from kvtierd.connectors.demo.chat_tokenizer import ChatTokenizer  # noqa: E402
@@ -201,31 +199,9 @@ class Turn:
 
 def stream_completion(url: str, prompt: list[int], max_tokens: int) -> tuple[float, str]:
     """(seconds to the first SSE data chunk, the answer's text) of one streaming greedy completion."""
-    address = urllib.parse.urlsplit(url)
-    body = json.dumps({"model": SERVED_NAME, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0,
-                       "ignore_eos": True, "stream": True})
-    connection = http.client.HTTPConnection(address.hostname, address.port, timeout=TURN_TIMEOUT_S)
-    try:
-        start = time.perf_counter()
-        connection.request("POST", "/v1/completions", body=body, headers={"Content-Type": "application/json"})
-        reply = connection.getresponse()
-        if reply.status != 200:
-            raise RuntimeError(f"HTTP {reply.status}: {reply.read()[:500]!r}")
-        ttft_s, pieces = None, []
-        for line in reply:
-            if not line.startswith(b"data:"):
-                continue
-            if ttft_s is None:
-                ttft_s = time.perf_counter() - start
-            data = line[len(b"data:"):].strip()
-            if data == b"[DONE]":
-                break
-            pieces.extend(choice.get("text", "") for choice in json.loads(data)["choices"])
-        if ttft_s is None:
-            raise RuntimeError("the stream ended without a data chunk")
-        return ttft_s, "".join(pieces)
-    finally:
-        connection.close()
+    body = {"model": SERVED_NAME, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True}
+    ttft_s, chunks = stream_completion_chunks(url, body, TURN_TIMEOUT_S)
+    return ttft_s, "".join(choice.get("text", "") for chunk in chunks for choice in chunk["choices"])
 
 
 def take_turn(url: str, tokenizer: ChatTokenizer, conversation: Conversation, answer_tokens: int) -> Turn:
