@@ -111,7 +111,7 @@ def _ask(link: DaemonLink, engine: EngineGroups, query: LookupQuery,
         return None
     try:
         response = session.lookup(hashes, token_ids=tokens, prefetch=prefetch, chain_lengths=lengths,
-                                  num_query_blocks=num_query_blocks(engine, query))
+                                  num_query_blocks=num_query_blocks(engine, query), hold_id=query.hold_id)
     except KvtierError as error:
         link.failed(session, error)
         log.warning("kvtierd connector: lookup failed (%s: %s); counting no hit", type(error).__name__, error)

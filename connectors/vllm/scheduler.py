@@ -86,6 +86,7 @@ class LookupQuery:
     keys: tuple[tuple[bytes, ...], ...]  # per served group, in EngineGroups order
     token_ids: tuple[int, ...]  # block_size per candidate position
     count_query: bool = False  # the request's first lookup: the daemon counts it as a query
+    hold_id: str = ""  # the request's id: the daemon holds the promised blocks until the load's Acquire names it
 
     @property
     def num_positions(self) -> int:
@@ -218,7 +219,8 @@ class SchedulerSide:
                 lookup.expired(now, self.lookup_ttl_s):
             count_query, tracked.query_counted = not tracked.query_counted, True
             query = LookupQuery(first, tuple(tuple(keys[first:end]) for keys in tracked.keys.keys),
-                                tuple(request.all_token_ids[first * block_size:end * block_size]), count_query)
+                                tuple(request.all_token_ids[first * block_size:end * block_size]), count_query,
+                                hold_id=request.request_id if self.loads_enabled else "")
             lookup = tracked.lookup = _Lookup(first, end, self._executor.submit(self.lookup_fn, query), now,
                                               count_query)
             self.num_lookups += 1

@@ -8,34 +8,33 @@ and kv_connector_model_runner_mixin.py `_get_kv_connector_output`): `handle_pree
 `get_block_ids_with_load_errors()`, `clear_connector_metadata()`.
 
 Load (in `start_load_kv`): per group of the LoadSpec, Acquire its chain under a one-off daemon
-request id (pins T0 hits; T1/T2 hits are promoted, so Wait; the scheduler's Lookup decided what
-is worth loading, so the Acquire loads every hit: `load_every_hit`), copy the ready pool blocks into the
-group's engine blocks, Release once the copy has finished reading the pool (after a CUDA event,
-on the background thread). A synchronous load runs there and then, before the forward; an
-asynchronous one (`LoadSpec.is_async`) runs on the load thread while the engine goes on, and
-`get_finished` reports its request in `finished_recving` once its copies have landed. Engine
-blocks that could not be filled (the daemon is down, evicted a block since the lookup, a
-promotion failed or timed out) are reported by `get_block_ids_with_load_errors()` in the same
-step (for an asynchronous load: the step that reports it finished), and vLLM recomputes them
-under `kv_load_failure_policy="recompute"`.
+request id (pins T0 hits; T1/T2 hits are promoted, so Wait; the scheduler's Lookup decided what is
+worth loading and held it, so the Acquire loads every hit: `load_every_hit`, and the primary group's
+names the Lookup's `hold_id`), copy the ready pool blocks into the group's engine blocks, Release
+once the copy has finished reading the pool (after a CUDA event, on the background thread). A
+synchronous load runs there and then, before the forward; an asynchronous one (`LoadSpec.is_async`)
+runs on the load thread while the engine goes on, and `get_finished` reports its request in
+`finished_recving` once its copies have landed. Engine blocks that could not be filled (the daemon
+is down, a block past the lookup's hold was evicted, a promotion failed or timed out) are reported
+by `get_block_ids_with_load_errors()` in the same step (for an asynchronous load: the step that
+reports it finished), and vLLM recomputes them under `kv_load_failure_policy="recompute"`.
 
 Store (started in `wait_for_save`, after the forward wrote the step's KV): a job per GroupStore:
 Acquire its blocks (the parent stored before, then the step's new blocks: hits first, then fresh
-blocks), copy the engine pages of the fresh ones into the pool (on CUDA: on a side stream that
-waits for an event recorded after the forward), Commit them with their hashes and tokens
-(parent: the previous block's hash, or the root for a chain's first block) and release the
-request in the same call: two RPCs carrying the new blocks and one more, never the request's
-whole chain (a separate Release only where the store stops before its Commit, or for a daemon
-that predates releasing on Commit). A daemon that lost the
-parent gets the chain from position 0 when the offer carries it (`earlier`), else the store is
-dropped. A failure drops the store, logged and counted (`num_dropped_stores`); a later request
-with the same prefix stores it again (`stats` counts what stores sent). Full-attention pages stay the request's
-until vLLM frees them: a request that ever had a store is reported in `finished_sending` once it
-has finished and all its jobs are done. Sliding-window and Mamba pages (`volatile`) are freed by
-vLLM's next schedule and may be rewritten by the next step, so their jobs run on a thread of
-their own and the next step's `handle_preemptions` waits until they have read their pages. A
-worker that is not its layout's writer (a TP replica of KV another rank stores: MLA) stores
-nothing but still reports its requests.
+blocks), copy the engine pages of the fresh ones into the pool (on CUDA: on a side stream that waits
+for an event recorded after the forward), Commit them with their hashes and tokens (parent: the
+previous block's hash, or the root for a chain's first block) and release the request in the same
+call: two RPCs carrying the new blocks and one more, never the request's whole chain (a separate
+Release only where the store stops before its Commit, or for a daemon that predates releasing on
+Commit). A daemon that lost the parent gets the chain from position 0 when the offer carries it
+(`earlier`), else the store is dropped. A failure drops the store, logged and counted
+(`num_dropped_stores`); a later request with the same prefix stores it again (`stats` counts what
+stores sent). Full-attention pages stay the request's until vLLM frees them: a request that ever had
+a store is reported in `finished_sending` once it has finished and all its jobs are done.
+Sliding-window and Mamba pages (`volatile`) are freed by vLLM's next schedule and may be rewritten
+by the next step, so their jobs run on a thread of their own and the next step's
+`handle_preemptions` waits until they have read their pages. A worker that is not its layout's
+writer (a TP replica of KV another rank stores: MLA) stores nothing but still reports its requests.
 """
 
 from __future__ import annotations
@@ -53,6 +52,7 @@ from kvtierd.connectors.prefill_cost import PrefillCost
 from kvtierd.connectors.vllm.connector_stats import StatsRecorder, request_payload_nbytes
 from kvtierd.connectors.vllm.daemon_link import DaemonLink
 from kvtierd.connectors.vllm.engine_pages import EnginePagesLike
+from kvtierd.connectors.vllm.group_hits import primary_group
 from kvtierd.connectors.vllm.kv_groups import EngineGroups, ServedGroup
 from kvtierd.connectors.vllm.metadata import GroupBlocks, GroupStore, LoadSpec, StepMetadata, StoreSpec
 from kvtierd.connectors.vllm.retention_calls import RetentionCalls
@@ -81,6 +81,7 @@ class WorkerSide:
         self.start_attach_s = start_attach_s
         self.engine_groups = engine_groups
         self._groups = {group.group_id: group for group in engine_groups.groups}
+        self._primary_group_id = engine_groups.groups[primary_group(engine_groups.groups)].group_id  # holds: lookups
         self.wait_timeout_s = wait_timeout_s
         self.writes = writes  # False: a TP replica whose KV another rank stores
         self.pages: EnginePagesLike | None = None
@@ -177,7 +178,8 @@ class WorkerSide:
         try:
             acquired = session.acquire(daemon_request_id, list(blocks.block_hashes), 0,
                                        token_ids=list(blocks.token_ids), query_counted=True, load_every_hit=True,
-                                       recompute_s_per_token=self.prefill_cost.s_per_token)
+                                       recompute_s_per_token=self.prefill_cost.s_per_token,
+                                       hold_id=spec.request_id if blocks.group_id == self._primary_group_id else "")
         except KvtierError as error:
             self.link.failed(session, error)
             log.warning("kvtierd connector: acquire for loading %s failed (%s: %s)", spec.request_id,

@@ -169,18 +169,18 @@ class AsyncSession(SessionBase):
 
     async def lookup(self, block_hashes: Sequence[bytes], token_ids: TokenIds | None = None,
                      prefetch: bool = False, chain_lengths: Sequence[int] | None = None,
-                     num_query_blocks: int = 0) -> pb.LookupResponse:
+                     num_query_blocks: int = 0, hold_id: str = "") -> pb.LookupResponse:
         return await self._client._run(self._lookup(block_hashes, token_ids, prefetch, chain_lengths,
-                                                    num_query_blocks))
+                                                    num_query_blocks, hold_id))
 
     async def acquire(self, request_id: str, block_hashes: Sequence[bytes], num_extra_blocks: int = 0,
                       token_ids: TokenIds | None = None, for_store: bool = False, query_counted: bool = False,
                       parent_hash: bytes | None = None, recompute_s_per_token: float = 0.0,
-                      load_every_hit: bool = False) -> AcquireResult:
+                      load_every_hit: bool = False, hold_id: str = "") -> AcquireResult:
         """As Session.acquire."""
         return await self._client._run(self._acquire(request_id, block_hashes, num_extra_blocks, token_ids,
                                                      for_store, query_counted, parent_hash, recompute_s_per_token,
-                                                     load_every_hit))
+                                                     load_every_hit, hold_id))
 
     async def wait(self, request_id: str, timeout_s: float | None = None) -> int:
         return await self._client._run(self._wait(request_id, timeout_s, self._client.timeout_s))

@@ -163,17 +163,17 @@ class SessionBase:
             os.close(fd)
 
     def _lookup(self, block_hashes: Sequence[bytes], token_ids: TokenIds | None, prefetch: bool,
-                chain_lengths: Sequence[int] | None, num_query_blocks: int) -> Call:
+                chain_lengths: Sequence[int] | None, num_query_blocks: int, hold_id: str = "") -> Call:
         return Call("Lookup", pb.LookupRequest(session_id=self.session_id, block_hashes=hash_list(block_hashes),
                                                token_ids=optional_tokens(token_ids), prefetch=prefetch,
                                                chain_lengths=list(chain_lengths or ()),
-                                               num_query_blocks=num_query_blocks))
+                                               num_query_blocks=num_query_blocks, hold_id=hold_id))
 
     def _acquire(self, request_id: str, block_hashes: Sequence[bytes], num_extra_blocks: int,
                  token_ids: TokenIds | None, for_store: bool,
                  query_counted: bool = False, parent_hash: bytes | None = None,
-                 recompute_s_per_token: float = 0.0, load_every_hit: bool = False) -> Call:
-        request = pb.AcquireRequest(session_id=self.session_id, request_id=request_id,
+                 recompute_s_per_token: float = 0.0, load_every_hit: bool = False, hold_id: str = "") -> Call:
+        request = pb.AcquireRequest(session_id=self.session_id, request_id=request_id, hold_id=hold_id,
                                     block_hashes=hash_list(block_hashes), token_ids=optional_tokens(token_ids),
                                     num_extra_blocks=num_extra_blocks, for_store=for_store,
                                     query_counted=query_counted, parent_hash=bytes(parent_hash or b""),

@@ -188,26 +188,29 @@ class Session(SessionBase):
 
     def lookup(self, block_hashes: Sequence[bytes], token_ids: TokenIds | None = None,
                prefetch: bool = False, chain_lengths: Sequence[int] | None = None,
-               num_query_blocks: int = 0) -> pb.LookupResponse:
+               num_query_blocks: int = 0, hold_id: str = "") -> pb.LookupResponse:
         """The leading blocks held of the chain, tier by tier; with `chain_lengths`, of each of
         the consecutive chains `block_hashes` holds (`.chains`), each matched on its own.
         `num_query_blocks`: count the first chain's leading blocks as one query of the daemon's hit
         rate, its hits as answered (less the declined ones) tier by tier.
-        `.num_declined_blocks` (per chain too): the trailing hits slower to load than to recompute."""
-        return self._client._run(self._lookup(block_hashes, token_ids, prefetch, chain_lengths, num_query_blocks))
+        `.num_declined_blocks` (per chain too): the trailing hits slower to load than to recompute.
+        `hold_id`: hold the first chain's promised T0 and T1 blocks until an Acquire names it (5 s at most)."""
+        return self._client._run(self._lookup(block_hashes, token_ids, prefetch, chain_lengths, num_query_blocks,
+                                              hold_id))
 
     def acquire(self, request_id: str, block_hashes: Sequence[bytes], num_extra_blocks: int = 0,
                 token_ids: TokenIds | None = None, for_store: bool = False, query_counted: bool = False,
                 parent_hash: bytes | None = None, recompute_s_per_token: float = 0.0,
-                load_every_hit: bool = False) -> AcquireResult:
+                load_every_hit: bool = False, hold_id: str = "") -> AcquireResult:
         """`for_store`: the caller acquires to store blocks it computed; what it finds is no hit.
         `query_counted`: a Lookup counted the query and its hits (num_query_blocks): count nothing.
         `parent_hash`: the chain continues the block of that hash (None: it starts at the root).
         `recompute_s_per_token`: the caller's measured cost of a prompt token (0: not measured),
         which the daemon weighs lower-tier hits against; `load_every_hit`: a Lookup decided what
-        to load (these blocks), load them whatever the cost."""
+        to load (these blocks), load them whatever the cost; `hold_id`: the Lookup's hold to give back."""
         return self._client._run(self._acquire(request_id, block_hashes, num_extra_blocks, token_ids, for_store,
-                                               query_counted, parent_hash, recompute_s_per_token, load_every_hit))
+                                               query_counted, parent_hash, recompute_s_per_token, load_every_hit,
+                                               hold_id))
 
     def wait(self, request_id: str, timeout_s: float | None = None) -> int:
         """Leading ready blocks once loads land; the daemon waits `timeout_s` (None: the client's)."""

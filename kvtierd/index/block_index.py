@@ -201,6 +201,22 @@ class BlockIndex(BlockCache):
                 block.ref_cnt += 1
             self.tables[holder_id] = blocks
 
+    def hold_hits(self, holder_id: RequestId, block_hashes: Sequence[DaemonKey], max_blocks: int,
+                  token_ids: PackableTokenIds | None = None) -> int:
+        """Take a reference on the chain's leading cached blocks (at most `max_blocks`) for a holder
+        that is not a request (a Lookup's promise, until its Acquire): they are neither evicted nor
+        reused until `free(holder_id)`. How many were held; none found: nothing held, no table."""
+        with self._lock:
+            if holder_id in self.tables:
+                raise FailedPrecondition(f"holder {holder_id!r} already holds blocks")
+            hits = self._hits(block_hashes, token_ids)[:max(0, max_blocks)]
+            if hits:
+                self.free_queue.remove_many([block for block in hits if block.ref_cnt == 0])
+                for block in hits:
+                    block.ref_cnt += 1
+                self.tables[holder_id] = hits
+            return len(hits)
+
     def prepare_write(self, request_id: RequestId, position: int) -> WriteTarget:
         """The block a request may write at `position`, copied first if anyone else holds it.
 

@@ -23,6 +23,15 @@ def client_keys(tenant: Tenant, pool: LayoutPool, client_hashes: Iterable[bytes]
     return tenant.keys(client_hashes)
 
 
+MAX_HOLD_ID_CHARS = 256
+
+
+def check_hold_id(hold_id: str) -> None:
+    """A Lookup's or Acquire's hold_id (lookup_holds.py): an engine's request id, not a payload."""
+    if len(hold_id) > MAX_HOLD_ID_CHARS:
+        raise InvalidArgument(f"hold_id must be at most {MAX_HOLD_ID_CHARS} characters, got {len(hold_id)}")
+
+
 def packed_tokens(token_ids: bytes) -> TokenBytes | None:
     return pack_token_ids(token_ids) if token_ids else None
 

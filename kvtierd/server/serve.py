@@ -246,10 +246,16 @@ class Daemon:
         await self.health.set("", not_serving if stopping else serving)
 
     async def _sweep_retention(self) -> None:
-        """Forget expired retention hints every RETENTION_SWEEP_S, on a thread (the tiers' locks)."""
+        """Forget expired retention hints and give back lapsed Lookup holds every RETENTION_SWEEP_S, on a
+        thread (the tiers' locks)."""
         while True:
             await asyncio.sleep(RETENTION_SWEEP_S)
-            await asyncio.to_thread(lambda: [pool.manager.retention.sweep() for pool in self.registry.pools()])
+            await asyncio.to_thread(self._sweep_pools)
+
+    def _sweep_pools(self) -> None:
+        for pool in self.registry.pools():
+            pool.manager.retention.sweep()
+            pool.manager.lookup_holds.expire()
 
     async def _follow_store(self, store: RedisStore) -> None:
         """Health of STORE_HEALTH_NAME from the store's probes (health() only reads their results)."""

@@ -37,6 +37,7 @@ from kvtierd.server.interceptor import current_tenant
 from kvtierd.server.pool_stats import pool_stats, remote_store_message
 from kvtierd.server.request_terms import (
     acquire_parent,
+    check_hold_id,
     client_keys,
     hit_counts,
     lookup_chains,
@@ -144,6 +145,7 @@ class KvTierServicer(kvtier_pb2_grpc.KvTierServicer):
 
     async def Lookup(self, request: pb.LookupRequest, context: Context) -> pb.LookupResponse:
         session = self._session(request.session_id)
+        check_hold_id(request.hold_id)
         keys = client_keys(session.tenant, session.pool, request.block_hashes)
         manager = session.pool.manager
         chains = lookup_chains(keys, packed_tokens(request.token_ids), list(request.chain_lengths),
@@ -165,11 +167,15 @@ class KvTierServicer(kvtier_pb2_grpc.KvTierServicer):
                      if request.chain_lengths else [])
         if request.num_query_blocks:  # once the lookup has been answered; its loads count nothing again
             manager.count_query(hits[0], declined[0], request.num_query_blocks)
+        if request.hold_id:  # the promise kept until its Acquire (lookup_holds.py)
+            manager.hold_promise((session.tenant.tag, request.hold_id), chains[0][0], chains[0][1], hits[0],
+                                 declined[0])
         return pb.LookupResponse(**hit_counts(total), chains=per_chain,
                                  num_declined_blocks=sum(d.num_blocks for d in declined))
 
     async def Acquire(self, request: pb.AcquireRequest, context: Context) -> pb.AcquireResponse:
         session = self._session(request.session_id)
+        check_hold_id(request.hold_id)
         session.check_new(request.request_id)
         keys = client_keys(session.tenant, session.pool, request.block_hashes)
         first_parent = acquire_parent(session.pool, request.parent_hash)
@@ -181,6 +187,8 @@ class KvTierServicer(kvtier_pb2_grpc.KvTierServicer):
                                     packed_tokens(request.token_ids), counting=counting,
                                     recompute_s_per_token=None if request.load_every_hit else LAYOUT_COST)
         acquired = await call_blocking_if(manager.has_remote, acquire, lambda _: manager.release(request_key))
+        if request.hold_id:  # the Lookup's hold: the request holds its blocks now
+            manager.release_promise((session.tenant.tag, request.hold_id))
         pending = acquired.tier_blocks.num_lower_blocks > 0
         self.sessions.hold(session, request.request_id, len(acquired.block_ids), acquired.ticket if pending else None,
                            first_parent)

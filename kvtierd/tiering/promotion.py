@@ -215,6 +215,12 @@ class Promoter:
 
     # ----------------------------------------------------------------------------- planning
 
+    def claim_level(self, level: LowerTier, block_hashes: list[DaemonKey], token_bytes: TokenBytes | None,
+                    start: int) -> Segment:
+        """The level's leading blocks of the chain from block `start` on, protected until
+        `level.release` (T1's pinned): a Lookup's promise held for its Acquire (lookup_holds.py)."""
+        return level.claim(self._rest(block_hashes, token_bytes, start))
+
     def _rest(self, block_hashes: list[DaemonKey], token_bytes: TokenBytes | None, start: int) -> ChainRest:
         """The chain from block `start` on."""
         block_size = self.tiers.layout.block_size

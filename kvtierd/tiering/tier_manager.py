@@ -37,6 +37,7 @@ from kvtierd.t2.node_budget import NodeBudget
 from kvtierd.tier import Tier, TierCounts
 from kvtierd.tiering.block_io import Admit, BlockGet, BlockPut
 from kvtierd.tiering.leave_reasons import attach_leave_reasons
+from kvtierd.tiering.lookup_holds import HoldKey, LookupHolds
 from kvtierd.tiering.offload import Offloader
 from kvtierd.tiering.promotion import AcquiredBlocks, Promoter
 from kvtierd.tiering.retention_hints import LayoutRetention
@@ -112,6 +113,7 @@ class TierManager:
         index.on_evict = self.offloader.on_t0_evict
         attach_leave_reasons(self.tiers)  # why blocks leave each tier: evicted, demoted or expired
         self.retention = LayoutRetention(self.tiers)  # hints: eviction classes in T0, T1, T2, and their quotas
+        self.lookup_holds = LookupHolds(index, self.promoter, lambda: host.index.num_slots if host is not None else 0)
 
     @property
     def index(self) -> BlockIndex:
@@ -136,6 +138,16 @@ class TierManager:
         return self.promoter.acquire(request_id, block_hashes, num_extra_blocks, token_ids,
                                      recompute_s_per_token=recompute_s_per_token, num_t3_present=num_t3_present,
                                      counting=counting)
+
+    def hold_promise(self, key: HoldKey, block_hashes: list[DaemonKey], token_ids: PackableTokenIds | None,
+                     hits: TierCounts, declined: TierCounts) -> TierCounts:
+        """Hold what a Lookup of the chain promised (its `hits` less the `declined`) in T0 and T1
+        until an Acquire names `key` (release_promise) or it lapses (lookup_holds.py)."""
+        promised = hits.first(hits.num_blocks - declined.num_blocks)
+        return self.lookup_holds.hold(key, block_hashes, pack_optional(token_ids), promised)
+
+    def release_promise(self, key: HoldKey) -> bool:
+        return self.lookup_holds.release(key)
 
     def commit(self, request_id: RequestId, start_position: int, block_hashes: list[DaemonKey],
                token_ids: PackableTokenIds, parent_hash: DaemonKey) -> int:
@@ -255,6 +267,7 @@ class TierManager:
             return
         self._closed = True
         tiers = self.tiers
+        self.lookup_holds.release_all()
         self.drain()
         self._engines.release(tiers.engine)
         tiers.close_threads()

@@ -14,6 +14,7 @@ from kvtierd.connectors.vllm.connector import KvtierdConnector, configure_loggin
 from kvtierd.connectors.vllm.group_hits import RequestHit
 from kvtierd.connectors.vllm.kv_groups import engine_groups
 from kvtierd.connectors.vllm.scheduler import SchedulerSide
+from kvtierd.errors import ResourceExhausted
 from kvtierd.launch.daemon_process import DaemonProcess, small_daemon_args, wait_until
 from kvtierd.tier import TierCounts
 from tests.connectors.vllm.vllm_fakes import (
@@ -184,9 +185,9 @@ def empty_output() -> SchedulerOutput:
 
 @pytest.mark.parametrize("policy", ["off", "on_evict"])
 def test_blocks_evicted_after_the_lookup_are_load_errors_or_come_back_from_t1(tmp_path, engines, policy):
-    """Between B's lookup and its load another client evicts every T0 block. With T0→T1 off,
-    B's engine blocks are reported as load errors; with on_evict they are promoted from T1
-    (Acquire pending, Wait) and land bit exact."""
+    """Between B's lookup and its load the lookup's hold lapses (5 s) and another client evicts every
+    T0 block. With T0→T1 off, B's engine blocks are reported as load errors; with on_evict they are
+    promoted from T1 (Acquire pending, Wait) and land bit exact."""
     args = small_daemon_args(str(tmp_path), t0_bytes="64KiB", extra=["--set", f"policy.t0_to_t1={policy}"])
     with DaemonProcess(args) as daemon:
         engine = Engine(daemon.address, lookup_ttl_s=600.0, wait_timeout_s=10.0)
@@ -199,8 +200,7 @@ def test_blocks_evicted_after_the_lookup_are_load_errors_or_come_back_from_t1(tm
         assert engine.matched_tokens(b) == 4 * BLOCK_SIZE  # the scheduler saw the hits
         with KvtierClient(daemon.address) as client:
             session = client.attach(engine.worker.layout, map_pool=False, keepalive=False)
-            session.acquire("filler", [], num_extra_blocks=session.handle.num_blocks)  # evicts all of T0
-            session.release("filler")
+            assert wait_until(lambda: fill_t0(session), timeout_s=20)  # once the hold lapsed: evicts all of T0
             lookup = lambda: session.lookup(a.block_hashes[:4], token_ids=a.all_token_ids[:16])  # noqa: E731
             assert lookup().num_t0_blocks == 0
             if policy == "on_evict":  # the copies down run in the background: wait until T1 has them
@@ -215,6 +215,45 @@ def test_blocks_evicted_after_the_lookup_are_load_errors_or_come_back_from_t1(tm
             for i in range(4):
                 assert torch.equal(as_bits(engine.block(step_b.engine_block_ids[i])),
                                    as_bits(block_value(a.block_hashes[i])))
+        engine.close()
+        engines.remove(engine)
+
+
+def fill_t0(session, num_blocks: int | None = None) -> bool:
+    """Acquire and release `num_blocks` fresh T0 blocks (None: all of T0), evicting what they need;
+    False when the pool cannot give them (blocks held)."""
+    try:
+        session.acquire("filler", [], num_extra_blocks=session.handle.num_blocks if num_blocks is None else num_blocks)
+    except ResourceExhausted:
+        return False
+    session.release("filler")
+    return True
+
+
+def test_the_lookups_promise_is_held_until_the_load_and_its_acquire_gives_it_back(tmp_path, engines):
+    """B's lookup holds the 4 T0 blocks it promises: another client can take every other T0 block
+    (evicting the rest) but not those; B's load finds them in T0 (no load error, bit exact), and its
+    Acquire gave the hold back: the whole of T0 can be taken again at once, not after the hold's 5 s."""
+    args = small_daemon_args(str(tmp_path), t0_bytes="64KiB", extra=["--set", "policy.t0_to_t1=off"])
+    with DaemonProcess(args) as daemon:
+        engine = Engine(daemon.address, lookup_ttl_s=600.0, wait_timeout_s=10.0)
+        engines.append(engine)
+        a = Request("held-a", prompt(21, 22))
+        step_a = engine.prefill(a)
+        engine.finish(a, step_a.engine_block_ids)
+        engine.drain()
+        b = Request("held-b", prompt(22, 26, shared=a.all_token_ids[:16]))
+        assert engine.matched_tokens(b) == 4 * BLOCK_SIZE  # the scheduler saw the hits, and the daemon holds them
+        with KvtierClient(daemon.address) as client:
+            session = client.attach(engine.worker.layout, map_pool=False, keepalive=False)
+            assert not fill_t0(session)
+            assert fill_t0(session, session.handle.num_blocks - 4)
+            step_b = engine.prefill(b)
+            assert step_b.num_external_tokens == 4 * BLOCK_SIZE and step_b.load_error_block_ids == set()
+            for i in range(4):
+                assert torch.equal(as_bits(engine.block(step_b.engine_block_ids[i])),
+                                   as_bits(block_value(a.block_hashes[i])))
+            assert wait_until(lambda: fill_t0(session), timeout_s=2)
         engine.close()
         engines.remove(engine)
 

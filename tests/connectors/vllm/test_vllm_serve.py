@@ -103,7 +103,8 @@ def kvtierctl_hit_rate(address: str) -> tuple[str, str]:
     """(the hit rate, the query tokens) `kvtierctl stats` prints for the one pool."""
     done = kvtierctl("stats", address=address)
     assert done.returncode == 0, done.stderr
-    (found,) = re.findall(r"hit rate ([0-9.]+%) of ([0-9,]+) query tokens", done.stdout)
+    (found,) = re.findall(r"hit rate ([0-9.]+%) \(an unbounded cache: [0-9.]+%\) of ([0-9,]+) query tokens",
+                          done.stdout)
     return found
 
 
