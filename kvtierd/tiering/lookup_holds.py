@@ -68,9 +68,11 @@ class LookupHolds:
              promised: TierCounts) -> TierCounts:
         """Hold the chain's `promised` leading T0 and T1 blocks under `key` (replacing its hold);
         returns what was held."""
-        self.release(key)
         self.expire()
-        with self._lock:
+        with self._lock:  # the one replaced and the new one in one step: two Lookups of a key leak nothing
+            replaced = self.holds.pop(key, None)
+            if replaced is not None:
+                self._give_back(replaced)
             t0_room = self.index.num_blocks // HOLD_SHARE - self.num_t0_blocks
             t1_room = self.t1_capacity_blocks() // HOLD_SHARE - self.num_t1_blocks
             holder_id = f"lookup-hold-{next(self._ids)}"
@@ -85,8 +87,8 @@ class LookupHolds:
                 self.holds[key] = hold
                 self.num_t0_blocks += num_t0
                 self.num_t1_blocks += hold.num_t1_blocks
-            elif t1 is not None:
-                self.t1_level.release(t1)  # type: ignore[union-attr]
+            elif t1 is not None and self.t1_level is not None:
+                self.t1_level.release(t1)
             return TierCounts(t0=num_t0, t1=hold.num_t1_blocks)
 
     def release(self, key: HoldKey) -> bool:
