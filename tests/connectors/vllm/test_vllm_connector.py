@@ -183,6 +183,20 @@ def empty_output() -> SchedulerOutput:
     return SchedulerOutput([], CachedRequestData(), {}, set())
 
 
+def a_stored_and_b_looked_up(address: str, engines, name: str) -> tuple[Engine, Request, Request]:
+    """An engine that prefilled and stored A (22 tokens) and looked up B, which shares A's first 4
+    blocks: the scheduler saw them as hits."""
+    engine = Engine(address, lookup_ttl_s=600.0, wait_timeout_s=10.0)
+    engines.append(engine)
+    a = Request(f"{name}-a", prompt(21, 22))
+    step_a = engine.prefill(a)
+    engine.finish(a, step_a.engine_block_ids)
+    engine.drain()
+    b = Request(f"{name}-b", prompt(22, 26, shared=a.all_token_ids[:16]))
+    assert engine.matched_tokens(b) == 4 * BLOCK_SIZE
+    return engine, a, b
+
+
 @pytest.mark.parametrize("policy", ["off", "on_evict"])
 def test_blocks_evicted_after_the_lookup_are_load_errors_or_come_back_from_t1(tmp_path, engines, policy):
     """Between B's lookup and its load the lookup's hold lapses (5 s) and another client evicts every
@@ -190,14 +204,7 @@ def test_blocks_evicted_after_the_lookup_are_load_errors_or_come_back_from_t1(tm
     promoted from T1 (Acquire pending, Wait) and land bit exact."""
     args = small_daemon_args(str(tmp_path), t0_bytes="64KiB", extra=["--set", f"policy.t0_to_t1={policy}"])
     with DaemonProcess(args) as daemon:
-        engine = Engine(daemon.address, lookup_ttl_s=600.0, wait_timeout_s=10.0)
-        engines.append(engine)
-        a = Request("evict-a", prompt(21, 22))
-        step_a = engine.prefill(a)
-        engine.finish(a, step_a.engine_block_ids)
-        engine.drain()
-        b = Request("evict-b", prompt(22, 26, shared=a.all_token_ids[:16]))
-        assert engine.matched_tokens(b) == 4 * BLOCK_SIZE  # the scheduler saw the hits
+        engine, a, b = a_stored_and_b_looked_up(daemon.address, engines, "evict")  # the scheduler saw the hits
         with KvtierClient(daemon.address) as client:
             session = client.attach(engine.worker.layout, map_pool=False, keepalive=False)
             assert wait_until(lambda: fill_t0(session), timeout_s=20)  # once the hold lapsed: evicts all of T0
@@ -236,14 +243,7 @@ def test_the_lookups_promise_is_held_until_the_load_and_its_acquire_gives_it_bac
     Acquire gave the hold back: the whole of T0 can be taken again at once, not after the hold's 5 s."""
     args = small_daemon_args(str(tmp_path), t0_bytes="64KiB", extra=["--set", "policy.t0_to_t1=off"])
     with DaemonProcess(args) as daemon:
-        engine = Engine(daemon.address, lookup_ttl_s=600.0, wait_timeout_s=10.0)
-        engines.append(engine)
-        a = Request("held-a", prompt(21, 22))
-        step_a = engine.prefill(a)
-        engine.finish(a, step_a.engine_block_ids)
-        engine.drain()
-        b = Request("held-b", prompt(22, 26, shared=a.all_token_ids[:16]))
-        assert engine.matched_tokens(b) == 4 * BLOCK_SIZE  # the scheduler saw the hits, and the daemon holds them
+        engine, a, b = a_stored_and_b_looked_up(daemon.address, engines, "held")  # B's hits held
         with KvtierClient(daemon.address) as client:
             session = client.attach(engine.worker.layout, map_pool=False, keepalive=False)
             assert not fill_t0(session)
