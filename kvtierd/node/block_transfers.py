@@ -45,11 +45,12 @@ class BlockTransfers:
         self.quotas = quotas
         self._request_ids = itertools.count()
 
-    async def put(self, tenant: Tenant, pool: LayoutPool, parent: DaemonKey,
-                  blocks: AsyncIterable[PutBlock]) -> BlockPut:
+    async def put(self, tenant: Tenant, pool: LayoutPool, parent: DaemonKey, blocks: AsyncIterable[PutBlock],
+                  check_complete: Callable[[int], object] = lambda num_blocks: None) -> BlockPut:
         """Write `blocks` (the chain after the key `parent`) into the pool's T0 batch by batch, and
-        commit them all once the stream has ended well; returns the finished Put (its counts).
-        InvalidArgument for a block of the wrong size or an empty stream (nothing is committed)."""
+        commit them all once the stream has ended well and `check_complete(the stream's number of
+        blocks)` has returned; returns the finished Put (its counts). InvalidArgument for a block of
+        the wrong size or an empty stream, or whatever `check_complete` raises: nothing is committed."""
         quotas, loop = self.quotas, asyncio.get_running_loop()
         bytes_per_block = pool.layout.bytes_per_block
         put = pool.manager.start_put(("put", next(self._request_ids)), parent)
@@ -83,6 +84,7 @@ class BlockTransfers:
                 raise InvalidArgument("Put needs at least one block")
             await write(batch)
             await written()
+            check_complete(put.num_blocks)
             put.commit()
             return put
         finally:

@@ -32,6 +32,7 @@ from kvtierd.node.off_loop import call_blocking_if
 from kvtierd.node.operations import Operations
 from kvtierd.node.pools import LayoutPool, PoolRegistry
 from kvtierd.node.sessions import SessionLease, SessionTable
+from kvtierd.retention.hint import RetentionHint
 from kvtierd.server.fd_listener import FdListener
 from kvtierd.server.interceptor import current_tenant
 from kvtierd.server.pool_stats import pool_stats, remote_store_message
@@ -293,9 +294,15 @@ class KvTierServicer(kvtier_pb2_grpc.KvTierServicer):
             async for frame in frames:
                 yield block_of(frame)
 
-        put = await self.transfers.put(tenant, pool, parent, blocks())
-        if hint is not None:
-            pool.manager.retention.retain(chain, check_put_end(hint, len(chain), pool.layout.block_size))
+        checked: list[RetentionHint] = []  # the hint over the Put's blocks, checked before they are committed
+
+        def check_hint_end(num_blocks: int) -> None:
+            if hint is not None:
+                checked.append(check_put_end(hint, num_blocks, pool.layout.block_size))
+
+        put = await self.transfers.put(tenant, pool, parent, blocks(), check_hint_end)
+        if checked:
+            pool.manager.retention.retain(chain, checked[0])
         return pb.PutResponse(num_blocks=put.num_blocks, num_already_cached_blocks=put.num_already_cached)
 
     async def Get(self, request: pb.GetRequest, context: Context) -> AsyncIterator[bytes]:

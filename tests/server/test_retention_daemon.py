@@ -218,7 +218,7 @@ def test_a_hint_of_one_tenant_changes_nothing_of_another(tmp_path):
 ])
 def test_a_bad_hint_is_refused_and_changes_nothing(tmp_path, hint, words):
     """Retain, Commit and Put with a bad hint: INVALID_ARGUMENT naming the field; no block retained,
-    the Commit's blocks not committed, none held."""
+    the Commit's and the Put's blocks not committed, none held."""
     with DaemonProcess(small_args(tmp_path)) as daemon, KvtierClient(daemon.address) as client:
         hashes, tokens = chain(client, 9, 8)
         put(client, hashes, tokens)
@@ -235,9 +235,11 @@ def test_a_bad_hint_is_refused_and_changes_nothing(tmp_path, hint, words):
             client._run(commit)
         assert session.lookup(fresh, token_ids=fresh_tokens).num_hit_blocks == 0  # nothing committed
         session.release("r")
-        if "past the chain" not in words:  # a Put's range is known only after its blocks
-            with pytest.raises(InvalidArgument, match=words):
-                put(client, *chain(client, 11, 8), hint)
+        put_words = "past the Put" if "past the chain" in words else words  # a Put's range is known after its blocks
+        refused, refused_tokens = chain(client, 11, 8)
+        with pytest.raises(InvalidArgument, match=put_words):
+            put(client, refused, refused_tokens, hint)
+        assert where(client, refused, refused_tokens).num_hit_blocks == 0  # the refused Put stored nothing
         row = usage(client)
         assert (row.num_t0_retained_blocks, row.num_t1_retained_blocks, row.num_t2_retained_blocks) == (0, 0, 0)
         stats = t0_stats(client)
