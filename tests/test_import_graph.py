@@ -81,26 +81,55 @@ def test_no_module_imports_itself_through_others():
     assert import_cycles(graph) == []
 
 
+def folders_of(modules: dict[str, set[str]]) -> set[str]:
+    """kvtierd's folders (`kvtierd.index`), and those of connectors/ (`kvtierd.connectors.demo`): reached
+    through the `kvtierd/connectors` link, connectors/ is a folder of folders, each a layer of its own."""
+    folders = set()
+    for name in modules:
+        parts = name.split(".")
+        depth = 3 if parts[:2] == ["kvtierd", "connectors"] else 2
+        folders |= {".".join(parts[:size]) for size in range(2, min(depth, len(parts) - 1) + 1)}
+    return folders
+
+
 def folder_of(module: str, folders: set[str]) -> str:
-    """The folder of kvtierd a module is in (`kvtierd.index`; connectors/ is one, `kvtierd.connectors`),
-    or `kvtierd` for the modules at the top (block keys, units, errors)."""
-    folder = ".".join(module.split(".")[:2])
-    return folder if folder in folders else "kvtierd"
+    """The folder a module is in (`kvtierd.index`, `kvtierd.connectors.vllm`); a module at the top of
+    connectors/ (`kvtierd.connectors.prefill_cost`) stands alone, and one at the top of kvtierd/ (block
+    keys, units, errors) is in `kvtierd`."""
+    parts = module.split(".")
+    folder = next((f for f in (".".join(parts[:3]), ".".join(parts[:2])) if f in folders), "kvtierd")
+    return module if folder == "kvtierd.connectors" else folder
 
 
-def test_the_folders_form_a_stack():
-    """No cycle among kvtierd's folders either: each imports only folders below it (events/ between
-    node/ and server/; the CLI loads the demo, and the demo does not import the CLI)."""
-    modules = source_modules()
-    folders = {".".join(name.split(".")[:2]) for name in modules if name.count(".") >= 2}
+def folder_graph(modules: dict[str, set[str]]) -> dict[str, set[str]]:
+    """Which folders each folder imports, itself left out."""
+    folders = folders_of(modules)
     graph: dict[str, set[str]] = {}
     for name, imported in modules.items():
         folder = folder_of(name, folders)
         graph.setdefault(folder, set()).update(
             folder_of(other, folders) for other in imported if other in modules)
         graph[folder].discard(folder)
-    assert {"kvtierd.index", "kvtierd.events", "kvtierd.server", "kvtierd.connectors"} <= set(graph)
+    return graph
+
+
+def test_the_folders_form_a_stack():
+    """No cycle among kvtierd's folders either, connectors/' folders among them: each imports only
+    folders below it (events/ between node/ and server/; the CLI loads the demo, and the demo does
+    not import the CLI; the demo runs the reference runner, and the reference runner knows no demo)."""
+    graph = folder_graph(source_modules())
+    assert {"kvtierd.index", "kvtierd.events", "kvtierd.server", "kvtierd.connectors.reference",
+            "kvtierd.connectors.demo", "kvtierd.connectors.vllm"} <= set(graph)
     assert import_cycles(graph) == []
+
+
+def test_a_cycle_between_the_connectors_folders_is_found():
+    """The demo/reference cycle as it stood (the reference runner's model files importing the demo's
+    tokenizer, the demo importing the reference runner) is a folder cycle."""
+    modules = {"kvtierd.connectors.demo.demo": {"kvtierd.connectors.reference.model_files"},
+               "kvtierd.connectors.reference.model_files": {"kvtierd.connectors.demo.chat_tokenizer"},
+               "kvtierd.connectors.demo.chat_tokenizer": set()}
+    assert import_cycles(folder_graph(modules)) == [["kvtierd.connectors.demo", "kvtierd.connectors.reference"]]
 
 
 def test_cycle_finder_finds_a_planted_cycle():
