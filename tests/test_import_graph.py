@@ -12,6 +12,21 @@ from tests.conftest import REPO
 
 # The folders that talk gRPC: the server, the client library and the CLI built on it, the generated stubs.
 GRPC_PACKAGES = ("kvtierd.server", "kvtierd.client", "kvtierd.cli", "kvtierd.v1")
+# The floors, bottom up, as docs/architecture.md ("Where things are") lists them: a folder imports only
+# folders on the floors below its own. `kvtierd` is the modules at the top of kvtierd/ (keys, units, errors).
+FLOORS: tuple[tuple[str, ...], ...] = (
+    ("kvtierd", "kvtierd.v1"),
+    ("kvtierd.movers", "kvtierd.retention", "kvtierd.t0"),
+    ("kvtierd.index", "kvtierd.wire"),
+    ("kvtierd.t2", "kvtierd.t3", "kvtierd.client"),
+    ("kvtierd.t1", "kvtierd.launch", "kvtierd.connectors.reference"),
+    ("kvtierd.tiering", "kvtierd.connectors.demo"),
+    ("kvtierd.planning",),
+    ("kvtierd.node", "kvtierd.connectors.vllm"),
+    ("kvtierd.events", "kvtierd.metrics"),
+    ("kvtierd.server",),
+    ("kvtierd.cli",),
+)
 
 
 def module_name(path) -> str:
@@ -121,6 +136,18 @@ def test_the_folders_form_a_stack():
     assert {"kvtierd.index", "kvtierd.events", "kvtierd.server", "kvtierd.connectors.reference",
             "kvtierd.connectors.demo", "kvtierd.connectors.vllm"} <= set(graph)
     assert import_cycles(graph) == []
+
+
+def test_each_folder_imports_only_the_floors_below_it():
+    """FLOORS holds every folder, and no folder imports one on its own floor or above (the docs' order is true)."""
+    graph = folder_graph(source_modules())
+    floor_of = {folder: floor for floor, folders in enumerate(FLOORS) for folder in folders}
+    loose = {name for name in graph if name not in floor_of and name.startswith("kvtierd.connectors")}
+    assert set(graph) - loose <= set(floor_of)  # a module at connectors/' top stands alone, on no floor
+    assert set(floor_of) - set(graph) <= {"kvtierd.v1"}  # no floor names a folder that is gone (v1: built at install)
+    upward = sorted((folder, other) for folder, imported in graph.items() if folder in floor_of
+                    for other in imported if other in floor_of and floor_of[other] >= floor_of[folder])
+    assert upward == []
 
 
 def test_a_cycle_between_the_connectors_folders_is_found():
