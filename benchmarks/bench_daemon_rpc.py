@@ -45,11 +45,11 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks import _grpc_floor, _report  # noqa: E402
-from kvtierd.block_hash import pack_token_ids  # noqa: E402
 from kvtierd.client import AsyncKvtierClient, AsyncSession, KvtierClient  # noqa: E402
 from kvtierd.client.base import channel_options  # noqa: E402
 from kvtierd.launch.daemon_process import DaemonProcess, small_daemon_args  # noqa: E402
 from kvtierd.layout import Layout  # noqa: E402
+from kvtierd.token_bytes import pack_token_ids  # noqa: E402
 from kvtierd.v1 import kvtier_pb2 as pb  # noqa: E402
 
 NUM_PROMPT_TOKENS = 4096

@@ -37,10 +37,11 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from benchmarks import _report  # noqa: E402
-from kvtierd.block_hash import Namespace, pack_token_ids  # noqa: E402
+from kvtierd.block_hash import Namespace  # noqa: E402
 from kvtierd.client import KvtierClient  # noqa: E402
 from kvtierd.launch.daemon_process import DaemonProcess, small_daemon_args  # noqa: E402
 from kvtierd.layout import llama3_8b  # noqa: E402
+from kvtierd.token_bytes import pack_token_ids  # noqa: E402
 
 LAYOUT = llama3_8b()  # 2 MiB a block, 16 tokens
 NUM_BLOCKS = 64

@@ -66,7 +66,7 @@ from benchmarks import _report, bench_daemon_rpc  # noqa: E402
 from benchmarks._profile import py_spy, stop_py_spy, summarize_profile  # noqa: E402
 from benchmarks.bench_redis_clients import connection_class  # noqa: E402
 from benchmarks.bench_ttft import FULL, QUICK  # noqa: E402
-from kvtierd.block_hash import Namespace, pack_token_ids  # noqa: E402
+from kvtierd.block_hash import Namespace  # noqa: E402
 from kvtierd.client import AsyncKvtierClient, KvtierClient  # noqa: E402
 from kvtierd.connectors.reference.kv_backend import PrivateKv, num_blocks_for  # noqa: E402
 from kvtierd.connectors.reference.llama_model import LlamaModel  # noqa: E402
@@ -75,6 +75,7 @@ from kvtierd.connectors.reference.runner import GenerationRequest, ReferenceRunn
 from kvtierd.connectors.reference.runner_connector import KvtierdConnector  # noqa: E402
 from kvtierd.launch.daemon_process import ONE_LAYOUT, DaemonProcess, small_daemon_args  # noqa: E402
 from kvtierd.layout import Layout, llama3_8b  # noqa: E402
+from kvtierd.token_bytes import pack_token_ids  # noqa: E402
 from scripts import redis_cluster  # noqa: E402
 
 LAYOUT = llama3_8b()  # 2 MiB a block, 16 tokens

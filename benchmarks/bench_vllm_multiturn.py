@@ -57,7 +57,7 @@ from benchmarks import _report  # noqa: E402
 from benchmarks._sse_completion import stream_completion_chunks  # noqa: E402
 from benchmarks.bench_vllm_serve import BLOCK_SIZE, process_cpu_s, start_daemon, tokens_by_tier  # noqa: E402
 from kvtierd.connectors.demo import demo_texts  # noqa: E402
-from kvtierd.connectors.demo.chat_tokenizer import ChatTokenizer  # noqa: E402
+from kvtierd.connectors.reference.chat_tokenizer import ChatTokenizer  # noqa: E402
 from kvtierd.launch.daemon_process import DaemonProcess  # noqa: E402
 from tests.connectors.vllm.openai_server import SERVED_NAME, OpenAIServer  # noqa: E402
 

@@ -46,7 +46,7 @@ import xxhash
 from kvtierd.errors import InvalidArgument
 from kvtierd.hash_chain_native import native_chain
 from kvtierd.layout import Layout
-from kvtierd.token_bytes import TOKEN_ID_BYTES, pack_token_ids  # also imported from here (benchmarks/)
+from kvtierd.token_bytes import TOKEN_ID_BYTES, pack_token_ids
 
 BlockHash = NewType("BlockHash", bytes)
 

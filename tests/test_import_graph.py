@@ -12,6 +12,21 @@ from tests.conftest import REPO
 
 # The folders that talk gRPC: the server, the client library and the CLI built on it, the generated stubs.
 GRPC_PACKAGES = ("kvtierd.server", "kvtierd.client", "kvtierd.cli", "kvtierd.v1")
+# The floors, bottom up, as docs/architecture.md ("Where things are") lists them: a folder imports only
+# folders on the floors below its own. `kvtierd` is the modules at the top of kvtierd/ (keys, units, errors).
+FLOORS: tuple[tuple[str, ...], ...] = (
+    ("kvtierd", "kvtierd.v1"),
+    ("kvtierd.movers", "kvtierd.retention", "kvtierd.t0"),
+    ("kvtierd.index", "kvtierd.wire"),
+    ("kvtierd.t2", "kvtierd.t3", "kvtierd.client"),
+    ("kvtierd.t1", "kvtierd.launch", "kvtierd.connectors.reference"),
+    ("kvtierd.tiering", "kvtierd.connectors.demo"),
+    ("kvtierd.planning",),
+    ("kvtierd.node", "kvtierd.connectors.vllm"),
+    ("kvtierd.events", "kvtierd.metrics"),
+    ("kvtierd.server",),
+    ("kvtierd.cli",),
+)
 
 
 def module_name(path) -> str:
@@ -81,26 +96,67 @@ def test_no_module_imports_itself_through_others():
     assert import_cycles(graph) == []
 
 
+def folders_of(modules: dict[str, set[str]]) -> set[str]:
+    """kvtierd's folders (`kvtierd.index`), and those of connectors/ (`kvtierd.connectors.demo`): reached
+    through the `kvtierd/connectors` link, connectors/ is a folder of folders, each a layer of its own."""
+    folders = set()
+    for name in modules:
+        parts = name.split(".")
+        depth = 3 if parts[:2] == ["kvtierd", "connectors"] else 2
+        folders |= {".".join(parts[:size]) for size in range(2, min(depth, len(parts) - 1) + 1)}
+    return folders
+
+
 def folder_of(module: str, folders: set[str]) -> str:
-    """The folder of kvtierd a module is in (`kvtierd.index`; connectors/ is one, `kvtierd.connectors`),
-    or `kvtierd` for the modules at the top (block keys, units, errors)."""
-    folder = ".".join(module.split(".")[:2])
-    return folder if folder in folders else "kvtierd"
+    """The folder a module is in (`kvtierd.index`, `kvtierd.connectors.vllm`); a module at the top of
+    connectors/ (`kvtierd.connectors.prefill_cost`) stands alone, and one at the top of kvtierd/ (block
+    keys, units, errors) is in `kvtierd`."""
+    parts = module.split(".")
+    folder = next((f for f in (".".join(parts[:3]), ".".join(parts[:2])) if f in folders), "kvtierd")
+    return module if folder == "kvtierd.connectors" else folder
 
 
-def test_the_folders_form_a_stack():
-    """No cycle among kvtierd's folders either: each imports only folders below it (events/ between
-    node/ and server/; the CLI loads the demo, and the demo does not import the CLI)."""
-    modules = source_modules()
-    folders = {".".join(name.split(".")[:2]) for name in modules if name.count(".") >= 2}
+def folder_graph(modules: dict[str, set[str]]) -> dict[str, set[str]]:
+    """Which folders each folder imports, itself left out."""
+    folders = folders_of(modules)
     graph: dict[str, set[str]] = {}
     for name, imported in modules.items():
         folder = folder_of(name, folders)
         graph.setdefault(folder, set()).update(
             folder_of(other, folders) for other in imported if other in modules)
         graph[folder].discard(folder)
-    assert {"kvtierd.index", "kvtierd.events", "kvtierd.server", "kvtierd.connectors"} <= set(graph)
+    return graph
+
+
+def test_the_folders_form_a_stack():
+    """No cycle among kvtierd's folders either, connectors/' folders among them: each imports only
+    folders below it (events/ between node/ and server/; the CLI loads the demo, and the demo does
+    not import the CLI; the demo runs the reference runner, and the reference runner knows no demo)."""
+    graph = folder_graph(source_modules())
+    assert {"kvtierd.index", "kvtierd.events", "kvtierd.server", "kvtierd.connectors.reference",
+            "kvtierd.connectors.demo", "kvtierd.connectors.vllm"} <= set(graph)
     assert import_cycles(graph) == []
+
+
+def test_each_folder_imports_only_the_floors_below_it():
+    """FLOORS holds every folder, and no folder imports one on its own floor or above (the docs' order is true)."""
+    graph = folder_graph(source_modules())
+    floor_of = {folder: floor for floor, folders in enumerate(FLOORS) for folder in folders}
+    loose = {name for name in graph if name not in floor_of and name.startswith("kvtierd.connectors")}
+    assert set(graph) - loose <= set(floor_of)  # a module at connectors/' top stands alone, on no floor
+    assert set(floor_of) - set(graph) <= {"kvtierd.v1"}  # no floor names a folder that is gone (v1: built at install)
+    upward = sorted((folder, other) for folder, imported in graph.items() if folder in floor_of
+                    for other in imported if other in floor_of and floor_of[other] >= floor_of[folder])
+    assert upward == []
+
+
+def test_a_cycle_between_the_connectors_folders_is_found():
+    """The demo/reference cycle as it stood (the reference runner's model files importing the demo's
+    tokenizer, the demo importing the reference runner) is a folder cycle."""
+    modules = {"kvtierd.connectors.demo.demo": {"kvtierd.connectors.reference.model_files"},
+               "kvtierd.connectors.reference.model_files": {"kvtierd.connectors.demo.chat_tokenizer"},
+               "kvtierd.connectors.demo.chat_tokenizer": set()}
+    assert import_cycles(folder_graph(modules)) == [["kvtierd.connectors.demo", "kvtierd.connectors.reference"]]
 
 
 def test_cycle_finder_finds_a_planted_cycle():

@@ -23,7 +23,7 @@ from collections.abc import Iterator
 from typing import Any, Protocol
 
 from kvtierd.connectors.demo import demo_texts
-from kvtierd.connectors.demo.chat_tokenizer import ChatTokenizer
+from kvtierd.connectors.reference.chat_tokenizer import ChatTokenizer
 from kvtierd.errors import InvalidArgument
 
 

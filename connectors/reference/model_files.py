@@ -14,7 +14,7 @@ from pathlib import Path
 
 import torch
 
-from kvtierd.connectors.demo.chat_tokenizer import ChatTokenizer
+from kvtierd.connectors.reference.chat_tokenizer import ChatTokenizer
 from kvtierd.connectors.reference.gguf_weights import load_gguf
 from kvtierd.connectors.reference.llama_config import LlamaConfig
 from kvtierd.connectors.reference.llama_weights import load_weights

@@ -6,5 +6,11 @@ calls.py (each RPC's request and result), and block_data.py (token ids and block
 callers hand them).
 """
 
-from kvtierd.client.sync_client import *  # noqa: F401,F403
-from kvtierd.client.sync_client import __all__  # noqa: F401
+from kvtierd.client.aio_client import AsyncKvtierClient, AsyncSession
+from kvtierd.client.base import TlsOptions
+from kvtierd.client.block_data import PutResult
+from kvtierd.client.calls import AcquireResult, CommitResult
+from kvtierd.client.sync_client import EventStream, KvtierClient, Session
+
+__all__ = ["KvtierClient", "Session", "EventStream", "TlsOptions", "AcquireResult", "CommitResult", "PutResult",
+           "AsyncKvtierClient", "AsyncSession"]

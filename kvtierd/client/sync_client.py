@@ -1,5 +1,5 @@
-"""The client library of kvtierd: `KvtierClient` (blocking) and `AsyncKvtierClient` (asyncio,
-aio_client.py) with the same surface.
+"""The blocking client of kvtierd: `KvtierClient` and `Session`; `AsyncKvtierClient` (asyncio,
+aio_client.py) has the same surface.
 
     with KvtierClient() as client:                  # KVTIERD_ADDRESS, else the default socket
         session = client.attach(layout)             # maps the pool, keeps the lease alive
@@ -40,9 +40,6 @@ from kvtierd.client.calls import (
 from kvtierd.errors import FailedPrecondition
 from kvtierd.layout import Layout
 from kvtierd.v1 import kvtier_pb2 as pb
-
-__all__ = ["KvtierClient", "Session", "EventStream", "TlsOptions", "AcquireResult", "CommitResult", "PutResult",
-           "AsyncKvtierClient", "AsyncSession"]
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -333,6 +330,3 @@ class EventStream(EventStreamBase):
     def cancel(self) -> None:
         self._cancelled = True
         self._call.cancel()
-
-
-from kvtierd.client.aio_client import AsyncKvtierClient, AsyncSession  # noqa: E402  (re-exported)

@@ -9,7 +9,7 @@ certificates) when configured.
 
 Start: the configuration is checked against the machine (startup_checks.py), then every
 listener is bound (ports first, the unix socket last), then the SSD directory is locked
-(directory_lock.py), then the servers start and `ready` is printed. A mistake at any step is one
+(t2/directory_lock.py), then the servers start and `ready` is printed. A mistake at any step is one
 KvtierError naming the setting (kvtierd_main prints it as one line and exits 2), and `stop()`
 releases only what this daemon acquired: it never unlinks a socket or lock of another daemon.
 
@@ -48,7 +48,6 @@ from kvtierd.planning.capacity import PoolCapacity, format_bytes
 from kvtierd.server.config_flags import setting_name
 from kvtierd.server.config_summary import config_lines
 from kvtierd.server.daemon_config import DaemonConfig
-from kvtierd.server.directory_lock import DirectoryLock
 from kvtierd.server.fd_listener import FdListener
 from kvtierd.server.heap_settings import keep_block_buffers_in_heap
 from kvtierd.server.interceptor import StatusInterceptor
@@ -58,6 +57,7 @@ from kvtierd.server.servicer import KvTierServicer
 from kvtierd.server.ssd_state import SsdHealth, no_room_problem, node_ssd_message, off_by_choice
 from kvtierd.server.startup_checks import check_machine, socket_group_id
 from kvtierd.t0.shm_segment import remove_orphaned_segments
+from kvtierd.t2.directory_lock import DirectoryLock
 from kvtierd.tiering.tier_config import TierConfig
 from kvtierd.v1 import kvtier_pb2
 from kvtierd.wire.conversions import READ_CHUNK_OPTIONS

@@ -27,7 +27,7 @@ Writability of the socket's directory is os.access: root passes it everywhere bu
 read-only filesystem (EROFS); the SSD directory's is a real write, which root fails in a mode
 0555 directory too once it lacks CAP_DAC_OVERRIDE. What these checks cannot see is refused where
 it happens: ports in use and sockets served by another daemon at bind (listeners.py), another
-daemon's SSD directory at its lock (directory_lock.py), a tokens or password file at load
+daemon's SSD directory at its lock (t2/directory_lock.py), a tokens or password file at load
 (tenants.py, t3/remote_config.py).
 """
 

@@ -7,7 +7,6 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import errno
-import fcntl
 import os
 import resource
 from collections.abc import Mapping
@@ -16,7 +15,7 @@ from typing import TYPE_CHECKING
 import lmdb
 
 from kvtierd.config_checks import require_choice
-from kvtierd.errors import FailedPrecondition, InvalidArgument
+from kvtierd.errors import InvalidArgument
 from kvtierd.movers.codec_names import CODEC_NAMES
 from kvtierd.t2.ssd_files import DISK_FULL_ERRNOS
 
@@ -24,7 +23,6 @@ if TYPE_CHECKING:
     from kvtierd.t2.node_budget import NodeBudget
 from kvtierd.units import GiB
 
-LOCK_FILE_NAME = "kvtierd-ssd.lock"
 DURABILITY_POLICIES = ("fdatasync", "none")  # fdatasync: data synced before its index commit; none: neither synced
 DEFAULT_SSD_CAPACITY_BYTES = 4 * GiB  # when not set: bounded by the slot files there plus half the free space
 
@@ -88,16 +86,6 @@ class SsdTierConfig:
             raise InvalidArgument(f"durability must be one of {DURABILITY_POLICIES}, got {self.durability!r}")
         if not 0.0 < self.low_watermark <= self.high_watermark <= 1.0:
             raise InvalidArgument("watermarks must satisfy 0 < low <= high <= 1")
-
-
-def lock_directory(directory: str) -> int:
-    fd = os.open(os.path.join(directory, LOCK_FILE_NAME), os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
-    try:
-        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except BlockingIOError:
-        os.close(fd)
-        raise FailedPrecondition(f"SSD tier directory {directory} is in use by another tier or process") from None
-    return fd
 
 
 def describe_error(error: BaseException, where: str, path: str = "") -> str:

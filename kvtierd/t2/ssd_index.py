@@ -120,10 +120,6 @@ class SsdIndex:
                     struct.pack_into("<d", value, _LAST_USE_OFFSET, last_use_s)
                     txn.put(key, bytes(value))
 
-    def num_records(self) -> int:
-        with self._env.begin(db=self._entries) as txn:
-            return txn.stat(self._entries)["entries"]
-
     def sync(self) -> None:
         self._env.sync(True)
 

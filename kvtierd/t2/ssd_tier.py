@@ -45,8 +45,9 @@ from kvtierd.index.slot_entry import BlockMeta, SlotEntry
 from kvtierd.index.slot_index import slots_within
 from kvtierd.layout import Layout
 from kvtierd.retention.tier_retention import TierRetention
+from kvtierd.t2.directory_lock import SSD_TIER_LOCK_FILE_NAME, DirectoryLock
 from kvtierd.t2.node_budget import NodeBudget, truncating_shed
-from kvtierd.t2.ssd_config import SsdTierConfig, describe_error, lock_directory
+from kvtierd.t2.ssd_config import SsdTierConfig, describe_error
 from kvtierd.t2.ssd_files import SlotFiles
 from kvtierd.t2.ssd_growth import SsdGrowth, TierCalls, take_budget
 from kvtierd.t2.ssd_index import Record, SsdIndex
@@ -77,7 +78,8 @@ class SsdTier:
         directories = [os.path.abspath(d) for d in config.directories]
         for directory in directories:
             os.makedirs(directory, exist_ok=True)
-        self._lock_fd = lock_directory(directories[0])
+        self._lock = DirectoryLock.acquire(directories[0], "SSD tier directory", SSD_TIER_LOCK_FILE_NAME,
+                                           holder="another tier or process")
         self._reason = ""
         self._db: SsdIndex | None = None
         try:  # the index first: on a short disk the slot files leave it room to grow
@@ -90,7 +92,7 @@ class SsdTier:
             self._files = SlotFiles(directories if self._db is not None else [], config.capacity_bytes, slot_nbytes,
                                     config.o_direct, index_reserve_bytes=INDEX_RESERVE_BYTES)
         except OSError:
-            os.close(self._lock_fd)
+            self._lock.release()
             raise
         self._reason = "; ".join(filter(None, [self._reason, *self._files.shortfalls]))
         self.num_slots = self._files.max_slots  # the most the files may hold
@@ -360,7 +362,7 @@ class SsdTier:
         self._files.close()
         # the files stay on disk: their bytes stay taken, given back first when another layout needs them
         self._budget.make_dormant(self._budget_key, truncating_shed(self._budget, self._budget_key, paths))
-        os.close(self._lock_fd)
+        self._lock.release()
 
     # ------------------------------------------------------------------------------ helpers
 

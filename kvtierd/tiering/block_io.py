@@ -23,10 +23,10 @@ from kvtierd.errors import InvalidArgument
 from kvtierd.index.block_index import RequestId
 from kvtierd.index.slot_entry import BlockMeta, chain_metas
 from kvtierd.tier import Tier
+from kvtierd.tiering.layout_tiers import Tiers
 from kvtierd.tiering.offload import Offloader
 from kvtierd.tiering.promotion import AcquiredBlocks, Promoter
 from kvtierd.tiering.remote_stream import RemoteStream
-from kvtierd.tiering.tiers import Tiers
 from kvtierd.token_bytes import TokenBytes, block_span, packed_size
 
 Admit = Callable[[int], None]  # called with a number of T0 blocks before they are taken; raises to refuse

@@ -16,8 +16,8 @@ from __future__ import annotations
 from kvtierd.daemon_key import DaemonKey
 from kvtierd.index.residency import Classify, LeaveReason, Residency
 from kvtierd.tier import Edge, Tier
+from kvtierd.tiering.layout_tiers import Tiers
 from kvtierd.tiering.tier_config import EdgePolicy
-from kvtierd.tiering.tiers import Tiers
 
 
 def residencies(tiers: Tiers) -> dict[Tier, Residency]:

@@ -2,11 +2,11 @@
 
 Each read runs off the event loop, where it may wait on a disk or the network: a T2 read on a
 copy engine host thread, a T3 read on the shared store's reader threads (Tiers.submit_remote_read;
-lower_tiers.py starts both). The blocks read land in T1 as well when there is one (inclusive tiers), and the read
-leaves `segment.source`, the host rows the T0 upload decodes from: T1's own slots where T1 took
-every block in the same codec (the SSD reads into them directly, O_DIRECT without staging), else
-a host buffer. A block that did not come back (absent, refused by its checksum, a failed node)
-ends the segment there: `source` names only the leading blocks that did.
+lower_tier_adapters.py starts both). The blocks read land in T1 as well when there is one
+(inclusive tiers), and the read leaves `segment.source`, the host rows the T0 upload decodes from:
+T1's own slots where T1 took every block in the same codec (the SSD reads into them directly,
+O_DIRECT without staging), else a host buffer. A block that did not come back (absent, refused by
+its checksum, a failed node) ends the segment there: `source` names only the leading blocks that did.
 """
 
 from __future__ import annotations
@@ -17,9 +17,9 @@ import torch
 from kvtierd.index.slot_entry import BlockMeta, StorePlan
 from kvtierd.movers.block_codec import BlockCodec
 from kvtierd.movers.span_copy import copy_rows
+from kvtierd.tiering.layout_tiers import Tiers
 from kvtierd.tiering.lower_tier import Segment
 from kvtierd.tiering.offload import Offloader
-from kvtierd.tiering.tiers import Tiers
 from kvtierd.token_bytes import TokenBytes, packed_size
 
 

@@ -1,7 +1,7 @@
 """The tiers below T0 as one interface: what promotion (promotion.py) and offload (offload.py) ask
 of T1, T2 and T3, so that both loop over the tiers in chain order instead of naming each.
 
-A lower tier (`LowerTier`; the adapters are in lower_tiers.py):
+A lower tier (`LowerTier`; the adapters are in lower_tier_adapters.py):
 - `find`: how many leading blocks of a chain it holds (a Lookup; changes nothing, but for T3's
   misses when the chain is a query);
 - `load_path`: the hops a load of so many of its blocks takes into T0, each with its bandwidth

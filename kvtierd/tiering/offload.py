@@ -10,7 +10,7 @@
   them within a bound (write_through.py: what waits longer is dropped from the edge, counted).
 - T1 → T2 `write_through`: every block stored in T1 is written to T2 in the background, pinned in
   T1 from the instant its store completes (SlotIndex.complete_store(pin=True)) until written, so
-  T1 never evicts it first; what T2 does not take is counted (lower_tiers.py). `on_evict`: the
+  T1 never evicts it first; what T2 does not take is counted (lower_tier_adapters.py). `on_evict`: the
   rows of entries T1 evicts are copied out of their slots before the slots are reused, then
   written to T2 on the spill thread (spills.py: a slow disk delays only the evictions that feed it).
 - Into T3 (the shared store), from T1 (`t1_to_t3`: write_through or on_evict) or T2 (`t2_to_t3`:
@@ -18,7 +18,7 @@
   store's writer (t3/remote_writes.py: bounded, dropped beyond its backlog), never waited for.
   A Put's blocks go to T3 batch by batch as they arrive when T0 → T1 → T3 is write-through.
 The edges out of T1 and T2 loop over the tiers below that take offers (T2 and T3, the
-StoringTier adapters of lower_tiers.py), farthest first: T3's offer only queues, T2's waits on
+StoringTier adapters of lower_tier_adapters.py), farthest first: T3's offer only queues, T2's waits on
 the disk, so T3 is never held up behind it. What a tier took goes on down its own write-through
 edges (T2 → T3). A failed copy completes its store with success=False: no entry points at bytes
 that did not land.
@@ -42,10 +42,10 @@ from kvtierd.movers.block_codec import BlockCodec
 from kvtierd.movers.copy_engine import Direction, Job
 from kvtierd.t1.host_tier import HostTier
 from kvtierd.tier import Edge, Tier
+from kvtierd.tiering.layout_tiers import Tiers, recoded
 from kvtierd.tiering.lower_tier import LowerTier, Rows, StoringTier
 from kvtierd.tiering.spills import Spills
 from kvtierd.tiering.tier_config import EdgePolicy
-from kvtierd.tiering.tiers import Tiers, recoded
 from kvtierd.tiering.write_through import HeldBatch, WriteThroughBacklog
 from kvtierd.token_bytes import TokenBytes, split_blocks
 
@@ -68,7 +68,7 @@ class Offloader:
         return host
 
     def connect(self, levels: Sequence[LowerTier]) -> None:
-        """The lower tiers (lower_tiers.py): the edges out of T1 and T2 offer to those that store."""
+        """The lower tiers (lower_tier_adapters.py): the edges out of T1 and T2 offer to those that store."""
         stores = [level for level in levels if isinstance(level, StoringTier)]
         self._stores = sorted(stores, key=lambda store: store.tier.level, reverse=True)
         if self.tiers.host is not None:  # a shed of T1's share evicts as a store does: its victims go down too

@@ -16,7 +16,7 @@ a miss — the runner recomputes into blocks that are still its own — and neve
 T2 and T3 hits also land in T1 on their way up (inclusive tiers, lower_reads.py). `prefetch`
 runs that step into T1 ahead of use, while a request still queues.
 Each step loops over the lower tiers present, in chain order, through one interface
-(lower_tier.py; the adapters, with each tier's protection and cost check, in lower_tiers.py).
+(lower_tier.py; the adapters, with each tier's protection and cost check, in lower_tier_adapters.py).
 """
 
 from __future__ import annotations
@@ -36,12 +36,12 @@ from kvtierd.index.slot_entry import BlockMeta
 from kvtierd.movers.copy_engine import Direction
 from kvtierd.tier import AcquiredTierFields, Tier, TierCounts
 from kvtierd.tiering import load_decision
+from kvtierd.tiering.layout_tiers import Tiers
 from kvtierd.tiering.lower_reads import LowerReads
 from kvtierd.tiering.lower_tier import ChainRest, LowerTier, Segment
-from kvtierd.tiering.lower_tiers import lower_tiers
+from kvtierd.tiering.lower_tier_adapters import lower_tiers
 from kvtierd.tiering.offload import Offloader
 from kvtierd.tiering.tier_config import LAYOUT_COST, LayoutCost
-from kvtierd.tiering.tiers import Tiers
 from kvtierd.token_bytes import PackableTokenIds, TokenBytes, block_span, pack_optional
 
 log = logging.getLogger(__name__)

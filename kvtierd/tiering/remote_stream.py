@@ -27,8 +27,8 @@ from typing import TYPE_CHECKING
 
 from kvtierd.index.slot_entry import BlockMeta
 from kvtierd.tier import Tier
+from kvtierd.tiering.layout_tiers import Tiers
 from kvtierd.tiering.lower_reads import LowerReads, known_token_bytes
-from kvtierd.tiering.tiers import Tiers
 
 if TYPE_CHECKING:  # the store's client loads where T3 is on
     from kvtierd.t3.remote_tier import RemoteTier

@@ -13,7 +13,7 @@ from kvtierd.retention.hint import RetentionHint
 from kvtierd.retention.hint_rooms import keys_with_room
 from kvtierd.retention.tier_retention import TierRetention
 from kvtierd.tier import Tier
-from kvtierd.tiering.tiers import Tiers
+from kvtierd.tiering.layout_tiers import Tiers
 
 
 @dataclasses.dataclass(frozen=True, slots=True)

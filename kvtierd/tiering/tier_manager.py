@@ -36,6 +36,7 @@ from kvtierd.t1.host_tier import HostTier
 from kvtierd.t2.node_budget import NodeBudget
 from kvtierd.tier import Tier, TierCounts
 from kvtierd.tiering.block_io import Admit, BlockGet, BlockPut
+from kvtierd.tiering.layout_tiers import Tiers
 from kvtierd.tiering.leave_reasons import attach_leave_reasons
 from kvtierd.tiering.lookup_holds import HoldKey, LookupHolds
 from kvtierd.tiering.offload import Offloader
@@ -43,7 +44,6 @@ from kvtierd.tiering.promotion import AcquiredBlocks, Promoter
 from kvtierd.tiering.retention_hints import LayoutRetention
 from kvtierd.tiering.tier_config import LAYOUT_COST, LayoutCost, TierConfig
 from kvtierd.tiering.tiering_stats import TieringStats, tiering_stats
-from kvtierd.tiering.tiers import Tiers
 from kvtierd.tiering.write_backs import WriteBacks
 from kvtierd.token_bytes import PackableTokenIds, TokenBytes, pack_optional, pack_token_ids
 

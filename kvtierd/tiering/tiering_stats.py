@@ -19,9 +19,9 @@ from kvtierd.index.residency import ResidencySnapshot
 from kvtierd.t2.ssd_stats import SsdStats
 from kvtierd.t3.remote_tier import RemoteTierStats
 from kvtierd.tier import Edge, Tier, TierCounts
+from kvtierd.tiering.layout_tiers import Tiers
 from kvtierd.tiering.leave_reasons import residencies
 from kvtierd.tiering.recompute_cost import CostEstimate
-from kvtierd.tiering.tiers import Tiers
 
 
 @dataclasses.dataclass(frozen=True, slots=True)

@@ -2,8 +2,8 @@
 
 A part is one subprocess: either the `gpu`-marked tests of some test files (pytest, with
 KVTIERD_REQUIRE_GPU=1 so that a skip is a failure) or one benchmark script. Every gpu test file
-belongs to exactly one part (the dry run checks it). `checks` names the tests that prove an item
-of issue 13 on their own; the report gives each its own row.
+belongs to exactly one part (the dry run checks it). `checks` names the tests that prove a CUDA
+path's claim on their own; the report gives each its own row.
 """
 
 from __future__ import annotations

@@ -28,7 +28,7 @@ GENERATED = ("kvtierd/v1/kvtier_pb2.py", "kvtierd/v1/kvtier_pb2_grpc.py")
 # Distributions to carry: the daemon's imports the GPU machine lacks, pytest-timeout (per-test
 # time limits), and the runtimes the generated code checks.
 DISTRIBUTIONS = ("lmdb", "grpcio-health-checking", "grpcio-reflection", "pytest-timeout", "grpcio", "protobuf",
-                 "redis", "hiredis", "msgspec", "pyzmq")  # the T3 client and the KV event feed (issue 15)
+                 "redis", "hiredis", "msgspec", "pyzmq")  # the T3 client and the KV event feed
 MAX_CARRY_PATHS = 8
 MAX_CARRY_BYTES = 64 << 20
 PIP_DOWNLOAD = ["download", "--no-deps", "--only-binary=:all:", "--python-version", "3.12", "--implementation", "cp",

@@ -43,7 +43,8 @@ SELECTOR = re.compile(r"\b(kvtierd[_:][A-Za-z0-9_:]*)\s*\{([^{}]*)\}")
 MATCHER = re.compile(r"""([A-Za-z_][A-Za-z0-9_]*)\s*(=~|!~|!=|=)\s*("(?:[^"\\]|\\.)*"|'(?:[^'\\]|\\.)*')""")
 GROUPING = re.compile(r"\b(?:by|without|on|ignoring|group_left|group_right)\s*\(([^()]*)\)")
 VARIABLE = re.compile(r"\$\{?([A-Za-z_][A-Za-z0-9_]*)")
-# The T3 series of issue 15 (the lead's spec): the only kvtierd_t3_ names the rules and dashboard may use.
+# The T3 series the daemon exports (metrics/metrics_collector.py): the only kvtierd_t3_ names
+# the rules and dashboard may use.
 T3_METRICS = {"kvtierd_t3_hit_blocks_total", "kvtierd_t3_miss_blocks_total", "kvtierd_t3_read_bytes_total",
               "kvtierd_t3_written_bytes_total", "kvtierd_t3_dropped_writes_total", "kvtierd_t3_corrupt_blocks_total",
               "kvtierd_t3_errors_total", "kvtierd_t3_breaker_open", "kvtierd_t3_open_nodes",

@@ -19,7 +19,7 @@ import pytest
 
 from kvtierd.client import KvtierClient
 from kvtierd.launch.daemon_process import READY_LINE, DaemonProcess, python_module_command, wait_until
-from kvtierd.server.directory_lock import LOCK_FILE_NAME
+from kvtierd.t2.directory_lock import LOCK_FILE_NAME
 
 SMALL = ["--metrics-port", "-1", "--device", "cpu", "--t0-bytes", "4MiB", "--host-bytes", "8MiB",
          "--ssd-bytes", "16MiB"]

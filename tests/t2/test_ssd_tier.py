@@ -312,7 +312,8 @@ def test_an_index_commit_failure_leaves_no_entry(tmp_path, open_tiers, monkeypat
 def test_a_directory_serves_one_tier_at_a_time(tmp_path, open_tiers):
     cfg = config(tmp_path, 8)
     tier = open_tiers(cfg)
-    with pytest.raises(FailedPrecondition):
+    with pytest.raises(FailedPrecondition, match=rf"^SSD tier directory: .* in use by another tier or process "
+                                                 rf"\(pid {os.getpid()}\)"):
         SsdTier.open(cfg, LAYOUT)
     tier.close()
     tier.close()  # idempotent

@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 import torch
 
-from kvtierd.connectors.demo.chat_tokenizer import ChatTokenizer
+from kvtierd.connectors.reference.chat_tokenizer import ChatTokenizer
 from kvtierd.connectors.reference.forward_batch import ForwardBatch, SequenceChunk
 from kvtierd.connectors.reference.gguf_weights import gguf_config, load_gguf, open_gguf, unpermute_rotary_rows
 from kvtierd.connectors.reference.kv_backend import PrivateKv

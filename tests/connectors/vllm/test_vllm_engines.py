@@ -373,7 +373,7 @@ def test_smollm2_through_vllm_answers_the_same_with_the_prefix_from_kvtierd(vllm
     """The real model, real chat prompts: the demo's 1,092-token handbook before two questions, and
     the capital of France. A new engine loads the handbook from kvtierd and says what recompute says."""
     from kvtierd.connectors.demo import demo_texts
-    from kvtierd.connectors.demo.chat_tokenizer import ChatTokenizer
+    from kvtierd.connectors.reference.chat_tokenizer import ChatTokenizer
 
     tokenizer = ChatTokenizer.from_directory(smollm2_hf)
     system = {"role": "system", "content": demo_texts.SYSTEM_PROMPT}

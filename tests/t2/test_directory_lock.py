@@ -8,7 +8,7 @@ import os
 import pytest
 
 from kvtierd.errors import FailedPrecondition
-from kvtierd.server.directory_lock import LOCK_FILE_NAME, DirectoryLock
+from kvtierd.t2.directory_lock import LOCK_FILE_NAME, DirectoryLock
 
 
 def test_a_second_lock_names_the_holder_and_changes_nothing(tmp_path):

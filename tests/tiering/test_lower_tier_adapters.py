@@ -1,4 +1,4 @@
-"""The lower tiers behind one interface (tiering/lower_tier.py, lower_tiers.py): chain order,
+"""The lower tiers behind one interface (tiering/lower_tier.py, lower_tier_adapters.py): chain order,
 who takes offers, and each tier's protection of what it claimed until the load released it."""
 
 from __future__ import annotations

@@ -19,10 +19,10 @@ from kvtierd.movers.block_codec import BlockCodec
 from kvtierd.movers.copy_engine import Bandwidth, Direction, Transfer
 from kvtierd.t1.host_tier import HostTier
 from kvtierd.tier import Edge, Tier
+from kvtierd.tiering.layout_tiers import Tiers
 from kvtierd.tiering.load_decision import Hop
 from kvtierd.tiering.lower_reads import LowerReads
 from kvtierd.tiering.lower_tier import ChainRest, LowerTier, Rows, Segment
-from kvtierd.tiering.tiers import Tiers
 
 if TYPE_CHECKING:  # built where a tier is (tier_manager.py): lmdb and redis load only when used
     from kvtierd.t2.ssd_tier import SsdTier
