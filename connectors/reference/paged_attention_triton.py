@@ -22,6 +22,7 @@ import functools
 import importlib.util
 import math
 import os
+from typing import Any
 
 import torch
 
@@ -78,18 +79,23 @@ def paged_decode_triton(query: torch.Tensor, key_cache: torch.Tensor, value_cach
     out = torch.empty_like(query)
     block_tables = group.block_ids.view(num_seqs, -1)
     block_d = max(16, triton_next_power_of_2(head_dim))  # tl.dot takes no dim below 16
-    kernels.decode_split_kernel[(num_seqs, num_kv_heads, splits)](  # pyright: ignore[reportIndexIssue]
+    launcher(kernels.decode_split_kernel, (num_seqs, num_kv_heads, splits))(
         query, key_cache, value_cache, block_tables, group.context_lens, partial_out, partial_lse,
         scale * math.log2(math.e), keys_per_split,
         query.stride(0), query.stride(1), *key_cache.stride()[:3], block_tables.stride(0),
         *partial_out.stride()[:3], *partial_lse.stride()[:2],
         GROUP=group_size, BLOCK_H=max(16, triton_next_power_of_2(group_size)), HEAD_DIM=head_dim, BLOCK_D=block_d,
         BLOCK_SIZE=block_size, BLOCK_N=KEYS_PER_TILE, num_warps=4, num_stages=2)
-    kernels.merge_splits_kernel[(num_seqs, num_heads)](  # pyright: ignore[reportIndexIssue]
+    launcher(kernels.merge_splits_kernel, (num_seqs, num_heads))(
         partial_out, partial_lse, out, splits, *partial_out.stride()[:3], *partial_lse.stride()[:2],
         out.stride(0), out.stride(1),
         HEAD_DIM=head_dim, BLOCK_D=block_d, BLOCK_S=max(2, triton_next_power_of_2(splits)), num_warps=4)
     return out
+
+
+def launcher(kernel: Any, grid: tuple[int, ...]) -> Any:
+    """`kernel[grid]`, untyped: how triton types a kernel's launcher changes between its releases."""
+    return kernel[grid]
 
 
 def triton_next_power_of_2(n: int) -> int:

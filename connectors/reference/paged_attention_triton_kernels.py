@@ -85,6 +85,6 @@ def merge_splits_kernel(part_out_ptr, part_lse_ptr, out_ptr, num_splits,
     parts = tl.load(part_out_ptr + seq * part_stride_seq + head * part_stride_head
                     + splits[:, None] * part_stride_split + dims[None, :],
                     mask=split_mask[:, None] & dim_mask[None, :], other=0.0)
-    out = tl.sum(parts * weights[:, None], 0) / tl.sum(weights, 0)
+    out = tl.sum(parts * weights[:, None], 0) / tl.sum(weights, 0)  # pyright: ignore[reportOperatorIssue]
     tl.store(out_ptr + seq * out_stride_seq + head * out_stride_head + dims, out.to(out_ptr.dtype.element_ty),
              mask=dim_mask)
