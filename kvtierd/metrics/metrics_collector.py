@@ -99,7 +99,9 @@ _FAMILIES: dict[str, tuple[type, str, str, tuple[str, ...]]] = {
                      "Blocks whose promotion from a lower tier failed (served as misses).", ()),
     "failed_offloads": (CounterMetricFamily, "kvtierd_failed_offloads", "Blocks whose copy down a tier failed.", ()),
     "retention_downgraded": (CounterMetricFamily, "kvtierd_retention_downgraded_blocks",
-                             "Blocks a retention hint was not kept on: over the tenant's quota of a tier.", ()),
+                             "Times a hinted block was kept without its hint, over the tenant's quota of a tier: "
+                             "when the hint was set, and each time such a block entered a tier's eviction order or "
+                             "gave its room to a stronger hint (a block may count more than once).", ()),
     "dropped_offloads": (CounterMetricFamily, "kvtierd_dropped_offload_blocks",
                          "Blocks an edge into T1 or T2 did not copy down: no slot free of copies in flight within "
                          "policy.write_through_wait_s (an eviction cannot wait), or T2 refused them.", ("edge",)),

@@ -62,7 +62,8 @@ class TieringStats:
     num_dropped_offload_blocks: Mapping[Edge, int]  # by edge: not copied down (no room below, or refused)
     bytes_moved: Mapping[str, int]  # by copy direction (Direction values): this layout's copies only
     bandwidth_bytes_per_s: Mapping[str, float]  # by copy direction: the device's engine's, shared by its layouts
-    num_retention_downgraded_blocks: int = 0  # retention hints not kept over a tenant's quota (retention_hints.py)
+    # hinted blocks kept without their hint over a tenant's quota, counted per event (retention_hints.py)
+    num_retention_downgraded_blocks: int = 0
     # per local tier present: how long blocks stayed and why they left (index/residency.py)
     residency: Mapping[Tier, ResidencySnapshot] = dataclasses.field(default_factory=dict)
     num_distinct_blocks: int = 0  # distinct keys ever committed into T0, estimated (index/distinct_keys.py)
