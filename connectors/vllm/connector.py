@@ -55,7 +55,7 @@ from __future__ import annotations
 
 import logging
 import os
-from typing import Any
+from typing import TYPE_CHECKING, Any, cast
 
 import torch
 
@@ -83,11 +83,12 @@ try:  # vLLM is optional: see the module docstring
     KVConnectorMetadata.register(StepMetadata)
     HIT_SOURCES = (CacheHitSource.DEVICE, CacheHitSource.HOST, CacheHitSource.DISK)  # of T0, T1, T2
 except ImportError:
-    class KVConnectorBase_V1:  # type: ignore[no-redef]
-        """Stands in for vLLM's base class where vLLM is not installed (the unit tests)."""
+    if not TYPE_CHECKING:  # pyright checks this package with vLLM installed (the vllm lane)
+        class KVConnectorBase_V1:
+            """Stands in for vLLM's base class where vLLM is not installed (the unit tests)."""
 
-    class SupportsHMA:  # type: ignore[no-redef]
-        """vLLM's marker of a connector that serves its hybrid memory allocator (absent without vLLM)."""
+        class SupportsHMA:
+            """vLLM's marker of a connector that serves its hybrid memory allocator (absent without vLLM)."""
 
     VLLM_AVAILABLE = False
     HIT_SOURCES = ("device", "host", "disk")
@@ -184,6 +185,7 @@ class KvtierdConnector(KVConnectorBase_V1, SupportsHMA):
                                      counts_tokens=rank == 0)
             self.forward_timer = ForwardTimer(self.worker.prefill_cost)  # brackets the forwards it measures
         else:
+            assert settings.lookup_timeout_s is not None  # VllmExtraConfig resolves None
             self._scheduler_links = [link(layout) for layout in rank_layouts.layouts]
             self.scheduler = SchedulerSide(daemon_lookup(self._scheduler_links, self.engine_groups,
                                                          prefetch=settings.prefetch),
@@ -206,7 +208,7 @@ class KvtierdConnector(KVConnectorBase_V1, SupportsHMA):
 
     def get_kv_connector_stats(self) -> KvtierdConnectorStats | None:
         """What this side did since the last call: the worker's loads and stores, the scheduler's lookups."""
-        side = self.worker if self.worker is not None else self.scheduler
+        side = self.worker if self.worker is not None else self._scheduler()
         links = [self.worker.link] if self.worker is not None else self._scheduler_links
         num_attach_failures = sum(link.num_attach_failures for link in links)
         side.stats.add("attach_failures", num_attach_failures - self._num_reported_attach_failures)
@@ -225,7 +227,8 @@ class KvtierdConnector(KVConnectorBase_V1, SupportsHMA):
     # ------------------------------------------------------------------ metadata binding
 
     def bind_connector_metadata(self, connector_metadata: StepMetadata) -> None:
-        self._connector_metadata = connector_metadata
+        # A KVConnectorMetadata by registration (KVConnectorMetadata.register above), which pyright cannot see.
+        self._connector_metadata = cast("KVConnectorMetadata", connector_metadata)
         if self.worker is not None:  # the step's forward comes next
             self.forward_timer.step_started(connector_metadata)
 

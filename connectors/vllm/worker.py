@@ -57,6 +57,7 @@ from kvtierd.connectors.vllm.kv_groups import EngineGroups, ServedGroup
 from kvtierd.connectors.vllm.metadata import GroupBlocks, GroupStore, LoadSpec, StepMetadata, StoreSpec
 from kvtierd.connectors.vllm.retention_calls import RetentionCalls
 from kvtierd.errors import KvtierError
+from kvtierd.tier import TierCounts
 
 log = logging.getLogger(__name__)
 
@@ -115,6 +116,15 @@ class WorkerSide:
             self._side_stream = torch.cuda.Stream(device=pages.device)
         self.link.session(deadline_s=self.start_attach_s)
 
+    def _pages(self) -> EnginePagesLike:
+        assert self.pages is not None, "a load or store before register_kv_caches"
+        return self.pages
+
+    @staticmethod
+    def _pool(session: Session) -> torch.Tensor:
+        assert session.pool is not None, "a worker's session maps the pool (DaemonLink map_pool)"
+        return session.pool.tensor
+
     def _daemon_request_id(self, kind: str, request_id: str) -> str:
         return f"vllm-{kind}-{request_id}-{next(self._daemon_request_ids)}"
 
@@ -159,21 +169,20 @@ class WorkerSide:
         if session is None:
             return set(spec.engine_block_ids)
         failed: set[int] = set()
-        tokens_per_tier = (0, 0, 0, 0)
+        loaded_blocks, block_size = TierCounts(), 0
         for blocks in spec.groups:
-            group_failed, ready_per_tier = self._load_group(session, spec, blocks)
+            group_failed, ready_blocks = self._load_group(session, spec, blocks)
             failed |= group_failed
             if blocks.num_blocks == max(g.num_blocks for g in spec.groups):  # a group that loads the whole hit
-                block_size = len(blocks.token_ids) // blocks.num_blocks
-                tokens_per_tier = tuple(n * block_size for n in ready_per_tier)
+                loaded_blocks, block_size = ready_blocks, len(blocks.token_ids) // blocks.num_blocks
         if self.counts_tokens:
-            self.stats.add_loaded_tokens(tokens_per_tier)
+            self.stats.add_loaded_tokens(loaded_blocks, block_size)
         self.stats.add("failed_load_blocks", len(failed))
         return failed
 
     def _load_group(self, session: Session, spec: LoadSpec,
-                    blocks: GroupBlocks) -> tuple[set[int], tuple[int, int, int, int]]:
-        """(the engine block ids left unfilled, the blocks filled from T0, T1, T2, T3)."""
+                    blocks: GroupBlocks) -> tuple[set[int], TierCounts]:
+        """(the engine block ids left unfilled, the blocks filled per tier)."""
         daemon_request_id = self._daemon_request_id("load", spec.request_id)
         try:
             acquired = session.acquire(daemon_request_id, list(blocks.block_hashes), 0,
@@ -184,7 +193,7 @@ class WorkerSide:
             self.link.failed(session, error)
             log.warning("kvtierd connector: acquire for loading %s failed (%s: %s)", spec.request_id,
                         type(error).__name__, error)
-            return set(blocks.engine_block_ids), (0, 0, 0, 0)
+            return set(blocks.engine_block_ids), TierCounts()
         num_ready = acquired.num_t0_hit_blocks
         if acquired.pending:
             try:
@@ -198,7 +207,7 @@ class WorkerSide:
         event = None
         try:
             if num_ready:
-                self.pages.from_pool(self._groups[blocks.group_id], session.pool.tensor,
+                self._pages().from_pool(self._groups[blocks.group_id], self._pool(session),
                                      acquired.block_ids[:num_ready], blocks.engine_block_ids[:num_ready])
                 event = self._record_event()
                 if spec.is_async and event is not None:
@@ -209,12 +218,8 @@ class WorkerSide:
         self._submit(spec.request_id, self._executor, self._release_after, session, daemon_request_id, event)
         self.num_loaded_blocks += num_ready
         self.stats.add("loaded_bytes", num_ready * self._groups[blocks.group_id].block_nbytes)
-        ready_per_tier, left = [], num_ready
-        for count in (acquired.num_t0_hit_blocks, acquired.num_t1_blocks, acquired.num_t2_blocks,
-                      acquired.num_t3_blocks):  # the table's order: T0 hits, then each lower tier's
-            ready_per_tier.append(min(left, count))
-            left -= ready_per_tier[-1]
-        return set(blocks.engine_block_ids[num_ready:]), tuple(ready_per_tier)
+        # The ready blocks are the hit's first: T0's hits, then each lower tier's (the chain's order).
+        return set(blocks.engine_block_ids[num_ready:]), acquired.tier_blocks.first(num_ready)
 
     def take_load_error_block_ids(self) -> set[int]:
         errors, self._load_error_block_ids = self._load_error_block_ids, set()
@@ -285,7 +290,7 @@ class WorkerSide:
         if not fresh_block_ids:
             return True
         assert num_hits or blocks.first_position == 0 or offer.volatile, "a mid-chain commit needs its parent"
-        self._copy_to_pool(self._groups[blocks.group_id], blocks.engine_block_ids[num_hits:], session.pool.tensor,
+        self._copy_to_pool(self._groups[blocks.group_id], blocks.engine_block_ids[num_hits:], self._pool(session),
                            fresh_block_ids, event)
         if pages_read is not None:
             pages_read.set()
@@ -328,13 +333,14 @@ class WorkerSide:
                         "later request with the same prefix stores it", request_id, why, count)
 
     def _copy_to_pool(self, group: ServedGroup, engine_block_ids, pool: torch.Tensor, pool_block_ids, event) -> None:
+        pages = self._pages()
         if self._side_stream is None:
-            self.pages.to_pool(group, engine_block_ids, pool, pool_block_ids)
+            pages.to_pool(group, engine_block_ids, pool, pool_block_ids)
             return
         with torch.cuda.stream(self._side_stream):
             if event is not None:
                 self._side_stream.wait_event(event)
-            self.pages.to_pool(group, engine_block_ids, pool, pool_block_ids)
+            pages.to_pool(group, engine_block_ids, pool, pool_block_ids)
         self._side_stream.synchronize()  # the bytes are in the pool before Commit shares them
 
     def wait_for_volatile_reads(self) -> None:
