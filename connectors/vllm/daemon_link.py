@@ -19,6 +19,8 @@ import threading
 import time
 from typing import Callable
 
+import torch
+
 from kvtierd.client import KvtierClient, Session
 from kvtierd.errors import KvtierError, NotFound, Unavailable
 from kvtierd.layout import Layout
@@ -121,3 +123,9 @@ class DaemonLink:
             session.close()
         if client is not None:
             client.close()
+
+
+def mapped_pool(session: Session) -> torch.Tensor:
+    """The pool `session` mapped (a worker's link maps it: `map_pool`), as the tensor the copies address."""
+    assert session.pool is not None, "a worker's session maps the pool (DaemonLink map_pool)"
+    return session.pool.tensor
