@@ -9,7 +9,8 @@ import pytest
 from kvtierd.client import KvtierClient
 from kvtierd.connectors.vllm.group_hits import NO_HIT, RequestHit
 from kvtierd.connectors.vllm.kv_groups import engine_groups
-from kvtierd.connectors.vllm.scheduler import LookupQuery, SchedulerSide
+from kvtierd.connectors.vllm.lookup_query import LookupQuery
+from kvtierd.connectors.vllm.scheduler import SchedulerSide
 from kvtierd.launch.daemon_process import wait_until
 from tests.connectors.vllm.vllm_fakes import (
     BLOCK_SIZE,
