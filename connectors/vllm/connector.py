@@ -81,7 +81,7 @@ try:  # vLLM is optional: see the module docstring
     from vllm.v1.metrics.cache_hit_source import CacheHitSource
     VLLM_AVAILABLE = True
     KVConnectorMetadata.register(StepMetadata)
-    HIT_SOURCES = (CacheHitSource.DEVICE, CacheHitSource.HOST, CacheHitSource.DISK)  # of T0, T1, T2
+    HIT_SOURCES = (CacheHitSource.DEVICE, CacheHitSource.HOST, CacheHitSource.DISK)  # of T0, T1, T2 and T3
 except ImportError:
     if not TYPE_CHECKING:  # pyright checks this package with vLLM installed (the vllm lane)
         class KVConnectorBase_V1:
@@ -300,9 +300,12 @@ class KvtierdConnector(KVConnectorBase_V1, SupportsHMA):
         self._scheduler().update_state_after_alloc(request, blocks, num_external_tokens)
 
     def get_external_cache_hit_sources(self, request: Any, num_external_tokens: int) -> dict[Any, int]:
-        """`num_external_tokens` split by the daemon tier that holds them: T0, then T1, then T2."""
-        tokens_per_tier = self._scheduler().hit_tokens_per_tier(request.request_id, num_external_tokens)
-        return {source: n for source, n in zip(HIT_SOURCES, tokens_per_tier) if n}
+        """`num_external_tokens` split by the daemon tier that holds them: T0, then T1, then T2 and T3
+        (storage, as vLLM's metrics see it)."""
+        blocks = self._scheduler().external_hit_blocks(request.request_id, num_external_tokens)
+        blocks_per_source = (blocks.t0, blocks.t1, blocks.t2 + blocks.t3)
+        return {source: num_blocks * self.engine_groups.block_size
+                for source, num_blocks in zip(HIT_SOURCES, blocks_per_source) if num_blocks}
 
     def build_connector_meta(self, scheduler_output: Any) -> StepMetadata:
         return self._scheduler().build_connector_meta(scheduler_output)

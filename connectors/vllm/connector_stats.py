@@ -28,10 +28,10 @@ from typing import TYPE_CHECKING, Any, cast
 
 from prometheus_client import Counter, Histogram
 
-from kvtierd.tier import TierCounts
+from kvtierd.tier import Tier, TierCounts
 from kvtierd.token_bytes import packed_size
 
-TIERS = ("t0", "t1", "t2", "t3")
+TIERS = tuple(tier.value for tier in Tier)  # "t0" .. "t3": the keys and label values of the counts below
 LOADED_TOKENS = tuple(f"loaded_tokens_{tier}" for tier in TIERS)  # loaded into vLLM, by the tier that held them
 LOWER_TIERS = TIERS[1:]  # T0's hits are never declined
 DECLINED_TOKENS = tuple(f"declined_tokens_{tier}" for tier in LOWER_TIERS)  # held, recomputed as faster, by tier

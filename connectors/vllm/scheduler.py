@@ -76,6 +76,7 @@ from kvtierd.connectors.vllm.request_keys import RequestKeys
 from kvtierd.connectors.vllm.retention_hints import PromptRetention
 from kvtierd.connectors.vllm.retention_plan import first_step_retain, request_retention
 from kvtierd.connectors.vllm.scheduler_output import scheduled_requests
+from kvtierd.tier import TierCounts
 
 log = logging.getLogger(__name__)
 
@@ -206,17 +207,14 @@ class SchedulerSide:
         tracked.load_async = hit.num_blocks > 0 and (self.engine.has_mamba or (self.async_loads and not hit.all_in_t0))
         return hit.num_blocks * block_size, tracked.load_async
 
-    def hit_tokens_per_tier(self, request_id: str, num_external_tokens: int) -> tuple[int, int, int]:
-        """The leading `num_external_tokens` of the request's last lookup split over T0, T1, and
-        the tiers below (T2 and T3: storage, as vLLM's metrics see it)."""
+    def external_hit_blocks(self, request_id: str, num_external_tokens: int) -> TierCounts:
+        """The leading `num_external_tokens` of the request's last lookup (whole blocks: update_state_after_alloc
+        checks) as blocks per tier; blocks it did not attribute (it never happens: they are its hits) count in T3."""
         tracked = self._tracked.get(request_id)
-        blocks = tracked.hit.tier_blocks if tracked is not None else NO_HIT.tier_blocks
-        split, left = [], num_external_tokens
-        for num_blocks in (blocks.t0, blocks.t1, blocks.t2 + blocks.t3):
-            split.append(min(left, num_blocks * self.block_size))
-            left -= split[-1]
-        split[-1] += left  # tokens the lookup did not attribute (it never happens: they are its hits)
-        return split[0], split[1], split[2]
+        tier_blocks = tracked.hit.tier_blocks if tracked is not None else NO_HIT.tier_blocks
+        num_blocks = num_external_tokens // self.block_size
+        hit = tier_blocks.first(num_blocks)
+        return hit + TierCounts(t3=num_blocks - hit.num_blocks)
 
     # ------------------------------------------------------------------ allocation
 

@@ -122,7 +122,8 @@ def test_get_num_new_matched_tokens_is_none_while_the_lookup_is_pending_and_send
     assert answer == (3 * BLOCK_SIZE, True)  # blocks in T2: loaded in the background
     assert calls == [7] and side.num_lookups == 1
     assert side.get_num_new_matched_tokens(request, 0) == (3 * BLOCK_SIZE, True) and side.num_lookups == 1
-    assert side.hit_tokens_per_tier("pending", 3 * BLOCK_SIZE) == (BLOCK_SIZE, 0, 2 * BLOCK_SIZE)
+    assert side.external_hit_blocks("pending", 3 * BLOCK_SIZE) == TierCounts(1, 0, 2, 0)
+    assert side.external_hit_blocks("pending", 2 * BLOCK_SIZE) == TierCounts(1, 0, 1, 0)  # T0's come first
     side.shutdown()
 
 
