@@ -10,9 +10,9 @@ and kv_connector_model_runner_mixin.py `_get_kv_connector_output`): `handle_pree
 Loads run in `start_load_kv` (worker_loads.py), stores start in `wait_for_save`, after the forward
 wrote the step's KV (worker_stores.py). `get_finished` reports the requests whose asynchronous loads
 have landed (`finished_recving`) and the finished requests whose store jobs are done
-(`finished_sending`, worker_jobs.py). One thread runs the full-attention stores, the Retains and every
-Release in order; the sliding-window and Mamba stores and the asynchronous loads each have a thread
-of their own.
+(`finished_sending`, worker_jobs.py). One thread runs the full-attention stores, the Retains and the
+loads' Releases in order; the sliding-window and Mamba stores and the asynchronous loads each have a
+thread of their own.
 """
 
 from __future__ import annotations
@@ -46,6 +46,7 @@ class WorkerSide:
         self.engine_groups = engine_groups
         groups = {group.group_id: group for group in engine_groups.groups}
         self.pages: EnginePagesLike | None = None
+        # The full-attention stores, the Retains and the loads' Releases, in that order.
         self._executor = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="kvtierd-store")
         self.jobs = RequestJobs()
         self.stats = StatsRecorder()  # for vLLM's connector metrics (connector_stats.py)
