@@ -159,15 +159,15 @@ def run_connector(daemon: DaemonProcess, workload: Workload) -> tuple[dict[str, 
         for wave in range(workload.num_waves):
             numbers = range(wave * CONCURRENCY, (wave + 1) * CONCURRENCY)
             requests = [Request(f"wave{wave}-{n}", prompt(n, PROMPT_TOKENS), BLOCK_SIZE) for n in numbers]
-            cpu_s, stored_before = process_cpu_s(daemon.process.pid), side.worker.num_stored_blocks
+            cpu_s, stored_before = process_cpu_s(daemon.process.pid), side.worker.stores.num_stored_blocks
             new = side.admit(requests, 0)
             for index, chunk in enumerate(steps(0, PROMPT_TOKENS)):
                 side.step(requests, [chunk] * len(requests), new if index == 0 else ())
             for request in requests:
                 request.append_output(decoded_token(request))
             expected = stored_before + CONCURRENCY * (PROMPT_TOKENS // BLOCK_SIZE)
-            assert wait_until(lambda: side.worker.num_stored_blocks >= expected, timeout_s=120), (
-                side.worker.num_stored_blocks, expected, side.worker.num_dropped_stores)
+            assert wait_until(lambda: side.worker.stores.num_stored_blocks >= expected, timeout_s=120), (
+                side.worker.stores.num_stored_blocks, expected, side.worker.stores.num_dropped_stores)
             add(totals["prefill"], side.traffic(cpu_s))
 
             cpu_s = process_cpu_s(daemon.process.pid)

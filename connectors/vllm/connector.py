@@ -55,7 +55,7 @@ from __future__ import annotations
 
 import logging
 import os
-from typing import Any
+from typing import TYPE_CHECKING, Any, cast
 
 import torch
 
@@ -81,13 +81,14 @@ try:  # vLLM is optional: see the module docstring
     from vllm.v1.metrics.cache_hit_source import CacheHitSource
     VLLM_AVAILABLE = True
     KVConnectorMetadata.register(StepMetadata)
-    HIT_SOURCES = (CacheHitSource.DEVICE, CacheHitSource.HOST, CacheHitSource.DISK)  # of T0, T1, T2
+    HIT_SOURCES = (CacheHitSource.DEVICE, CacheHitSource.HOST, CacheHitSource.DISK)  # of T0, T1, T2 and T3
 except ImportError:
-    class KVConnectorBase_V1:  # type: ignore[no-redef]
-        """Stands in for vLLM's base class where vLLM is not installed (the unit tests)."""
+    if not TYPE_CHECKING:  # pyright checks this package with vLLM installed (the vllm lane)
+        class KVConnectorBase_V1:
+            """Stands in for vLLM's base class where vLLM is not installed (the unit tests)."""
 
-    class SupportsHMA:  # type: ignore[no-redef]
-        """vLLM's marker of a connector that serves its hybrid memory allocator (absent without vLLM)."""
+        class SupportsHMA:
+            """vLLM's marker of a connector that serves its hybrid memory allocator (absent without vLLM)."""
 
     VLLM_AVAILABLE = False
     HIT_SOURCES = ("device", "host", "disk")
@@ -184,6 +185,7 @@ class KvtierdConnector(KVConnectorBase_V1, SupportsHMA):
                                      counts_tokens=rank == 0)
             self.forward_timer = ForwardTimer(self.worker.prefill_cost)  # brackets the forwards it measures
         else:
+            assert settings.lookup_timeout_s is not None  # VllmExtraConfig resolves None
             self._scheduler_links = [link(layout) for layout in rank_layouts.layouts]
             self.scheduler = SchedulerSide(daemon_lookup(self._scheduler_links, self.engine_groups,
                                                          prefetch=settings.prefetch),
@@ -206,7 +208,7 @@ class KvtierdConnector(KVConnectorBase_V1, SupportsHMA):
 
     def get_kv_connector_stats(self) -> KvtierdConnectorStats | None:
         """What this side did since the last call: the worker's loads and stores, the scheduler's lookups."""
-        side = self.worker if self.worker is not None else self.scheduler
+        side = self.worker if self.worker is not None else self._scheduler()
         links = [self.worker.link] if self.worker is not None else self._scheduler_links
         num_attach_failures = sum(link.num_attach_failures for link in links)
         side.stats.add("attach_failures", num_attach_failures - self._num_reported_attach_failures)
@@ -225,7 +227,8 @@ class KvtierdConnector(KVConnectorBase_V1, SupportsHMA):
     # ------------------------------------------------------------------ metadata binding
 
     def bind_connector_metadata(self, connector_metadata: StepMetadata) -> None:
-        self._connector_metadata = connector_metadata
+        # A KVConnectorMetadata by registration (KVConnectorMetadata.register above), which pyright cannot see.
+        self._connector_metadata = cast("KVConnectorMetadata", connector_metadata)
         if self.worker is not None:  # the step's forward comes next
             self.forward_timer.step_started(connector_metadata)
 
@@ -297,9 +300,12 @@ class KvtierdConnector(KVConnectorBase_V1, SupportsHMA):
         self._scheduler().update_state_after_alloc(request, blocks, num_external_tokens)
 
     def get_external_cache_hit_sources(self, request: Any, num_external_tokens: int) -> dict[Any, int]:
-        """`num_external_tokens` split by the daemon tier that holds them: T0, then T1, then T2."""
-        tokens_per_tier = self._scheduler().hit_tokens_per_tier(request.request_id, num_external_tokens)
-        return {source: n for source, n in zip(HIT_SOURCES, tokens_per_tier) if n}
+        """`num_external_tokens` split by the daemon tier that holds them: T0, then T1, then T2 and T3
+        (storage, as vLLM's metrics see it)."""
+        blocks = self._scheduler().external_hit_blocks(request.request_id, num_external_tokens)
+        blocks_per_source = (blocks.t0, blocks.t1, blocks.t2 + blocks.t3)
+        return {source: num_blocks * self.engine_groups.block_size
+                for source, num_blocks in zip(HIT_SOURCES, blocks_per_source) if num_blocks}
 
     def build_connector_meta(self, scheduler_output: Any) -> StepMetadata:
         return self._scheduler().build_connector_meta(scheduler_output)

@@ -24,14 +24,14 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any, cast
 
 from prometheus_client import Counter, Histogram
 
-from kvtierd.tier import TierCounts
+from kvtierd.tier import Tier, TierCounts
 from kvtierd.token_bytes import packed_size
 
-TIERS = ("t0", "t1", "t2", "t3")
+TIERS = tuple(tier.value for tier in Tier)  # "t0" .. "t3": the keys and label values of the counts below
 LOADED_TOKENS = tuple(f"loaded_tokens_{tier}" for tier in TIERS)  # loaded into vLLM, by the tier that held them
 LOWER_TIERS = TIERS[1:]  # T0's hits are never declined
 DECLINED_TOKENS = tuple(f"declined_tokens_{tier}" for tier in LOWER_TIERS)  # held, recomputed as faster, by tier
@@ -52,23 +52,24 @@ LOOKUP_BUCKETS_S = (0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.25, 0.
 try:  # vLLM is optional (as in connector.py)
     from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorPromMetrics, KVConnectorStats
 except ImportError:
-    import dataclasses
+    if not TYPE_CHECKING:  # pyright checks this package with vLLM installed (the vllm lane)
+        import dataclasses
 
-    @dataclasses.dataclass
-    class KVConnectorStats:  # type: ignore[no-redef]
-        """Stands in for vLLM's base class where vLLM is not installed (the unit tests)."""
+        @dataclasses.dataclass
+        class KVConnectorStats:
+            """Stands in for vLLM's base class where vLLM is not installed (the unit tests)."""
 
-        data: dict[str, Any] = dataclasses.field(default_factory=dict)
+            data: dict[str, Any] = dataclasses.field(default_factory=dict)
 
-        def to_dict(self) -> dict[str, Any]:
-            return self.data
+            def to_dict(self) -> dict[str, Any]:
+                return self.data
 
-    class KVConnectorPromMetrics:  # type: ignore[no-redef]
-        def __init__(self, vllm_config, metric_types, labelnames, per_engine_labelvalues) -> None:
-            self._counter_cls = metric_types[Counter]
-            self._histogram_cls = metric_types[Histogram]
-            self._labelnames = labelnames
-            self.per_engine_labelvalues = per_engine_labelvalues
+        class KVConnectorPromMetrics:
+            def __init__(self, vllm_config, metric_types, labelnames, per_engine_labelvalues) -> None:
+                self._counter_cls = metric_types[Counter]
+                self._histogram_cls = metric_types[Histogram]
+                self._labelnames = labelnames
+                self.per_engine_labelvalues = per_engine_labelvalues
 
 
 class KvtierdConnectorStats(KVConnectorStats):
@@ -114,9 +115,10 @@ class StatsRecorder:
             with self._lock:
                 self._counts[key] = self._counts.get(key, 0) + count
 
-    def add_loaded_tokens(self, tokens_per_tier: tuple[int, int, int, int]) -> None:
-        for key, count in zip(LOADED_TOKENS, tokens_per_tier):
-            self.add(key, count)
+    def add_loaded_tokens(self, loaded_blocks: TierCounts, block_size: int) -> None:
+        """Blocks loaded into vLLM, by the tier that held them."""
+        for key, num_blocks in zip(LOADED_TOKENS, loaded_blocks):
+            self.add(key, num_blocks * block_size)
 
     def add_declined_tokens(self, declined_blocks: TierCounts, block_size: int) -> None:
         """Blocks the daemon held but declined as slower to load than to recompute, by tier."""
@@ -150,7 +152,7 @@ class KvtierdPromMetrics(KVConnectorPromMetrics):
     def __init__(self, vllm_config: Any, metric_types: dict, labelnames: list[str],
                  per_engine_labelvalues: dict[int, list[object]]) -> None:
         super().__init__(vllm_config, metric_types, labelnames, per_engine_labelvalues)
-        counter, histogram = self._counter_cls, self._histogram_cls
+        counter, histogram = self._counter_cls, cast("type[Histogram]", self._histogram_cls)
         loaded = counter(name="vllm:kvtierd_loaded_tokens", labelnames=[*labelnames, "tier"],
                          documentation="Prompt tokens kvtierd loaded into vLLM, by the daemon tier that held them.")
         declined = counter(name="vllm:kvtierd_declined_slow_tokens", labelnames=[*labelnames, "tier"],

@@ -19,6 +19,8 @@ import threading
 import time
 from typing import Callable
 
+import torch
+
 from kvtierd.client import KvtierClient, Session
 from kvtierd.errors import KvtierError, NotFound, Unavailable
 from kvtierd.layout import Layout
@@ -84,13 +86,13 @@ class DaemonLink:
                 return None
             log.info("kvtierd connector: attached to kvtierd at %s, session %s (%s, pool mapped: %s); %s",
                      self._client.target, self._session.session_id, self.layout.model_id, self.map_pool,
-                     self._tiers_line())
+                     self._tiers_line(self._client))
             return self._session
 
-    def _tiers_line(self) -> str:
+    def _tiers_line(self, client: KvtierClient) -> str:
         """The daemon's version and its tiers' capacities for this layout, from one Stats call."""
         try:
-            stats = self._client.stats()
+            stats = client.stats()
         except (KvtierError, OSError, RuntimeError) as error:
             return f"tiers unknown ({type(error).__name__})"
         pool = next((p for p in stats.pools if layout_from_proto(p.layout) == self.layout), None)
@@ -121,3 +123,9 @@ class DaemonLink:
             session.close()
         if client is not None:
             client.close()
+
+
+def mapped_pool(session: Session) -> torch.Tensor:
+    """The pool `session` mapped (a worker's link maps it: `map_pool`), as the tensor the copies address."""
+    assert session.pool is not None, "a worker's session maps the pool (DaemonLink map_pool)"
+    return session.pool.tensor

@@ -37,7 +37,7 @@ from kvtierd.connectors.vllm.group_hits import (
     without_declined,
 )
 from kvtierd.connectors.vllm.kv_groups import EngineGroups, GroupKind
-from kvtierd.connectors.vllm.scheduler import LookupFn, LookupQuery
+from kvtierd.connectors.vllm.lookup_query import LookupFn, LookupQuery
 from kvtierd.errors import KvtierError
 from kvtierd.tier import TierCounts
 from kvtierd.wire.conversions import hits_from_proto

@@ -73,7 +73,7 @@ class ForwardTimer:
             return
         num_tokens, start = self._open
         self._open = None
-        if isinstance(start, float):
+        if not isinstance(start, torch.cuda.Event):  # a clock reading (CPU)
             self.cost.observe(num_tokens, time.perf_counter() - start)
             return
         end = torch.cuda.Event(enable_timing=True)

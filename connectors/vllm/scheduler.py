@@ -64,60 +64,21 @@ import concurrent.futures
 import dataclasses
 import logging
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from typing import Any
 
 from kvtierd.connectors.vllm.connector_stats import StatsRecorder
 from kvtierd.connectors.vllm.group_hits import NO_HIT, RequestHit, needed_positions
-from kvtierd.connectors.vllm.kv_groups import NULL_BLOCK_ID, EngineGroups, GroupKind, group_block_hash
+from kvtierd.connectors.vllm.kv_groups import NULL_BLOCK_ID, EngineGroups, GroupKind
+from kvtierd.connectors.vllm.lookup_query import LookupFn, LookupQuery
 from kvtierd.connectors.vllm.metadata import GroupBlocks, GroupStore, LoadSpec, RetainSpec, StepMetadata, StoreSpec
+from kvtierd.connectors.vllm.request_keys import RequestKeys
 from kvtierd.connectors.vllm.retention_hints import PromptRetention
 from kvtierd.connectors.vllm.retention_plan import first_step_retain, request_retention
 from kvtierd.connectors.vllm.scheduler_output import scheduled_requests
+from kvtierd.tier import TierCounts
 
 log = logging.getLogger(__name__)
-
-
-@dataclasses.dataclass(frozen=True, slots=True)
-class LookupQuery:
-    """One lookup: every served group's keys of candidate positions [first, first + n), and their tokens."""
-
-    first_position: int
-    keys: tuple[tuple[bytes, ...], ...]  # per served group, in EngineGroups order
-    token_ids: tuple[int, ...]  # block_size per candidate position
-    count_query: bool = False  # the request's first lookup: the daemon counts it as a query
-    hold_id: str = ""  # the request's id: the daemon holds the promised blocks until the load's Acquire names it
-
-    @property
-    def num_positions(self) -> int:
-        return len(self.keys[0])
-
-
-# One lookup, answered: the blocks beyond the engine's own hit that every group can serve.
-LookupFn = Callable[[LookupQuery], RequestHit]
-
-
-class RequestKeys:
-    """A request's keys per group and chain position, derived once each as vLLM's hashes grow.
-
-    Invariant: `keys[g][i]` is group_block_hash(chain hash of position i, group id of g)."""
-
-    def __init__(self, engine: EngineGroups) -> None:
-        self.engine = engine
-        self.keys: list[list[bytes]] = [[] for _ in engine.groups]
-        self._num_hashes_read = 0
-
-    def update(self, request: Any) -> int:
-        """Derive the keys of positions vLLM hashed since the last call; returns how many positions have keys."""
-        hashes = request.block_hashes
-        if len(hashes) > self._num_hashes_read:
-            ratio = self.engine.block_size // self.engine.hash_block_size
-            start = len(self.keys[0])
-            new = self.engine.chain_hashes(hashes[start * ratio:])
-            for group, keys in zip(self.engine.groups, self.keys):
-                keys.extend(group_block_hash(h, group.group_id) for h in new)
-            self._num_hashes_read = len(hashes)
-        return len(self.keys[0])
 
 
 @dataclasses.dataclass(slots=True)
@@ -246,17 +207,14 @@ class SchedulerSide:
         tracked.load_async = hit.num_blocks > 0 and (self.engine.has_mamba or (self.async_loads and not hit.all_in_t0))
         return hit.num_blocks * block_size, tracked.load_async
 
-    def hit_tokens_per_tier(self, request_id: str, num_external_tokens: int) -> tuple[int, int, int]:
-        """The leading `num_external_tokens` of the request's last lookup split over T0, T1, and
-        the tiers below (T2 and T3: storage, as vLLM's metrics see it)."""
+    def external_hit_blocks(self, request_id: str, num_external_tokens: int) -> TierCounts:
+        """The leading `num_external_tokens` of the request's last lookup (whole blocks: update_state_after_alloc
+        checks) as blocks per tier; blocks it did not attribute (it never happens: they are its hits) count in T3."""
         tracked = self._tracked.get(request_id)
-        blocks = tracked.hit.tier_blocks if tracked is not None else NO_HIT.tier_blocks
-        split, left = [], num_external_tokens
-        for num_blocks in (blocks.t0, blocks.t1, blocks.t2 + blocks.t3):
-            split.append(min(left, num_blocks * self.block_size))
-            left -= split[-1]
-        split[-1] += left  # tokens the lookup did not attribute (it never happens: they are its hits)
-        return split[0], split[1], split[2]
+        tier_blocks = tracked.hit.tier_blocks if tracked is not None else NO_HIT.tier_blocks
+        num_blocks = num_external_tokens // self.block_size
+        hit = tier_blocks.first(num_blocks)
+        return hit + TierCounts(t3=num_blocks - hit.num_blocks)
 
     # ------------------------------------------------------------------ allocation
 

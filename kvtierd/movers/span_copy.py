@@ -33,6 +33,9 @@ from kvtierd.movers import cuda_batch_copy, pinned_regions
 
 log = logging.getLogger(__name__)
 
+# Row ids: ints, or a 1-D integer array (np.asarray takes either).
+RowIds = Sequence[int] | np.ndarray
+
 
 def _load_native():  # noqa: ANN202 - the extension's module, or None
     try:
@@ -75,7 +78,7 @@ def _row_stride(rows: torch.Tensor) -> int:
     return rows.stride(0)
 
 
-def plan_spans(dst: torch.Tensor, dst_ids: Sequence[int], src: torch.Tensor, src_ids: Sequence[int]) -> SpanPlan:
+def plan_spans(dst: torch.Tensor, dst_ids: RowIds, src: torch.Tensor, src_ids: RowIds) -> SpanPlan:
     """The spans copying rows `src_ids[i]` of `src` onto rows `dst_ids[i]` of `dst`, adjacent runs coalesced."""
     assert len(dst_ids) == len(src_ids), (len(dst_ids), len(src_ids))
     assert dst.shape[1] == src.shape[1], f"rows of {dst.shape[1]} and {src.shape[1]} bytes"
@@ -99,7 +102,7 @@ def plan_spans(dst: torch.Tensor, dst_ids: Sequence[int], src: torch.Tensor, src
                     (num_rows * row_nbytes).astype(np.uint64))
 
 
-def copy_rows(dst: torch.Tensor, dst_ids: Sequence[int], src: torch.Tensor, src_ids: Sequence[int]) -> int:
+def copy_rows(dst: torch.Tensor, dst_ids: RowIds, src: torch.Tensor, src_ids: RowIds) -> int:
     """dst[dst_ids[i]] = src[src_ids[i]] for row tensors (see the module doc), in one submission where
     the platform allows; on CUDA, enqueued on the current stream. Returns the number of spans."""
     if not len(dst_ids):

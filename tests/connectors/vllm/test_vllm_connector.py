@@ -78,7 +78,7 @@ def test_a_second_request_loads_the_first_requests_bytes_into_its_own_blocks(dae
     assert not set(step_b.engine_block_ids) & set(step_a.engine_block_ids)
     for a_block, b_block_id in zip(a_bytes, step_b.engine_block_ids[:4]):
         assert torch.equal(as_bits(engine.block(b_block_id)), as_bits(a_block))
-    assert engine.worker.worker.num_loaded_blocks == 4
+    assert engine.worker.worker.loads.num_loaded_blocks == 4
 
 
 def test_a_prompt_that_is_all_cached_still_leaves_its_last_token_to_compute(daemon, engines):
@@ -122,7 +122,8 @@ def test_get_num_new_matched_tokens_is_none_while_the_lookup_is_pending_and_send
     assert answer == (3 * BLOCK_SIZE, True)  # blocks in T2: loaded in the background
     assert calls == [7] and side.num_lookups == 1
     assert side.get_num_new_matched_tokens(request, 0) == (3 * BLOCK_SIZE, True) and side.num_lookups == 1
-    assert side.hit_tokens_per_tier("pending", 3 * BLOCK_SIZE) == (BLOCK_SIZE, 0, 2 * BLOCK_SIZE)
+    assert side.external_hit_blocks("pending", 3 * BLOCK_SIZE) == TierCounts(1, 0, 2, 0)
+    assert side.external_hit_blocks("pending", 2 * BLOCK_SIZE) == TierCounts(1, 0, 1, 0)  # T0's come first
     side.shutdown()
 
 
@@ -306,7 +307,7 @@ def test_the_connector_is_a_best_effort_cache_and_waits_for_preempted_stores(dae
     gate.set()
     waiter.join(10)
     assert not waiter.is_alive()
-    assert engine.worker.worker.num_stored_blocks == 4
+    assert engine.worker.worker.stores.num_stored_blocks == 4
 
 
 def test_a_scheduler_side_connector_refuses_worker_calls():

@@ -19,7 +19,7 @@ from kvtierd.connectors.vllm.group_hits import (
     without_declined,
 )
 from kvtierd.connectors.vllm.kv_groups import EngineGroups, GroupKind, ServedGroup
-from kvtierd.connectors.vllm.scheduler import LookupQuery
+from kvtierd.connectors.vllm.lookup_query import LookupQuery
 from kvtierd.tier import TierCounts
 from kvtierd.v1 import kvtier_pb2 as pb
 

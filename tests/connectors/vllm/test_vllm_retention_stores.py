@@ -113,7 +113,7 @@ def test_a_malformed_hint_is_refused_once_and_the_request_stored_without_it(engi
     assert refusals == ["kvtierd connector: request bad: retention hint refused (ttl_s must be a finite number of "
                         "seconds > 0, got -1); serving and storing it without the hint"]
     assert engine.scheduler.get_kv_connector_stats().data["refused_retention_hints"] == 1
-    assert wait_until(lambda: engine.worker.worker.num_stored_blocks == 3)
+    assert wait_until(lambda: engine.worker.worker.stores.num_stored_blocks == 3)
 
 
 def test_a_hint_the_daemon_refuses_is_dropped_and_the_blocks_stored_anyway(engine, warnings, monkeypatch):
@@ -128,7 +128,7 @@ def test_a_hint_the_daemon_refuses_is_dropped_and_the_blocks_stored_anyway(engin
     monkeypatch.setattr(Session, "commit_and_release", refusing)
     request = Request("too-long", prompt(5, 2 * BLOCK_SIZE + 1), kv_transfer_params=hinted())
     serve(engine, request)
-    assert engine.worker.worker.num_stored_blocks == 2 and engine.worker.worker.num_dropped_stores == 0
+    assert engine.worker.worker.stores.num_stored_blocks == 2 and engine.worker.worker.stores.num_dropped_stores == 0
     assert engine.worker.get_kv_connector_stats().data["refused_retention_hints"] == 1
     assert [line for line in warnings() if "refused" in line] == [
         "kvtierd connector: request too-long: kvtierd refused its retention hint (ttl_s 300 is above "

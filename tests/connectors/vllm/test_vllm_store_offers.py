@@ -9,7 +9,8 @@ import pytest
 from kvtierd.client import KvtierClient
 from kvtierd.connectors.vllm.group_hits import NO_HIT, RequestHit
 from kvtierd.connectors.vllm.kv_groups import engine_groups
-from kvtierd.connectors.vllm.scheduler import LookupQuery, SchedulerSide
+from kvtierd.connectors.vllm.lookup_query import LookupQuery
+from kvtierd.connectors.vllm.scheduler import SchedulerSide
 from kvtierd.launch.daemon_process import wait_until
 from tests.connectors.vllm.vllm_fakes import (
     BLOCK_SIZE,
@@ -142,7 +143,7 @@ def test_stores_send_only_new_blocks_and_a_lost_parent_is_stored_again_from_vllm
     engine.scheduler.update_state_after_alloc(again, KVCacheBlocks(ids), 0)
     engine.compute_step(first_step(again, ids, 5 * BLOCK_SIZE, BLOCK_SIZE + 1), [(again, ids, range(6))])
     assert wait_until(lambda: held(again) == 6)  # the parent was gone: stored from position 0
-    assert worker.num_dropped_stores == 0
+    assert worker.stores.num_dropped_stores == 0
 
 
 def test_a_step_whose_parent_the_daemon_lost_mid_request_is_dropped_and_counted(attached):
@@ -158,7 +159,7 @@ def test_a_step_whose_parent_the_daemon_lost_mid_request_is_dropped_and_counted(
     assert wait_until(lambda: held() == 2)
     assert wait_until(lambda: client.evict(all_tenants=True) is not None and num_blocks_anywhere(client) == 0)
     engine.compute_step(next_step(request, 2 * BLOCK_SIZE + 1), [(request, ids, range(2, 4))])
-    assert wait_until(lambda: worker.num_dropped_stores == 1)
+    assert wait_until(lambda: worker.stores.num_dropped_stores == 1)
     engine.finish(request, ids)
     engine.drain()
     hashes = request.block_hashes
