@@ -19,7 +19,10 @@ the LMDB delete of what was freed, so nobody writes a freed slot before its reco
 delete that fails stays pending and goes out with the next transaction, before any slot write.
 
 Reads verify length and xxh3_64 checksum: a short read, a mismatch or an I/O error is a miss, the
-entry is dropped (SlotIndex and LMDB) and counted, no byte of it reported as loaded. Write errors
+entry is dropped (SlotIndex and LMDB) and counted, no byte of it reported as loaded. With
+`config.tenant_keys` (encryption on) every slot holds its block sealed under its tenant's data key
+(ssd_io.py, kvtierd/sealing/): a record that does not open as its own key's is a miss the same way,
+counted apart (`num_unauthentic`), and a slot is the block's bytes plus SEAL_OVERHEAD_BYTES. Write errors
 (disk full, EIO) stop admission: later stores return 0, the rest keeps working, nothing raises.
 """
 
@@ -45,6 +48,7 @@ from kvtierd.index.slot_entry import BlockMeta, SlotEntry
 from kvtierd.index.slot_index import slots_within
 from kvtierd.layout import Layout
 from kvtierd.retention.tier_retention import TierRetention
+from kvtierd.sealing.block_seal import BlockSealer, seal_context, sealed_nbytes
 from kvtierd.t2.node_budget import NodeBudget, truncating_shed
 from kvtierd.t2.ssd_config import SsdTierConfig, describe_error, lock_directory
 from kvtierd.t2.ssd_files import SlotFiles
@@ -65,15 +69,21 @@ class SsdTier:
     """Thread-safe; every method is synchronous (the tier manager calls it from its threads)."""
 
     @classmethod
-    def open(cls, config: SsdTierConfig, layout: Layout, slot_nbytes: int | None = None) -> SsdTier:
+    def open(cls, config: SsdTierConfig, layout: Layout, slot_nbytes: int | None = None, codec: str = "raw") -> SsdTier:
+        """`slot_nbytes`: a block's bytes as stored (its codec's; default the layout's); `codec`
+        names that encoding, bound into sealed records."""
         slot_nbytes = layout.bytes_per_block if slot_nbytes is None else slot_nbytes
         if not isinstance(slot_nbytes, int) or slot_nbytes <= 0:
             raise InvalidArgument(f"slot_nbytes must be a positive integer, got {slot_nbytes!r}")
-        return cls(config, layout, slot_nbytes)
+        return cls(config, layout, slot_nbytes, codec)
 
-    def __init__(self, config: SsdTierConfig, layout: Layout, slot_nbytes: int) -> None:
+    def __init__(self, config: SsdTierConfig, layout: Layout, slot_nbytes: int, codec: str = "raw") -> None:
         self.config, self.layout, self.slot_nbytes = config, layout, slot_nbytes
         self._layout_id = xxhash.xxh3_64_intdigest(layout.fingerprint())
+        sealer = None
+        if config.tenant_keys is not None:
+            sealer = BlockSealer(config.tenant_keys, seal_context(layout.fingerprint(), codec))
+        self.record_nbytes = slot_nbytes if sealer is None else sealed_nbytes(slot_nbytes)  # what a slot holds
         directories = [os.path.abspath(d) for d in config.directories]
         for directory in directories:
             os.makedirs(directory, exist_ok=True)
@@ -87,7 +97,8 @@ class SsdTier:
             log.error("SSD tier: %s", self._reason)
         budget = config.node_budget
         try:
-            self._files = SlotFiles(directories if self._db is not None else [], config.capacity_bytes, slot_nbytes,
+            self._files = SlotFiles(directories if self._db is not None else [], config.capacity_bytes,
+                                    self.record_nbytes,
                                     config.o_direct, index_reserve_bytes=INDEX_RESERVE_BYTES)
         except OSError:
             os.close(self._lock_fd)
@@ -113,12 +124,13 @@ class SsdTier:
         self._state = threading.Condition()
         self._num_in_flight, self._closed = 0, False
         self.num_corrupted = self.num_io_errors = self.bytes_written = self.bytes_read = 0
+        self.num_unauthentic = 0  # sealed records that did not open as their key's: moved, altered, forgotten
         self.num_recovered = self.num_dropped_on_open = 0
         self.num_full_skips = 0  # blocks not stored: the budget was spent and nothing of this tier evictable
         self._admitting = self.num_slots > 0
         if not self._admitting and not self._reason:
             self._reason = "disk: no slots (capacity below one slot)"
-        self._io = SlotIO(self._files, config.num_io_threads, self._checksums)
+        self._io = SlotIO(self._files, config.num_io_threads, self._checksums, sealer)
         self._growth = SsdGrowth(self._budget, self._budget_key, self._files, self._index, self._write_lock,
                                  SlotMover(self._files, self._io, config.durability == "fdatasync"),
                                  TierCalls(self._commit_index, self._stop_admitting, self._record, self._count_lost))
@@ -131,7 +143,7 @@ class SsdTier:
     def _recover(self, db: SsdIndex) -> None:
         paths = [f.path for f in self._files.files]
         stored_paths = db.files()
-        found = recover_records(db, self._files, self._layout_id, self.slot_nbytes,
+        found = recover_records(db, self._files, self._layout_id, self.record_nbytes,
                                 paths if stored_paths is None else stored_paths)
         self.num_dropped_on_open = len(found.dropped)
         with self._write_lock:
@@ -205,7 +217,8 @@ class SsdTier:
                 bytes_written=self.bytes_written, bytes_read=self.bytes_read, o_direct=self._files.o_direct,
                 durability=self.config.durability, file_bytes=self._index.num_slots * self.stride,
                 share_bytes=share.share_bytes, node_capacity_bytes=share.node_capacity_bytes,
-                node_used_bytes=share.node_used_bytes, num_full_skips=self.num_full_skips)
+                node_used_bytes=share.node_used_bytes, num_full_skips=self.num_full_skips,
+                num_unauthentic_blocks=self.num_unauthentic, sealed=self.record_nbytes != self.slot_nbytes)
 
     @property
     def admitting(self) -> bool:
@@ -280,7 +293,7 @@ class SsdTier:
     def _record(self, entry: SlotEntry, checksum: int, slot: int | None = None) -> Record:
         """The LMDB record of `entry` at its slot (or at `slot`, where a give-back moves it)."""
         file_index, local_slot = self._files.location(entry.slot if slot is None else slot)
-        return Record(entry.block_hash, file_index, local_slot, self.slot_nbytes, checksum, self._layout_id,
+        return Record(entry.block_hash, file_index, local_slot, self.record_nbytes, checksum, self._layout_id,
                       entry.last_use_s, entry.meta.parent_hash, entry.meta.token_ids)
 
     # ------------------------------------------------------------------------------ loads
@@ -324,14 +337,16 @@ class SsdTier:
         self._count_lost([why[e.block_hash] for e in removed])
 
     def _count_lost(self, reasons: Sequence[str]) -> None:
-        """Blocks dropped because they failed to read ("io") or verify ("corrupt")."""
+        """Blocks dropped because they failed to read ("io"), verify ("corrupt") or open ("unauthentic")."""
         num_io = sum(1 for why in reasons if why == "io")
+        num_unauthentic = sum(1 for why in reasons if why == "unauthentic")
         with self._stats_lock:
             self.num_io_errors += num_io
-            self.num_corrupted += len(reasons) - num_io
+            self.num_unauthentic += num_unauthentic
+            self.num_corrupted += len(reasons) - num_io - num_unauthentic
         if reasons:
-            log.warning("SSD tier: dropped %d block(s) that failed to read (%d) or verify (%d)",
-                        len(reasons), num_io, len(reasons) - num_io)
+            log.warning("SSD tier: dropped %d block(s) that failed to read (%d), verify (%d) or open as their own "
+                        "key's (%d)", len(reasons), num_io, len(reasons) - num_io - num_unauthentic, num_unauthentic)
 
     # ------------------------------------------------------------------------------ removal, close
 
