@@ -33,23 +33,27 @@ class KeyDirectory:
 
     @classmethod
     def open(cls, directory: str, master: MasterKey) -> KeyDirectory:
-        """The key directory, made if missing; FailedPrecondition if its keys were wrapped by another master key."""
-        os.makedirs(directory, mode=0o700, exist_ok=True)
+        """The key directory, claimed for `master` (see `claim`)."""
         keys = cls(directory)
-        id_path = os.path.join(directory, MASTER_ID_FILE)
+        keys.claim(master)
+        return keys
+
+    def claim(self, master: MasterKey) -> None:
+        """Make the directory if missing and record `master` as the key that wraps its keys;
+        FailedPrecondition, one line, if another master key wrapped them."""
+        os.makedirs(self.directory, mode=0o700, exist_ok=True)
         try:
-            with open(id_path, encoding="ascii") as f:
+            with open(os.path.join(self.directory, MASTER_ID_FILE), encoding="ascii") as f:
                 recorded = f.read().strip()
         except FileNotFoundError:
             recorded = None
         if recorded is None:
-            keys._write_file(MASTER_ID_FILE, master.key_id.encode("ascii"))
+            self.record_master(master)
         elif recorded != master.key_id:
             raise FailedPrecondition(
-                f"encryption: the data keys in {directory} were wrapped by master key {recorded}, not by this one "
-                f"({master.key_id}); start with that key, rotate with `kvtierd rewrap-keys`, or remove the directory "
-                "to start with an empty sealed cache")
-        return keys
+                f"encryption: the data keys in {self.directory} were wrapped by master key {recorded}, not by this "
+                f"one ({master.key_id}); start with that key, rotate with `kvtierd rewrap-keys`, or remove the "
+                "directory to start with an empty sealed cache")
 
     def read(self, tag: TenantTag) -> bytes | None:
         try:
