@@ -42,11 +42,7 @@ class KeyDirectory:
         """Make the directory if missing and record `master` as the key that wraps its keys;
         FailedPrecondition, one line, if another master key wrapped them."""
         os.makedirs(self.directory, mode=0o700, exist_ok=True)
-        try:
-            with open(os.path.join(self.directory, MASTER_ID_FILE), encoding="ascii") as f:
-                recorded = f.read().strip()
-        except FileNotFoundError:
-            recorded = None
+        recorded = self.recorded_master_id()
         if recorded is None:
             self.record_master(master)
         elif recorded != master.key_id:
@@ -54,6 +50,14 @@ class KeyDirectory:
                 f"encryption: the data keys in {self.directory} were wrapped by master key {recorded}, not by this "
                 f"one ({master.key_id}); start with that key, rotate with `kvtierd rewrap-keys`, or remove the "
                 "directory to start with an empty sealed cache")
+
+    def recorded_master_id(self) -> str | None:
+        """The id of the master key that wrapped the keys here; None before any was recorded."""
+        try:
+            with open(os.path.join(self.directory, MASTER_ID_FILE), encoding="ascii") as f:
+                return f.read().strip()
+        except FileNotFoundError:
+            return None
 
     def read(self, tag: TenantTag) -> bytes | None:
         try:

@@ -127,16 +127,18 @@ class TenantKeys:
         return AESGCM(data_key)
 
 
-def rewrap_all(store: WrappedKeyStore, old: MasterKey, new: MasterKey) -> tuple[int, list[TenantTag]]:
-    """Master-key rotation: each wrapped key unwrapped with `old`, wrapped with `new` and written
-    back; the blocks are not touched. Returns (keys rewrapped, tags that did not unwrap with `old`)."""
+def rewrap_all(source: WrappedKeyStore, target: WrappedKeyStore, old: MasterKey,
+               new: MasterKey) -> tuple[int, list[TenantTag]]:
+    """Master-key rotation: each wrapped key of `source` unwrapped with `old`, wrapped with `new`,
+    written to `target` (the blocks are not touched). Returns (keys rewrapped, tags that did not
+    unwrap with `old`, not written)."""
     num_rewrapped, failed = 0, []
-    for tag in store.tags():
-        wrapped = store.read(tag)
+    for tag in source.tags():
+        wrapped = source.read(tag)
         data_key = None if wrapped is None else unwrap_key(old, tag, wrapped)
         if data_key is None:
             failed.append(tag)
             continue
-        store.write(tag, wrap_key(new, tag, data_key))
+        target.write(tag, wrap_key(new, tag, data_key))
         num_rewrapped += 1
     return num_rewrapped, failed

@@ -13,6 +13,7 @@ from kvtierd.daemon_key import TenantTag
 from kvtierd.errors import FailedPrecondition
 from kvtierd.sealing.key_directory import KeyDirectory
 from kvtierd.sealing.master_key import MasterKey
+from kvtierd.sealing.rotation import rotate_master_key
 from kvtierd.sealing.tenant_keys import TenantKeys, rewrap_all, unwrap_key
 
 MASTER = MasterKey(b"\x01" * 32)
@@ -94,15 +95,31 @@ def test_another_master_key_is_refused_at_open(tmp_path):
 
 
 def test_rotation_rewraps_every_key_and_the_new_master_opens_them(tmp_path):
-    """rewrap_all under a new master: the same data keys (old ciphertext opens), the old master refused."""
-    keys = keys_in(tmp_path)
+    """rotate_master_key: the same data keys (old ciphertext opens) under the new master key; the old
+    master refused; run again, nothing to do; with the wrong old key, nothing changes."""
+    directory = tmp_path / "keys"
+    keys = keys_in(directory)
     ciphertexts = {tag: sealed(keys, tag) for tag in (ALICE, BOB)}
-    directory = KeyDirectory(str(tmp_path))
-    assert rewrap_all(directory, MASTER, OTHER_MASTER) == (2, [])
-    directory.record_master(OTHER_MASTER)
-    rotated = keys_in(tmp_path, OTHER_MASTER)
+    with pytest.raises(FailedPrecondition, match="not by the old key given"):
+        rotate_master_key(str(directory), MasterKey(b"\x09" * 32), OTHER_MASTER)
+    assert rotate_master_key(str(directory), MASTER, OTHER_MASTER) == 2
+    rotated = keys_in(directory, OTHER_MASTER)
     for tag, ciphertext in ciphertexts.items():
         assert rotated.cipher_for_load(tag).decrypt(b"\x00" * 12, ciphertext, b"") == b"kv bytes"
     with pytest.raises(FailedPrecondition):
-        keys_in(tmp_path, MASTER)
-    assert rewrap_all(directory, MASTER, OTHER_MASTER) == (0, [ALICE, BOB])  # the wrong old key rewraps nothing
+        keys_in(directory, MASTER)
+    assert rotate_master_key(str(directory), MASTER, OTHER_MASTER) == 0
+    assert os.listdir(tmp_path) == ["keys"]  # no staging or previous directory left
+
+
+def test_a_rotation_interrupted_between_its_renames_is_finished_by_the_next(tmp_path):
+    """No `keys`, but `keys.rewrap` (new) and `keys.previous` (old): the next run swaps the new in."""
+    directory = tmp_path / "keys"
+    ciphertext = sealed(keys_in(directory), ALICE)
+    staged = KeyDirectory.open(str(directory) + ".rewrap", OTHER_MASTER)
+    rewrap_all(KeyDirectory(str(directory)), staged, MASTER, OTHER_MASTER)
+    os.rename(directory, str(directory) + ".previous")
+    assert rotate_master_key(str(directory), MASTER, OTHER_MASTER) == 0
+    assert keys_in(directory, OTHER_MASTER).cipher_for_load(ALICE).decrypt(b"\x00" * 12, ciphertext, b"") \
+        == b"kv bytes"
+    assert sorted(os.listdir(tmp_path)) == ["keys"]

@@ -78,20 +78,37 @@ def test_a_key_file_others_may_read_or_without_a_key_refuses_the_start(tmp_path,
     assert not (tmp_path / "ssd" / "keys").exists()
 
 
-def test_another_master_key_refuses_the_start_and_leaves_the_keys(tmp_path):
-    """Keys wrapped by master key 1: a start with key 2 is refused naming both ids; key 1 starts again."""
-    key_file = master_key_file(tmp_path)
-    args = sealed_args(tmp_path, key_file)
+def kvtierd(*args: str) -> subprocess.CompletedProcess:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("KVTIERD_")}
+    return subprocess.run(python_module_command("kvtierd.cli.kvtierd_main", *args), env=env, capture_output=True,
+                          text=True, timeout=120)
+
+
+def test_another_master_key_is_refused_until_the_keys_are_rewrapped_to_it(tmp_path):
+    """Keys wrapped by master key 1: a start with key 2 is refused naming both ids; `kvtierd
+    rewrap-keys` is refused while a daemon runs, then re-wraps them to key 2 without touching a block,
+    and a daemon on key 2 serves the blocks sealed before."""
+    old_key = master_key_file(tmp_path)
+    args = sealed_args(tmp_path, old_key)
+    new_key = tmp_path / "new.key"
+    new_key.write_text("a0" * 32)
+    new_key.chmod(0o600)
+    rewrap = ["rewrap-keys", "--ssd-dir", str(tmp_path / "ssd"), "--old-key-file", str(old_key),
+              "--new-key-file", str(new_key)]
     with DaemonProcess(args) as daemon, KvtierClient(daemon.address, token="a-token") as client:
-        put_chain(client, 3)
+        hashes, tokens, data = put_chain(client, 3)
         assert wait_until(lambda: t2_blocks(client) == 8)
-    master_key_file(tmp_path, content="a0" * 32)
-    status, stdout, stderr = serve_until_refused(args, tmp_path)
+        running = kvtierd(*rewrap)
+        assert running.returncode == 2 and "in use by another kvtierd" in running.stderr
+    slot_files = {p: p.read_bytes() for p in (tmp_path / "ssd").rglob(SLOT_FILE_NAME)}
+    new_args = sealed_args(tmp_path, new_key)
+    status, stdout, stderr = serve_until_refused(new_args, tmp_path)
     assert_refused(status, stdout, stderr, ("were wrapped by master key", "kvtierd rewrap-keys"))
-    master_key_file(tmp_path)
-    with DaemonProcess(args) as daemon, KvtierClient(daemon.address, token="a-token") as client:
-        assert len(client.get(LAYOUT, client.attach(LAYOUT, map_pool=False).namespace.hash_blocks(prompt(3, 32)),
-                              token_ids=prompt(3, 32))) == 8
+    done = kvtierd(*rewrap)
+    assert done.returncode == 0 and done.stdout.startswith("re-wrapped 1 data key(s)"), done.stderr
+    assert {p: p.read_bytes() for p in slot_files} == slot_files  # no block touched
+    with DaemonProcess(new_args) as daemon, KvtierClient(daemon.address, token="a-token") as client:
+        assert client.get(LAYOUT, hashes, token_ids=tokens) == list(zip(hashes, data))
 
 
 def test_encryption_without_t2_or_with_t3_refuses_the_start(tmp_path):
