@@ -12,6 +12,9 @@ The block hash chains the whole prefix and its cache_salt, and the tag names the
 record copied to another slot, key, tenant, layout or codec fails its tag: `open_into` answers
 False and the caller counts a miss. A tenant without a data key (forgotten, or never stored)
 opens nothing. Nothing here logs; plaintext and keys never leave the caller's buffers.
+
+A block's token ids (the prompt itself: kept in the T2 index to verify hits) are sealed the same
+way under a domain of their own (`seal_tokens`, `open_tokens`), so the index holds no prompt either.
 """
 
 from __future__ import annotations
@@ -26,6 +29,7 @@ from kvtierd.sealing.tenant_keys import GCM_TAG_BYTES, NONCE_BYTES, TenantKeys
 
 SEAL_OVERHEAD_BYTES = NONCE_BYTES + GCM_TAG_BYTES
 _DOMAIN = b"kvtierd-sealed-block-v1\x00"
+_TOKENS_DOMAIN = b"kvtierd-sealed-tokens-v1\x00"
 
 
 def sealed_nbytes(plain_nbytes: int) -> int:
@@ -43,6 +47,7 @@ class BlockSealer:
     def __init__(self, keys: TenantKeys, context: bytes) -> None:
         self.keys = keys
         self._prefix = _DOMAIN + context
+        self._tokens_prefix = _TOKENS_DOMAIN + context
 
     def seal_into(self, key: DaemonKey, plaintext: memoryview, out: memoryview) -> None:
         """Write the sealed record of `plaintext` into `out[:sealed_nbytes(len)]`."""
@@ -65,3 +70,19 @@ class BlockSealer:
             out[:] = bytes(out.nbytes)
             return False
         return True
+
+    def seal_tokens(self, key: DaemonKey, token_bytes: bytes) -> bytes:
+        """The block's token ids sealed: nonce | ciphertext | tag."""
+        nonce = os.urandom(NONCE_BYTES)
+        cipher = self.keys.cipher_for_store(tenant_tag_of(key))
+        return nonce + cipher.encrypt(nonce, token_bytes, self._tokens_prefix + key)
+
+    def open_tokens(self, key: DaemonKey, sealed: bytes) -> bytes | None:
+        """The token ids `seal_tokens` sealed for `key`; None when they do not open as its."""
+        cipher = self.keys.cipher_for_load(tenant_tag_of(key))
+        if cipher is None or len(sealed) < SEAL_OVERHEAD_BYTES:
+            return None
+        try:
+            return cipher.decrypt(sealed[:NONCE_BYTES], sealed[NONCE_BYTES:], self._tokens_prefix + key)
+        except InvalidTag:
+            return None

@@ -8,8 +8,10 @@ import dataclasses
 
 from kvtierd.daemon_key import DaemonKey
 from kvtierd.index.slot_entry import BlockMeta
+from kvtierd.sealing.block_seal import BlockSealer
 from kvtierd.t2.ssd_files import SlotFiles
 from kvtierd.t2.ssd_index import Record, SsdIndex
+from kvtierd.token_bytes import TokenBytes
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -43,3 +45,17 @@ def recover_records(db: SsdIndex, files: SlotFiles, layout_id: int, slot_nbytes:
     return RecoveredRecords([(BlockMeta(r.block_hash, r.parent_hash, r.token_ids), slot, r.last_use_s)
                              for slot, r in alone.items()],
                             {slot: r.checksum for slot, r in alone.items()}, dropped)
+
+
+def open_sealed_tokens(found: RecoveredRecords, sealer: BlockSealer) -> RecoveredRecords:
+    """The records of a sealed tier with their token ids opened; a record whose tokens do not open
+    (its tenant forgotten, another master key's data, a damaged record) joins the dropped ones."""
+    restored, checksums, dropped = [], {}, list(found.dropped)
+    for meta, slot, last_use_s in found.restored:
+        token_ids = sealer.open_tokens(meta.block_hash, meta.token_ids)
+        if token_ids is None:
+            dropped.append(meta.block_hash)
+            continue
+        restored.append((BlockMeta(meta.block_hash, meta.parent_hash, TokenBytes(token_ids)), slot, last_use_s))
+        checksums[slot] = found.checksums[slot]
+    return RecoveredRecords(restored, checksums, dropped)

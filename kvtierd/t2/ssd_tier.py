@@ -56,7 +56,7 @@ from kvtierd.t2.ssd_growth import SsdGrowth, TierCalls, take_budget
 from kvtierd.t2.ssd_index import Record, SsdIndex
 from kvtierd.t2.ssd_io import BlockBytes, SlotIO, checked_blocks
 from kvtierd.t2.ssd_moves import SlotMover
-from kvtierd.t2.ssd_recovery import recover_records
+from kvtierd.t2.ssd_recovery import open_sealed_tokens, recover_records
 from kvtierd.t2.ssd_stats import SsdStats
 from kvtierd.token_bytes import TokenBytes
 
@@ -80,9 +80,9 @@ class SsdTier:
     def __init__(self, config: SsdTierConfig, layout: Layout, slot_nbytes: int, codec: str = "raw") -> None:
         self.config, self.layout, self.slot_nbytes = config, layout, slot_nbytes
         self._layout_id = xxhash.xxh3_64_intdigest(layout.fingerprint())
-        sealer = None
+        sealer = self._sealer = None
         if config.tenant_keys is not None:
-            sealer = BlockSealer(config.tenant_keys, seal_context(layout.fingerprint(), codec))
+            sealer = self._sealer = BlockSealer(config.tenant_keys, seal_context(layout.fingerprint(), codec))
         self.record_nbytes = slot_nbytes if sealer is None else sealed_nbytes(slot_nbytes)  # what a slot holds
         directories = [os.path.abspath(d) for d in config.directories]
         for directory in directories:
@@ -145,6 +145,8 @@ class SsdTier:
         stored_paths = db.files()
         found = recover_records(db, self._files, self._layout_id, self.record_nbytes,
                                 paths if stored_paths is None else stored_paths)
+        if self._sealer is not None:
+            found = open_sealed_tokens(found, self._sealer)
         self.num_dropped_on_open = len(found.dropped)
         with self._write_lock:
             self._commit_index("recovery", deletes=found.dropped)  # on failure: pending, not admitting
@@ -293,8 +295,11 @@ class SsdTier:
     def _record(self, entry: SlotEntry, checksum: int, slot: int | None = None) -> Record:
         """The LMDB record of `entry` at its slot (or at `slot`, where a give-back moves it)."""
         file_index, local_slot = self._files.location(entry.slot if slot is None else slot)
+        token_ids = entry.meta.token_ids
+        if self._sealer is not None:  # the prompt's tokens: never in the index in the clear
+            token_ids = TokenBytes(self._sealer.seal_tokens(entry.block_hash, token_ids))
         return Record(entry.block_hash, file_index, local_slot, self.record_nbytes, checksum, self._layout_id,
-                      entry.last_use_s, entry.meta.parent_hash, entry.meta.token_ids)
+                      entry.last_use_s, entry.meta.parent_hash, token_ids)
 
     # ------------------------------------------------------------------------------ loads
 

@@ -4,6 +4,8 @@ recovers and gives disk back."""
 
 from __future__ import annotations
 
+import hashlib
+
 import pytest
 import torch
 
@@ -17,8 +19,9 @@ from kvtierd.sealing.tenant_keys import TenantKeys
 from kvtierd.t2.node_budget import NodeBudget
 from kvtierd.t2.ssd_files import SLOT_FILE_NAME
 from kvtierd.t2.ssd_tier import SsdTier, SsdTierConfig
+from kvtierd.token_bytes import TokenBytes
 from tests.factories import small_layout
-from tests.t2.ssd_crash_writer import expected_bytes, expected_tokens
+from tests.t2.ssd_crash_writer import expected_bytes
 
 LAYOUT = small_layout()  # 512 bytes a block
 MASTER = MasterKey(b"\x07" * 32)
@@ -30,9 +33,14 @@ def tenant_chain(tag: TenantTag, n: int, nbytes: int = LAYOUT.bytes_per_block) -
     items, parent = [], tag + b"\xee" * 16
     for i in range(n):
         key = tag + i.to_bytes(4, "little") * 4
-        items.append((BlockMeta(key, parent, expected_tokens(key, LAYOUT.block_size)), expected_bytes(key, nbytes)))
+        items.append((BlockMeta(key, parent, tokens_of(key)), expected_bytes(key, nbytes)))
         parent = key
     return items
+
+
+def tokens_of(key: bytes) -> TokenBytes:
+    """A block's 4 token ids (16 bytes), a function of its key that shares no bytes with it."""
+    return TokenBytes(hashlib.sha256(b"tokens" + key).digest()[:4 * LAYOUT.block_size])
 
 
 def keys_of(items) -> list[bytes]:
@@ -96,6 +104,8 @@ def test_the_slot_files_hold_no_known_block_bytes_when_sealed(tmp_path, sealed):
     on_disk = slot_file_bytes(tmp_path)
     found = [any(data[i:i + 64] in on_disk for i in range(0, len(data) - 64, 64)) for _, data in items]
     assert found == [not sealed] * 8
+    index = b"".join(p.read_bytes() for p in (tmp_path / "t2").rglob("*") if p.is_file() and p.name != SLOT_FILE_NAME)
+    assert [meta.token_ids in index for meta, _ in items] == [not sealed] * 8  # the prompt's token ids
     if sealed:
         key_files = b"".join(p.read_bytes() for p in (tmp_path / "keys").iterdir())
         assert all(data[:64] not in key_files for _, data in items)
@@ -147,7 +157,8 @@ def test_a_forgotten_tenant_opens_nothing_here_or_after_a_restart_and_another_is
         tier.close()
     tier = open_tier(tmp_path, tenant_keys(tmp_path))
     try:
-        assert loaded(tier, keys_of(alice)[:2])[0] == 0
+        assert tier.stats().num_dropped_on_open == 2  # her records' token ids no longer open: dropped at once
+        assert not tier.holds(keys_of(alice)[0]) and loaded(tier, keys_of(alice)[:2])[0] == 0
         assert loaded(tier, keys_of(bob)) == (4, [data for _, data in bob])
         assert tier.store(alice[:2]) == 2
         assert loaded(tier, keys_of(alice)[:2]) == (2, [data for _, data in alice[:2]])
