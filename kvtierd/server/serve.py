@@ -85,7 +85,8 @@ def pool_settings(config: DaemonConfig, keys: NodeKeys | None = None) -> PoolSet
                                                       config.retention),
                         ssd=config.ssd if config.ssd.enabled else None,
                         remote=config.remote.with_password_read() if config.remote.enabled else None,
-                        tenant_keys=keys.tenant_keys if keys is not None else None)
+                        tenant_keys=keys.tenant_keys if keys is not None else None,
+                        t2_max_age_s=config.retention.max_age_s)
 
 
 def planning_lines(config: DaemonConfig, request_tokens: int = 8192) -> list[str]:
@@ -254,8 +255,8 @@ class Daemon:
         await self.health.set("", not_serving if stopping else serving)
 
     async def _sweep_retention(self) -> None:
-        """Forget expired retention hints and give back lapsed Lookup holds every RETENTION_SWEEP_S, on a
-        thread (the tiers' locks)."""
+        """Forget expired retention hints, give back lapsed Lookup holds and drop T2 blocks past
+        retention.max_age_s every RETENTION_SWEEP_S, on a thread (the tiers' locks)."""
         while True:
             await asyncio.sleep(RETENTION_SWEEP_S)
             await asyncio.to_thread(self._sweep_pools)
@@ -264,6 +265,8 @@ class Daemon:
         for pool in self.registry.pools():
             pool.manager.retention.sweep()
             pool.manager.lookup_holds.expire()
+            if (ssd := pool.manager.tiers.ssd) is not None:
+                ssd.expire_aged()  # retention.max_age_s
 
     async def _follow_store(self, store: RedisStore) -> None:
         """Health of STORE_HEALTH_NAME from the store's probes (health() only reads their results)."""

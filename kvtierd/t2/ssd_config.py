@@ -59,11 +59,11 @@ class SsdConfig:
         return bool(self.directory and self.capacity_bytes)
 
     def tier_config(self, layout_key: str, node_budget: NodeBudget | None = None,
-                    tenant_keys: TenantKeys | None = None) -> SsdTierConfig:
+                    tenant_keys: TenantKeys | None = None, max_age_s: float = 0.0) -> SsdTierConfig:
         """One layout's tier: its own directory under this one, the node's budget and data keys shared."""
         return SsdTierConfig([os.path.join(self.directory, layout_key)], self.capacity_bytes,
                              durability=self.durability, o_direct=self.o_direct, node_budget=node_budget,
-                             tenant_keys=tenant_keys)
+                             tenant_keys=tenant_keys, max_age_s=max_age_s)
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -83,8 +83,11 @@ class SsdTierConfig:
     node_budget: NodeBudget | None = None
     # The node's tenant data keys: each block is sealed under its tenant's (encryption on). None: stored in the clear.
     tenant_keys: TenantKeys | None = None
+    max_age_s: float = 0.0  # seconds since its store after which a block is a miss and reclaimed; 0 = no limit
 
     def __post_init__(self) -> None:
+        if self.max_age_s < 0:
+            raise InvalidArgument(f"max_age_s must be >= 0 seconds (0: no limit), got {self.max_age_s}")
         if not self.directories:
             raise InvalidArgument("ssd tier needs at least one directory")
         if self.capacity_bytes < 0 or self.lmdb_map_bytes <= 0 or self.num_io_threads < 1:

@@ -19,6 +19,7 @@ class RecoveredRecords:
     restored: list[tuple[BlockMeta, int, float]]  # (block, global slot, last use): the slot index's restore()
     checksums: dict[int, int]  # global slot -> checksum of its block
     dropped: list[DaemonKey]  # block hashes whose records are to be deleted
+    stored_s: dict[DaemonKey, float]  # when each restored block was stored (wall clock)
 
 
 def recover_records(db: SsdIndex, files: SlotFiles, layout_id: int, slot_nbytes: int,
@@ -44,7 +45,8 @@ def recover_records(db: SsdIndex, files: SlotFiles, layout_id: int, slot_nbytes:
     alone = {slot: group[0] for slot, group in by_slot.items() if len(group) == 1}
     return RecoveredRecords([(BlockMeta(r.block_hash, r.parent_hash, r.token_ids), slot, r.last_use_s)
                              for slot, r in alone.items()],
-                            {slot: r.checksum for slot, r in alone.items()}, dropped)
+                            {slot: r.checksum for slot, r in alone.items()}, dropped,
+                            {r.block_hash: r.stored_s for r in alone.values()})
 
 
 def open_sealed_tokens(found: RecoveredRecords, sealer: BlockSealer) -> RecoveredRecords:
@@ -58,4 +60,4 @@ def open_sealed_tokens(found: RecoveredRecords, sealer: BlockSealer) -> Recovere
             continue
         restored.append((BlockMeta(meta.block_hash, meta.parent_hash, TokenBytes(token_ids)), slot, last_use_s))
         checksums[slot] = found.checksums[slot]
-    return RecoveredRecords(restored, checksums, dropped)
+    return RecoveredRecords(restored, checksums, dropped, found.stored_s)

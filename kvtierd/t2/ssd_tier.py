@@ -44,12 +44,14 @@ from kvtierd.daemon_key import DaemonKey
 from kvtierd.errors import FailedPrecondition, InvalidArgument
 from kvtierd.index.extent_slot_index import ExtentSlotIndex
 from kvtierd.index.index_events import Doorbell, IndexEvent
+from kvtierd.index.residency import LeaveReason
 from kvtierd.index.slot_entry import BlockMeta, SlotEntry
 from kvtierd.index.slot_index import slots_within
 from kvtierd.layout import Layout
 from kvtierd.retention.tier_retention import TierRetention
 from kvtierd.sealing.block_seal import BlockSealer, seal_context, sealed_nbytes
 from kvtierd.t2.node_budget import NodeBudget, truncating_shed
+from kvtierd.t2.ssd_age_limit import AgeLimit
 from kvtierd.t2.ssd_config import SsdTierConfig, describe_error, lock_directory
 from kvtierd.t2.ssd_files import SlotFiles
 from kvtierd.t2.ssd_growth import SsdGrowth, TierCalls, take_budget
@@ -125,6 +127,8 @@ class SsdTier:
         self._num_in_flight, self._closed = 0, False
         self.num_corrupted = self.num_io_errors = self.bytes_written = self.bytes_read = 0
         self.num_unauthentic = 0  # sealed records that did not open as their key's: moved, altered, forgotten
+        self.num_aged_out = 0  # blocks dropped for being older than config.max_age_s
+        self._age_limit = AgeLimit(config.max_age_s)
         self.num_recovered = self.num_dropped_on_open = 0
         self.num_full_skips = 0  # blocks not stored: the budget was spent and nothing of this tier evictable
         self._admitting = self.num_slots > 0
@@ -155,7 +159,7 @@ class SsdTier:
                 db.set_files(paths)
             except lmdb.Error as error:
                 self._stop_admitting(error, "recovery")
-        self._index.restore(found.restored)
+        self._index.restore(found.restored, found.stored_s)
         for slot, checksum in found.checksums.items():
             self._checksums[slot] = checksum
         self.num_recovered = len(found.restored)
@@ -220,7 +224,8 @@ class SsdTier:
                 durability=self.config.durability, file_bytes=self._index.num_slots * self.stride,
                 share_bytes=share.share_bytes, node_capacity_bytes=share.node_capacity_bytes,
                 node_used_bytes=share.node_used_bytes, num_full_skips=self.num_full_skips,
-                num_unauthentic_blocks=self.num_unauthentic, sealed=self.record_nbytes != self.slot_nbytes)
+                num_unauthentic_blocks=self.num_unauthentic, sealed=self.record_nbytes != self.slot_nbytes,
+                num_aged_out_blocks=self.num_aged_out)
 
     @property
     def admitting(self) -> bool:
@@ -299,7 +304,7 @@ class SsdTier:
         if self._sealer is not None:  # the prompt's tokens: never in the index in the clear
             token_ids = TokenBytes(self._sealer.seal_tokens(entry.block_hash, token_ids))
         return Record(entry.block_hash, file_index, local_slot, self.record_nbytes, checksum, self._layout_id,
-                      entry.last_use_s, entry.meta.parent_hash, token_ids)
+                      entry.last_use_s, entry.meta.parent_hash, token_ids, entry.stored_s)
 
     # ------------------------------------------------------------------------------ loads
 
@@ -318,11 +323,14 @@ class SsdTier:
             entries = self._index.prepare_load(hashes, parent, token_bytes, block_size)
             if not entries:
                 return 0
+            fresh = entries[:self._age_limit.num_fresh(entries)]  # a block past the age limit ends the prefix
             try:
-                destinations = [rows[i].numpy().data for i in range(len(entries))]
-                results = self._io.read(entries, destinations)
+                destinations = [rows[i].numpy().data for i in range(len(fresh))]
+                results = self._io.read(fresh, destinations) if fresh else []
             finally:
                 self._index.unpin(entries)
+            if len(fresh) < len(entries):
+                self._drop_aged()
             num_loaded = next((i for i, ok in enumerate(results) if ok is not True), len(results))
             self._drop([(e, why) for e, why in zip(entries, results) if why is not True])
             with self._stats_lock:
@@ -330,6 +338,25 @@ class SsdTier:
                 for entry in entries[:num_loaded]:
                     self._touched[entry.block_hash] = entry.last_use_s
             return num_loaded
+
+    def expire_aged(self) -> int:
+        """The sweep's call: drop the blocks older than the age limit, when a scan is due
+        (ssd_age_limit.py); returns how many went."""
+        if not self._age_limit.scan_due():
+            return 0
+        with self._operation():
+            return self._drop_aged()
+
+    def _drop_aged(self) -> int:
+        aged = [e.block_hash for e in self._age_limit.aged(self._index.entries())]
+        if not aged:
+            return 0
+        with self._write_lock:
+            removed = self._index.remove(aged, LeaveReason.EXPIRED)
+            self._commit_index("age limit", deletes=[e.block_hash for e in removed])
+        with self._stats_lock:
+            self.num_aged_out += len(removed)
+        return len(removed)
 
     def _drop(self, failures: list[tuple[SlotEntry, str]]) -> None:
         """Drop blocks that failed to read or verify (one another load pins: when that load fails too)."""
