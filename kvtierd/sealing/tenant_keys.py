@@ -113,9 +113,6 @@ class TenantKeys:
             self.num_forgotten += 1
         return existed
 
-    def has_key(self, tag: TenantTag) -> bool:
-        return tag in self._ciphers or self._store.read(tag) is not None
-
     def _read(self, tag: TenantTag) -> AESGCM | None:
         wrapped = self._store.read(tag)
         if wrapped is None:

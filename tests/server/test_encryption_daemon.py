@@ -132,6 +132,7 @@ def test_forget_makes_a_tenants_blocks_misses_now_and_after_a_restart_and_spares
             acme_hashes, acme_tokens, acme_data = put_chain(acme, 5)
             globex_hashes, globex_tokens, globex_data = put_chain(globex, 6)
             assert wait_until(lambda: t2_blocks(acme) == 16)
+            assert [pool.t2_sealed for pool in acme.stats().pools] == [True]
             slot_files = b"".join(p.read_bytes() for p in (tmp_path / "ssd").rglob(SLOT_FILE_NAME))
             assert not any(d[:128] in slot_files for d in acme_data + globex_data)
             done = kvtierctl(daemon.address, "o-token", "forget", "--tenant", "acme")
@@ -141,7 +142,7 @@ def test_forget_makes_a_tenants_blocks_misses_now_and_after_a_restart_and_spares
             assert acme.attach(LAYOUT, map_pool=False).lookup(acme_hashes).num_hit_blocks == 0
             assert globex.get(LAYOUT, globex_hashes, token_ids=globex_tokens) == list(zip(globex_hashes, globex_data))
             assert t2_blocks(acme) == 8
-    assert MASTER_HEX not in daemon.output()
+    assert MASTER_HEX not in daemon.output() and "T2 at rest: sealed per tenant (AES-256-GCM)" in daemon.output()
     with DaemonProcess(args) as daemon:
         with KvtierClient(daemon.address, token="a-token") as acme, \
                 KvtierClient(daemon.address, token="g-token") as globex:
