@@ -181,6 +181,9 @@ def run_against_daemon(args: argparse.Namespace) -> int:
                 print(f"tenant {args.tenant!r}: data key {'destroyed' if forgotten.key_destroyed else 'absent'}; ",
                       end="")
             print_dropped(forgotten, args.json)
+            if not forgotten.settled and not args.json:
+                print("note: copies were still in flight after 10 s; one of the tenant's may have landed after "
+                      "the forget: run it again", file=sys.stderr)
             return 0
         if args.command == "drain":
             result = client.drain(resume=args.resume)

@@ -13,6 +13,10 @@ blocks without copying them down, so that nothing lands behind it; all three tie
 Forget (admin only, with [encryption] on) destroys a tenant's data key first, durably (from then on
 none of its sealed T2 blocks opens, here or after a restart, and its next store makes a new key),
 then flushes the tenant from every pool: T0's unheld blocks without copying them down, T1, T2.
+A copy of the tenant's that was in flight then (T0 → T1, T1 → T2, a T1 slot pinned by its copy)
+may land after that flush, in T2 sealed under a new key: forget waits for the pools' copies in
+flight (FORGET_SETTLE_S at most), flushes again, and destroys the key again if one was made
+meanwhile. `settled` says whether the wait ended before its limit (if not, forget again).
 """
 
 from __future__ import annotations
@@ -34,6 +38,7 @@ if TYPE_CHECKING:
 
 EVERY_TENANT = "*"
 MAX_TENANT_NAME_CHARS = 256
+FORGET_SETTLE_S = 10.0  # how long forget waits for the copies in flight before its second flush
 
 
 @dataclasses.dataclass(slots=True)
@@ -42,6 +47,17 @@ class EvictCounts:
     t1: int = 0
     t2: int = 0
     t0_held: int = 0  # skipped: requests hold them
+
+    def then(self, later: EvictCounts) -> EvictCounts:
+        """These and a later pass's drops together; the held blocks are the later pass's."""
+        return EvictCounts(self.t0 + later.t0, self.t1 + later.t1, self.t2 + later.t2, later.t0_held)
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class Forgotten:
+    key_destroyed: bool  # the tenant had a data key, now destroyed
+    dropped: EvictCounts
+    settled: bool  # the copies in flight landed within FORGET_SETTLE_S, before the second flush
 
 
 class Operations:
@@ -160,14 +176,18 @@ class Operations:
         self.remember(target)
         return target
 
-    def forget(self, caller: Tenant, tenant: str) -> tuple[bool, EvictCounts]:
-        """Destroy the tenant's data key, then flush it from every pool: (a key was destroyed, blocks
-        dropped). Blocking: a file delete and fsync, T2 index writes; run it off the event loop."""
+    def forget(self, caller: Tenant, tenant: str, settle_s: float = FORGET_SETTLE_S) -> Forgotten:
+        """Destroy the tenant's data key, flush it from every pool, let the copies in flight land,
+        flush again (module doc). Blocking: file deletes and fsyncs, T2 index writes, the wait;
+        run it off the event loop."""
         target = self.check_forget(caller, tenant)
         assert self.tenant_keys is not None  # check_forget refused otherwise
         destroyed = self.tenant_keys.forget(target.tag)
-        counts = self.evict(caller, tenant, False, list(LOCAL_TIERS))
-        return destroyed, counts
+        first = self.evict(caller, tenant, False, list(LOCAL_TIERS))
+        settled = all([pool.manager.tiers.wait_quiet(settle_s) for pool in self.registry.pools()])
+        dropped = first.then(self.evict(caller, tenant, False, list(LOCAL_TIERS)))
+        destroyed = self.tenant_keys.forget(target.tag) or destroyed  # a key a copy in flight made meanwhile
+        return Forgotten(destroyed, dropped, settled)
 
     # ----------------------------------------------------------------------------- drain
 

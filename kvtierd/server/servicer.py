@@ -344,8 +344,9 @@ class KvTierServicer(kvtier_pb2_grpc.KvTierServicer):
         return evict_response(counts)
 
     async def Forget(self, request: pb.ForgetRequest, context: Context) -> pb.ForgetResponse:
-        destroyed, counts = await asyncio.to_thread(self.operations.forget, current_tenant(), request.tenant)
-        return pb.ForgetResponse(key_destroyed=destroyed, dropped=evict_response(counts))
+        forgotten = await asyncio.to_thread(self.operations.forget, current_tenant(), request.tenant)
+        return pb.ForgetResponse(key_destroyed=forgotten.key_destroyed, dropped=evict_response(forgotten.dropped),
+                                 settled=forgotten.settled)
 
     async def Drain(self, request: pb.DrainRequest, context: Context) -> pb.DrainResponse:
         draining = self.operations.drain(current_tenant(), request.resume)
