@@ -18,7 +18,7 @@ from kvtierd.server.daemon_config import QUOTA_KEYS, SECTIONS
 from tests.conftest import REPO
 
 CHART = REPO / "helm" / "kvtierd"
-CHART_RENDERS = ("server", "pool", "host", "ssd", "policy", "remote")  # the chart's TOML sections ([events]: none)
+CHART_RENDERS = ("server", "pool", "host", "ssd", "policy", "remote", "encryption")  # [events]: not rendered
 CHART_REFUSES = {"remote.password": "a password in a values file; remote.existingSecret mounts remote.password_file"}
 
 

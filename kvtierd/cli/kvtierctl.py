@@ -6,6 +6,7 @@
     kvtierctl inspect --model-id M (--tokens "1 2 3" | --tokens-file F | --hashes HEX,...) [--cache-salt S]
     kvtierctl evict [--tenant NAME | --all] [--tier t0|t1|t2 ...] [--model-id M]
     kvtierctl flush [--tenant NAME | --all] [--model-id M]
+    kvtierctl forget --tenant NAME
     kvtierctl drain [--resume] [--wait SECONDS]
     kvtierctl health
     kvtierctl --version
@@ -45,6 +46,7 @@ from kvtierd.tier import LOCAL_TIERS, Tier
 if TYPE_CHECKING:  # imported where used: `kvtierctl plan` runs without grpc's client or torch
     from kvtierd.cli.kvtierctl_report import StatsView
     from kvtierd.client import KvtierClient
+    from kvtierd.v1 import kvtier_pb2 as pb
 
 EXIT_PROBLEMS, EXIT_USAGE, EXIT_UNREACHABLE, EXIT_REFUSED, EXIT_INTERRUPTED = 1, 2, 3, 4, 130
 
@@ -107,6 +109,11 @@ def main(argv: list[str] | None = None) -> int:
         command.add_argument("--model-id", help="only the pool of this model id")
         command.add_argument("--json", action="store_true")
 
+    forget = commands.add_parser("forget", help="admin: destroy a tenant's data key (its sealed T2 blocks become "
+                                                "unreadable) and drop its blocks from every tier")
+    forget.add_argument("--tenant", required=True, help="the tenant to forget, by name")
+    forget.add_argument("--json", action="store_true")
+
     drain = commands.add_parser("drain", help="stop admitting sessions (health NOT_SERVING) before maintenance")
     drain.add_argument("--resume", action="store_true", help="admit sessions again")
     drain.add_argument("--wait", type=float, metavar="SECONDS", help="wait until no session is attached")
@@ -164,12 +171,19 @@ def run_against_daemon(args: argparse.Namespace) -> int:
             tiers = getattr(args, "tier", None) or ([Tier.T0] if args.command == "evict" else [])
             with answered_within(client.target, OPERATION_TIMEOUT_S):
                 result = client.evict(args.tenant, all_tenants=args.all, tiers=tiers, layout=layout)
-            if args.json:
-                print(json.dumps(MessageToDict(result, preserving_proto_field_name=True,
-                                               always_print_fields_with_no_presence=True)))
-            else:
-                print(f"dropped {result.num_t0_blocks:,} T0, {result.num_t1_blocks:,} T1, {result.num_t2_blocks:,} T2 "
-                      f"blocks; {plural(result.num_t0_held_blocks, 'T0 block')} skipped (in use)")
+            print_dropped(result, args.json)
+            return 0
+        if args.command == "forget":
+            client.stats()  # a daemon that does not answer is found within --timeout
+            with answered_within(client.target, OPERATION_TIMEOUT_S):
+                forgotten = client.forget(args.tenant)
+            if not args.json:
+                print(f"tenant {args.tenant!r}: data key {'destroyed' if forgotten.key_destroyed else 'absent'}; ",
+                      end="")
+            print_dropped(forgotten, args.json)
+            if not forgotten.settled and not args.json:
+                print("note: copies were still in flight after 10 s; one of the tenant's may have landed after "
+                      "the forget: run it again", file=sys.stderr)
             return 0
         if args.command == "drain":
             result = client.drain(resume=args.resume)
@@ -189,6 +203,19 @@ def run_against_daemon(args: argparse.Namespace) -> int:
                   + ("no T2 errors" if stats.ssd.enabled else "T2 off (ssd.directory '' or ssd.capacity_bytes 0)")
                   + ("; the shared store (T3) answers" if stats.remote.enabled else ""))
         return EXIT_PROBLEMS if problems else 0
+
+
+def print_dropped(result: pb.EvictResponse | pb.ForgetResponse, as_json: bool) -> None:
+    """What an evict, flush or forget dropped: a line, or the response as JSON."""
+    from kvtierd.v1 import kvtier_pb2
+
+    if as_json:
+        print(json.dumps(MessageToDict(result, preserving_proto_field_name=True,
+                                       always_print_fields_with_no_presence=True)))
+        return
+    dropped = result.dropped if isinstance(result, kvtier_pb2.ForgetResponse) else result
+    print(f"dropped {dropped.num_t0_blocks:,} T0, {dropped.num_t1_blocks:,} T1, {dropped.num_t2_blocks:,} T2 "
+          f"blocks; {plural(dropped.num_t0_held_blocks, 'T0 block')} skipped (in use)")
 
 
 @contextlib.contextmanager

@@ -90,7 +90,9 @@ class StatsView:
         lines.append("  " + loads_line(pool))
         if any(tier.tier != Tier.T0 for tier in pool.tiers):
             lines.append("  " + dropped_line(pool))
-        lines.append(f"  errors: {plural(pool.num_corrupted_blocks, 'corrupted T2 block')} dropped, "
+        unauthentic = f"{plural(pool.num_unauthentic_blocks, 'unauthentic T2 block')} dropped, " \
+            if pool.t2_sealed else ""
+        lines.append(f"  errors: {plural(pool.num_corrupted_blocks, 'corrupted T2 block')} dropped, {unauthentic}"
                      f"{plural(pool.num_t2_io_errors, 'T2 I/O error')}, "
                      f"{plural(pool.num_failed_load_blocks, 'failed load')}, "
                      f"{plural(pool.num_failed_offload_blocks, 'failed offload')}"
@@ -199,6 +201,9 @@ def health_problems(stats: pb.StatsResponse) -> tuple[list[str], list[str]]:
         if pool.num_corrupted_blocks:
             problems.append(f"{name}: {plural(pool.num_corrupted_blocks, 'corrupted T2 block')} dropped "
                             "(disk or file damage)")
+        if pool.num_unauthentic_blocks:
+            problems.append(f"{name}: {plural(pool.num_unauthentic_blocks, 'sealed T2 block')} did not open as "
+                            "their own and were dropped (moved or altered on disk?)")
         if pool.num_t2_io_errors:
             problems.append(f"{name}: {plural(pool.num_t2_io_errors, 'T2 I/O error')}")
         if _has_t2(pool) and not pool.t2_admitting:

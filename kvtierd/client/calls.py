@@ -81,6 +81,10 @@ def evict_call(tenant: str, all_tenants: bool, tiers: Sequence[str], layout: Lay
     return Call("Evict", request, timeout_s=OPERATION_TIMEOUT_S)
 
 
+def forget_call(tenant: str) -> Call:
+    return Call("Forget", pb.ForgetRequest(tenant=tenant), timeout_s=OPERATION_TIMEOUT_S)
+
+
 def drain_call(resume: bool) -> Call:
     return Call("Drain", pb.DrainRequest(resume=resume))
 

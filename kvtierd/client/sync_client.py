@@ -33,6 +33,7 @@ from kvtierd.client.calls import (
     drain_call,
     events_request,
     evict_call,
+    forget_call,
     get_request,
     retain_call,
     tenant_stats_call,
@@ -146,6 +147,10 @@ class KvtierClient(ClientBase):
               layout: Layout | None = None) -> pb.EvictResponse:
         """Drop unheld cached blocks from `tiers` (none: all three, a flush); see the Evict rpc."""
         return self._run(evict_call(tenant, all_tenants, tiers, layout))
+
+    def forget(self, tenant: str) -> pb.ForgetResponse:
+        """Admin: destroy the tenant's data key and drop its unheld blocks from every tier; see the Forget rpc."""
+        return self._run(forget_call(tenant))
 
     def drain(self, resume: bool = False) -> pb.DrainResponse:
         return self._run(drain_call(resume))

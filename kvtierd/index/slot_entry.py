@@ -40,6 +40,7 @@ class SlotEntry:
     num_loads: int = 0  # pins by loads in flight: not evictable while > 0
     last_use_s: float = 0.0
     entered_at_s: float = 0.0  # when its slot was reserved (restored: when recovered), on the index's clock
+    stored_s: float = 0.0  # when it was stored into this tier, on the index's clock (T2 keeps it across restarts)
 
     @property
     def block_hash(self) -> DaemonKey:

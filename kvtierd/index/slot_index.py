@@ -28,7 +28,7 @@ from __future__ import annotations
 import collections
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 
 from kvtierd.daemon_key import DaemonKey
 from kvtierd.errors import InvalidArgument
@@ -163,7 +163,7 @@ class SlotIndex:
                     evicted.append(victim)
                     self.num_evictions += 1
                     slot = victim.slot
-                entry = SlotEntry(meta, slot, last_use_s=now, entered_at_s=now)
+                entry = SlotEntry(meta, slot, last_use_s=now, entered_at_s=now, stored_s=now)
                 self._insert(entry)
                 stores.append(entry)
             return StorePlan(stores, evicted, num_skipped, unplaced, self._num_room_changes)
@@ -196,16 +196,20 @@ class SlotIndex:
             if entries and not (success and pin):
                 self._room_changed()
 
-    def restore(self, entries: Sequence[tuple[BlockMeta, int, float]]) -> None:
-        """Insert READY entries at given slots (recovery from a persistent index), oldest first."""
+    def restore(self, entries: Sequence[tuple[BlockMeta, int, float]],
+                stored_s: Mapping[DaemonKey, float] | None = None) -> None:
+        """Insert READY entries at given slots (recovery from a persistent index), oldest first;
+        `stored_s`: when each was stored (default: its last use)."""
         with self._lock:
             taken = {slot for _, slot, _ in entries}
             num_hashes = len({meta.block_hash for meta, _, _ in entries})
             if (len(taken) != len(entries) or num_hashes != len(entries) or self._entries
                     or any(not 0 <= s < self.num_slots for s in taken)):
                 raise InvalidArgument("restore needs an empty index, distinct hashes and distinct slots in range")
+            stored_at = stored_s or {}
             for meta, slot, last_use_s in sorted(entries, key=lambda e: e[2]):
-                entry = SlotEntry(meta, slot, storing=False, last_use_s=last_use_s, entered_at_s=self._clock())
+                entry = SlotEntry(meta, slot, storing=False, last_use_s=last_use_s, entered_at_s=self._clock(),
+                                  stored_s=stored_at.get(meta.block_hash, last_use_s))
                 self._insert(entry)
                 self._lru[meta.block_hash] = entry
             self._free_slots = [s for s in range(self.num_slots - 1, -1, -1) if s not in taken]
@@ -258,9 +262,9 @@ class SlotIndex:
 
     # ----------------------------------------------------------------------------- removal
 
-    def remove(self, block_hashes: Sequence[DaemonKey]) -> list[SlotEntry]:
-        """Drop the named READY entries that no load pins (a corrupt block, an operator's evict).
-        Returns what was dropped; their slots are free."""
+    def remove(self, block_hashes: Sequence[DaemonKey], reason: LeaveReason = LeaveReason.FLUSHED) -> list[SlotEntry]:
+        """Drop the named READY entries that no load pins (a corrupt block, an operator's evict;
+        `reason` EXPIRED: older than the tier's age limit). Returns what was dropped; their slots are free."""
         with self._lock:
             removed = []
             for block_hash in block_hashes:
@@ -268,7 +272,7 @@ class SlotIndex:
                 if entry is None:
                     continue
                 self._delete(block_hash)
-                self._removed(entry, LeaveReason.FLUSHED)
+                self._removed(entry, reason)
                 self._free_slots.append(entry.slot)
                 removed.append(entry)
             if removed:

@@ -114,6 +114,9 @@ _FAMILIES: dict[str, tuple[type, str, str, tuple[str, ...]]] = {
     "ssd_dropped": (CounterMetricFamily, "kvtierd_ssd_corrupted_blocks_dropped",
                     "SSD blocks dropped as corrupt, on read or when the tier was opened.", ()),
     "ssd_io_errors": (CounterMetricFamily, "kvtierd_ssd_io_errors", "SSD read or write errors.", ()),
+    "ssd_unauthentic": (CounterMetricFamily, "kvtierd_ssd_unauthentic_blocks",
+                        "Sealed SSD blocks dropped on read because they did not open as their own key's (moved, "
+                        "altered, or of a forgotten tenant); never served.", ()),
     "ssd_admitting": (GaugeMetricFamily, "kvtierd_ssd_admitting",
                       "1 while the SSD tier accepts new blocks, 0 after it stopped (disk full, I/O error).", ()),
     "t3_hits": (CounterMetricFamily, "kvtierd_t3_hit_blocks", "Blocks read from the shared store, verified and "
@@ -278,6 +281,7 @@ def _add_pool(families: Families, model: str, source: PoolSource, stats: Tiering
     if (ssd := stats.ssd) is not None:
         add("ssd_dropped", ssd.num_corrupted_blocks + ssd.num_dropped_on_open)
         add("ssd_io_errors", ssd.num_io_errors)
+        add("ssd_unauthentic", ssd.num_unauthentic_blocks)
         add("ssd_admitting", 1 if ssd.admitting else 0)
     for direction, nbytes in stats.bytes_moved.items():
         add("transfer_bytes", nbytes, direction)

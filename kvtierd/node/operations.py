@@ -1,4 +1,4 @@
-"""What an operator asks of a running daemon (kvtierctl): usage per tenant, evict, flush, drain.
+"""What an operator asks of a running daemon (kvtierctl): usage per tenant, evict, flush, forget, drain.
 
 Tenants are known to the tiers only by the 16-byte tag every key starts with (tenants.py);
 `Operations` remembers the name behind each tag it has seen (callers, configured tokens), and
@@ -9,6 +9,14 @@ Drain need an admin tenant (server.admin_tenants), else PERMISSION_DENIED. Evict
 blocks nobody holds: from T0 alone it is an eviction (the on_evict policy copies them down
 first), from T1 and T2 the slots are freed; an evict that names T1 or T2 as well drops T0's
 blocks without copying them down, so that nothing lands behind it; all three tiers is a flush.
+
+Forget (admin only, with [encryption] on) destroys a tenant's data key first, durably (from then on
+none of its sealed T2 blocks opens, here or after a restart, and its next store makes a new key),
+then flushes the tenant from every pool: T0's unheld blocks without copying them down, T1, T2.
+A copy of the tenant's that was in flight then (T0 → T1, T1 → T2, a T1 slot pinned by its copy)
+may land after that flush, in T2 sealed under a new key: forget waits for the pools' copies in
+flight (FORGET_SETTLE_S at most), flushes again, and destroys the key again if one was made
+meanwhile. `settled` says whether the wait ended before its limit (if not, forget again).
 """
 
 from __future__ import annotations
@@ -16,15 +24,21 @@ from __future__ import annotations
 import collections
 import dataclasses
 from collections.abc import Iterable
+from typing import TYPE_CHECKING
 
 from kvtierd.daemon_key import DaemonKey, tenant_tag_of
-from kvtierd.errors import InvalidArgument, PermissionDenied
+from kvtierd.errors import FailedPrecondition, InvalidArgument, PermissionDenied
 from kvtierd.node.pools import LayoutPool, PoolRegistry
 from kvtierd.node.sessions import SessionTable
 from kvtierd.node.tenants import Tenant
 from kvtierd.tier import LOCAL_TIERS, Tier
 
+if TYPE_CHECKING:
+    from kvtierd.sealing.tenant_keys import TenantKeys
+
 EVERY_TENANT = "*"
+MAX_TENANT_NAME_CHARS = 256
+FORGET_SETTLE_S = 10.0  # how long forget waits for the copies in flight before its second flush
 
 
 @dataclasses.dataclass(slots=True)
@@ -34,13 +48,26 @@ class EvictCounts:
     t2: int = 0
     t0_held: int = 0  # skipped: requests hold them
 
+    def then(self, later: EvictCounts) -> EvictCounts:
+        """These and a later pass's drops together; the held blocks are the later pass's."""
+        return EvictCounts(self.t0 + later.t0, self.t1 + later.t1, self.t2 + later.t2, later.t0_held)
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class Forgotten:
+    key_destroyed: bool  # the tenant had a data key, now destroyed
+    dropped: EvictCounts
+    settled: bool  # the copies in flight landed within FORGET_SETTLE_S, before the second flush
+
 
 class Operations:
     """Operator actions on the daemon's pools. `draining` is read by Attach (never mutated there)."""
 
     def __init__(self, registry: PoolRegistry, sessions: SessionTable, admin_tenants: Iterable[str],
-                 known_tenants: Iterable[str] = ()) -> None:
+                 known_tenants: Iterable[str] = (), tenant_keys: TenantKeys | None = None) -> None:
+        """`tenant_keys`: the node's data keys ([encryption] on); None: forget is refused."""
         self.registry = registry
+        self.tenant_keys = tenant_keys
         self.sessions = sessions
         self.admin_tenants = frozenset(admin_tenants)
         self._names: dict[bytes, str] = {}
@@ -132,6 +159,35 @@ class Operations:
             if Tier.T2 in tiers and tier_state.ssd is not None:
                 counts.t2 += tier_state.ssd.remove(mine(tier_state.ssd.block_hashes()))
         return counts
+
+    # ----------------------------------------------------------------------------- forget
+
+    def check_forget(self, caller: Tenant, tenant: str) -> Tenant:
+        """The tenant a Forget names, after every check (nothing changed yet)."""
+        if not tenant or tenant == EVERY_TENANT or len(tenant) > MAX_TENANT_NAME_CHARS or tenant != tenant.strip():
+            raise InvalidArgument("forget names one tenant: a name of 1 to 256 characters without surrounding "
+                                  f"spaces, not {EVERY_TENANT!r}")
+        self.check_admin(caller, "forget")
+        if self.tenant_keys is None:
+            raise FailedPrecondition("forget needs encryption on ([encryption] enabled): without it the tenant's "
+                                     "T2 blocks stay readable on disk; `kvtierctl flush --tenant` drops them from "
+                                     "the tiers")
+        target = Tenant.named(tenant)
+        self.remember(target)
+        return target
+
+    def forget(self, caller: Tenant, tenant: str, settle_s: float = FORGET_SETTLE_S) -> Forgotten:
+        """Destroy the tenant's data key, flush it from every pool, let the copies in flight land,
+        flush again (module doc). Blocking: file deletes and fsyncs, T2 index writes, the wait;
+        run it off the event loop."""
+        target = self.check_forget(caller, tenant)
+        assert self.tenant_keys is not None  # check_forget refused otherwise
+        destroyed = self.tenant_keys.forget(target.tag)
+        first = self.evict(caller, tenant, False, list(LOCAL_TIERS))
+        settled = all([pool.manager.tiers.wait_quiet(settle_s) for pool in self.registry.pools()])
+        dropped = first.then(self.evict(caller, tenant, False, list(LOCAL_TIERS)))
+        destroyed = self.tenant_keys.forget(target.tag) or destroyed  # a key a copy in flight made meanwhile
+        return Forgotten(destroyed, dropped, settled)
 
     # ----------------------------------------------------------------------------- drain
 

@@ -49,6 +49,7 @@ from kvtierd.tiering.tier_manager import TierManager
 
 if TYPE_CHECKING:  # imported where T3 is on (PoolRegistry): redis loads only then
     from kvtierd.index.index_metrics import IndexObserver
+    from kvtierd.sealing.tenant_keys import TenantKeys
     from kvtierd.t3.redis_store import RedisStore
 
 log = logging.getLogger(__name__)
@@ -64,6 +65,8 @@ class PoolSettings:
     tier_config: TierConfig  # its host_capacity_bytes is the node's T1 budget, shared by the layouts
     ssd: SsdConfig | None = None  # None = no T2; its capacity_bytes is the node's T2 budget, shared by the layouts
     remote: RemoteConfig | None = None  # None = no T3; its password already read from the file
+    tenant_keys: TenantKeys | None = None  # [encryption] on: T2 values sealed under each tenant's data key
+    t2_max_age_s: float = 0.0  # retention.max_age_s: older T2 blocks are misses and reclaimed; 0 = no limit
 
     @property
     def hash_algo(self) -> str:
@@ -95,7 +98,8 @@ class LayoutPool:
         self.ssd_budget = None
         if settings.ssd is not None:
             self.ssd_budget = ssd_budget or NodeBudget(settings.ssd.capacity_bytes, "ssd")
-            ssd_config = settings.ssd.tier_config(self._key, self.ssd_budget)
+            ssd_config = settings.ssd.tier_config(self._key, self.ssd_budget, settings.tenant_keys,
+                                                  settings.t2_max_age_s)
         self.manager = TierManager(layout, num_blocks, settings.tier_config, ssd_config=ssd_config,
                                    device=pool_config.device, hash_size=daemon_key_size(self.digest_size),
                                    observer=observer, max_pending_events=MAX_PENDING_EVENTS, engines=engines,

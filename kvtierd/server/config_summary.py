@@ -39,6 +39,10 @@ def config_lines(config: DaemonConfig) -> list[str]:
                  f"durability {ssd.durability}{', O_DIRECT' if ssd.o_direct else ''}" if ssd.enabled
                  else f"T2 ssd: OFF: {no_room_problem(config)}" if not off_by_choice(config)
                  else "T2 ssd: off" + (" (ssd.capacity_bytes = 0)" if ssd.directory else ""))
+    if ssd.enabled:
+        encryption = config.encryption
+        lines.append(f"T2 at rest: sealed per tenant (AES-256-GCM), master key {encryption.master_key_file}"
+                     if encryption.enabled else "T2 at rest: in the clear ([encryption] off)")
     recompute = ("load a lower-tier hit only when faster than recomputing it, at "
                  + (f"{policy.recompute_s_per_token:g} s/token (policy.recompute_s_per_token)"
                     if policy.recompute_s_per_token > 0 else "the engines' measured cost (every hit until measured)"))

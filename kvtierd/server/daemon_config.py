@@ -11,6 +11,7 @@ the part it configures and defined beside it, each checking its own values when 
 | [events]   | EventsConfig   | kvtierd/events/events_config.py |
 | [remote]   | RemoteConfig   | kvtierd/t3/remote_config.py     |
 | [retention]| RetentionConfig| kvtierd/retention/retention_config.py |
+| [encryption]| EncryptionConfig| kvtierd/sealing/encryption_config.py |
 | [quotas.*] | Quota          | kvtierd/node/quotas.py          |
 
 Where the values come from (defaults, the file, KVTIERD_* variables, flags) is config_loader.py;
@@ -26,6 +27,7 @@ from kvtierd.events.events_config import EventsConfig
 from kvtierd.node.pool_config import PoolConfig
 from kvtierd.node.quotas import Quota
 from kvtierd.retention.retention_config import RetentionConfig
+from kvtierd.sealing.encryption_config import EncryptionConfig
 from kvtierd.server.server_config import ServerConfig
 from kvtierd.t1.host_config import HostConfig
 from kvtierd.t2.ssd_config import SsdConfig
@@ -45,6 +47,7 @@ class DaemonConfig:
     events: EventsConfig = dataclasses.field(default_factory=EventsConfig)
     remote: RemoteConfig = dataclasses.field(default_factory=RemoteConfig)
     retention: RetentionConfig = dataclasses.field(default_factory=RetentionConfig)
+    encryption: EncryptionConfig = dataclasses.field(default_factory=EncryptionConfig)
     quotas: dict[str, Quota] = dataclasses.field(default_factory=dict)  # tenant -> quota
     log_level: str = "info"  # "debug" | "info" | "warning" | "error" | "critical"
     # The dotted keys a source set (file, KVTIERD_* variable, flag); the others hold defaults. Not a
@@ -56,7 +59,8 @@ class DaemonConfig:
 
 
 SECTIONS = {"server": ServerConfig, "pool": PoolConfig, "host": HostConfig, "ssd": SsdConfig, "policy": PolicyConfig,
-            "events": EventsConfig, "remote": RemoteConfig, "retention": RetentionConfig}
+            "events": EventsConfig, "remote": RemoteConfig, "retention": RetentionConfig,
+            "encryption": EncryptionConfig}
 
 
 def _file_type(field: dataclasses.Field) -> type:

@@ -54,6 +54,8 @@ def pool_stats(pool: LayoutPool) -> pb.PoolStats:
                                for usage in stats.tiers],
                         num_query_blocks=stats.num_query_blocks, transfers=transfers,
                         num_corrupted_blocks=ssd.num_corrupted_blocks if ssd else 0,
+                        num_unauthentic_blocks=ssd.num_unauthentic_blocks if ssd else 0,
+                        t2_sealed=ssd.sealed if ssd else False,
                         num_t2_io_errors=ssd.num_io_errors if ssd else 0,
                         num_failed_load_blocks=stats.num_failed_load_blocks,
                         num_failed_offload_blocks=stats.num_failed_offload_blocks,

@@ -48,6 +48,7 @@ from kvtierd.planning.capacity import PoolCapacity, format_bytes
 from kvtierd.server.config_flags import setting_name
 from kvtierd.server.config_summary import config_lines
 from kvtierd.server.daemon_config import DaemonConfig
+from kvtierd.server.encryption_setup import NodeKeys, node_keys
 from kvtierd.server.fd_listener import FdListener
 from kvtierd.server.heap_settings import keep_block_buffers_in_heap
 from kvtierd.server.interceptor import StatusInterceptor
@@ -74,15 +75,18 @@ SERVICE_NAME = kvtier_pb2.DESCRIPTOR.services_by_name["KvTier"].full_name
 STORE_HEALTH_NAME = "kvtierd.v1.SharedStore"  # a health service name: SERVING while every T3 node answers
 
 
-def pool_settings(config: DaemonConfig) -> PoolSettings:
-    """The pools' settings: the daemon's sections, T2 and T3 only where on (reads the T3 password file).
+def pool_settings(config: DaemonConfig, keys: NodeKeys | None = None) -> PoolSettings:
+    """The pools' settings: the daemon's sections, T2 and T3 only where on (reads the T3 password file),
+    the node's data keys where encryption is on.
     A daemon without its unix socket has no fd socket to pass a CUDA pool's descriptor over: its CUDA
     pools are shared by IPC handle (config_summary says so)."""
     pool = config.pool if config.server.socket else dataclasses.replace(config.pool, cuda_share="ipc")
     return PoolSettings(pool, TierConfig.of_sections(config.host, config.ssd, config.policy, config.remote,
                                                       config.retention),
                         ssd=config.ssd if config.ssd.enabled else None,
-                        remote=config.remote.with_password_read() if config.remote.enabled else None)
+                        remote=config.remote.with_password_read() if config.remote.enabled else None,
+                        tenant_keys=keys.tenant_keys if keys is not None else None,
+                        t2_max_age_s=config.retention.max_age_s)
 
 
 def planning_lines(config: DaemonConfig, request_tokens: int = 8192) -> list[str]:
@@ -115,7 +119,8 @@ class Daemon:
         tokens = TokenBook.load(server_config.tokens_file) if server_config.tokens_file else None
         self.authenticator = Authenticator(tokens)
         quotas = QuotaBook(config.quotas)
-        self.registry = PoolRegistry(pool_settings(config), self.metrics.index_observer, quotas)
+        self.keys = node_keys(config)  # where encryption is on: the master key read and checked now
+        self.registry = PoolRegistry(pool_settings(config, self.keys), self.metrics.index_observer, quotas)
         self.registry.on_created.append(lambda pool: self.metrics.add_pool_source(
             pool.layout.model_id, pool.layout.block_size, pool.layout.bytes_per_block, pool.manager.stats))
         if self.registry.remote_store is not None:
@@ -125,7 +130,8 @@ class Daemon:
         known = [self.authenticator.socket_tenant.name, *config.quotas]
         if tokens is not None:
             known += tokens.tenant_names()
-        self.operations = Operations(self.registry, self.sessions, admin_tenant_names(server_config), known)
+        self.operations = Operations(self.registry, self.sessions, admin_tenant_names(server_config), known,
+                                     self.keys.tenant_keys if self.keys is not None else None)
         self.publisher = kv_event_publisher(config, self.operations.name_of)
         self.feed = EventFeed(self.registry, publisher=self.publisher, lower_tiers=config.events.lower_tiers)
         self.registry.on_created.append(self.feed.watch)
@@ -187,6 +193,9 @@ class Daemon:
         ssd = self.config.ssd
         if ssd.enabled:  # before any pool opens T2 in it
             self.ssd_lock = DirectoryLock.acquire(ssd.directory, setting_name("ssd.directory"))
+        if self.keys is not None:  # under the lock: one daemon claims the key directory
+            self.keys.claim()
+            log.info("encryption: %s", self.keys.describe())
         num_orphans, orphan_bytes = remove_orphaned_segments()  # what killed daemons left in /dev/shm
         if num_orphans:
             log.warning("removed %d shared-memory segments (%s) that killed kvtierd processes left in /dev/shm",
@@ -246,8 +255,8 @@ class Daemon:
         await self.health.set("", not_serving if stopping else serving)
 
     async def _sweep_retention(self) -> None:
-        """Forget expired retention hints and give back lapsed Lookup holds every RETENTION_SWEEP_S, on a
-        thread (the tiers' locks)."""
+        """Forget expired retention hints, give back lapsed Lookup holds and drop T2 blocks past
+        retention.max_age_s every RETENTION_SWEEP_S, on a thread (the tiers' locks)."""
         while True:
             await asyncio.sleep(RETENTION_SWEEP_S)
             await asyncio.to_thread(self._sweep_pools)
@@ -256,6 +265,8 @@ class Daemon:
         for pool in self.registry.pools():
             pool.manager.retention.sweep()
             pool.manager.lookup_holds.expire()
+            if (ssd := pool.manager.tiers.ssd) is not None:
+                ssd.expire_aged()  # retention.max_age_s
 
     async def _follow_store(self, store: RedisStore) -> None:
         """Health of STORE_HEALTH_NAME from the store's probes (health() only reads their results)."""

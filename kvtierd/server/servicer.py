@@ -29,7 +29,7 @@ from kvtierd.index.query_counting import QueryCounting
 from kvtierd.layout import Layout
 from kvtierd.node.block_transfers import BlockTransfers
 from kvtierd.node.off_loop import call_blocking_if
-from kvtierd.node.operations import Operations
+from kvtierd.node.operations import EvictCounts, Operations
 from kvtierd.node.pools import LayoutPool, PoolRegistry
 from kvtierd.node.sessions import SessionLease, SessionTable
 from kvtierd.retention.hint import RetentionHint
@@ -348,8 +348,12 @@ class KvTierServicer(kvtier_pb2_grpc.KvTierServicer):
             pools = [] if pool is None else [pool]
         counts = await asyncio.to_thread(self.operations.evict, current_tenant(), request.tenant, request.all_tenants,
                                          list(request.tiers), pools)
-        return pb.EvictResponse(num_t0_blocks=counts.t0, num_t1_blocks=counts.t1, num_t2_blocks=counts.t2,
-                                num_t0_held_blocks=counts.t0_held)
+        return evict_response(counts)
+
+    async def Forget(self, request: pb.ForgetRequest, context: Context) -> pb.ForgetResponse:
+        forgotten = await asyncio.to_thread(self.operations.forget, current_tenant(), request.tenant)
+        return pb.ForgetResponse(key_destroyed=forgotten.key_destroyed, dropped=evict_response(forgotten.dropped),
+                                 settled=forgotten.settled)
 
     async def Drain(self, request: pb.DrainRequest, context: Context) -> pb.DrainResponse:
         draining = self.operations.drain(current_tenant(), request.resume)
@@ -376,3 +380,8 @@ class KvTierServicer(kvtier_pb2_grpc.KvTierServicer):
     async def _pool(self, layout: Layout) -> LayoutPool:
         pool = self.registry.get(layout)
         return pool if pool is not None else await asyncio.to_thread(self.registry.get_or_create, layout)
+
+
+def evict_response(counts: EvictCounts) -> pb.EvictResponse:
+    return pb.EvictResponse(num_t0_blocks=counts.t0, num_t1_blocks=counts.t1, num_t2_blocks=counts.t2,
+                            num_t0_held_blocks=counts.t0_held)

@@ -20,6 +20,7 @@ from kvtierd.movers.codec_names import CODEC_NAMES
 from kvtierd.t2.ssd_files import DISK_FULL_ERRNOS
 
 if TYPE_CHECKING:
+    from kvtierd.sealing.tenant_keys import TenantKeys
     from kvtierd.t2.node_budget import NodeBudget
 from kvtierd.units import GiB
 
@@ -55,10 +56,12 @@ class SsdConfig:
         """T2 is on: a directory and a budget."""
         return bool(self.directory and self.capacity_bytes)
 
-    def tier_config(self, layout_key: str, node_budget: NodeBudget | None = None) -> SsdTierConfig:
-        """One layout's tier: its own directory under this one, the node's budget shared."""
+    def tier_config(self, layout_key: str, node_budget: NodeBudget | None = None,
+                    tenant_keys: TenantKeys | None = None, max_age_s: float = 0.0) -> SsdTierConfig:
+        """One layout's tier: its own directory under this one, the node's budget and data keys shared."""
         return SsdTierConfig([os.path.join(self.directory, layout_key)], self.capacity_bytes,
-                             durability=self.durability, o_direct=self.o_direct, node_budget=node_budget)
+                             durability=self.durability, o_direct=self.o_direct, node_budget=node_budget,
+                             tenant_keys=tenant_keys, max_age_s=max_age_s)
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -76,8 +79,13 @@ class SsdTierConfig:
     # The node's disk budget shared with other layouts' tiers: the files grow only by what it
     # grants. None: the tier's own budget of capacity_bytes.
     node_budget: NodeBudget | None = None
+    # The node's tenant data keys: each block is sealed under its tenant's (encryption on). None: stored in the clear.
+    tenant_keys: TenantKeys | None = None
+    max_age_s: float = 0.0  # seconds since its store after which a block is a miss and reclaimed; 0 = no limit
 
     def __post_init__(self) -> None:
+        if self.max_age_s < 0:
+            raise InvalidArgument(f"max_age_s must be >= 0 seconds (0: no limit), got {self.max_age_s}")
         if not self.directories:
             raise InvalidArgument("ssd tier needs at least one directory")
         if self.capacity_bytes < 0 or self.lmdb_map_bytes <= 0 or self.num_io_threads < 1:

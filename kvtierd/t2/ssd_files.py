@@ -39,7 +39,9 @@ log = logging.getLogger(__name__)
 
 ALIGNMENT = ALIGNMENT_BYTES  # O_DIRECT's; T1's slot stride too, so a read lands in a host slot as is
 DISK_FULL_ERRNOS = frozenset({errno.ENOSPC, errno.EDQUOT, errno.EFBIG})
-MAX_CHUNK_BYTES = 8 << 20  # one syscall moves at most this much (or one block, if larger)
+# One syscall moves about this much: the nearest whole number of slots (at least one), so that a slot
+# a little over 2 MiB (a sealed block's) still moves four at a time, not three.
+MAX_CHUNK_BYTES = 8 << 20
 PREALLOCATE_CHUNK_BYTES = 256 << 20
 
 
@@ -80,7 +82,7 @@ class SlotFiles:
                  index_reserve_bytes: int = 0) -> None:
         self.slot_nbytes = slot_nbytes
         self.stride = round_up(slot_nbytes)
-        self.chunk_blocks = max(1, MAX_CHUNK_BYTES // self.stride)
+        self.chunk_blocks = max(1, round(MAX_CHUNK_BYTES / self.stride))
         self.shortfalls: list[str] = []  # one line per bound the disk put on the capacity
         self.files: list[SlotFile] = []
         self._staging = threading.local()

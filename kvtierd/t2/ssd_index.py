@@ -25,8 +25,9 @@ from kvtierd.daemon_key import DaemonKey
 from kvtierd.token_bytes import TokenBytes
 
 INDEX_DIR_NAME = "kvtierd-index.lmdb"
-RECORD_VERSION = 1
+RECORD_VERSION = 2  # 2 adds the time of the store after the head; a version-1 record reads it as its last use
 _HEAD = struct.Struct("<BHIIQQdB")  # version, file, local slot, length, checksum, layout id, last use, parent length
+_STORED = struct.Struct("<d")  # version 2: wall-clock seconds of the block's store into the tier
 _LAST_USE_OFFSET = struct.calcsize("<BHIIQQ")
 _FILES_KEY = b"files"
 
@@ -44,22 +45,26 @@ class Record:
     last_use_s: float
     parent_hash: DaemonKey
     token_ids: TokenBytes
+    stored_s: float = 0.0  # wall clock of its store into the tier (retention.max_age_s counts from it)
 
     def encode(self) -> bytes:
-        return _HEAD.pack(RECORD_VERSION, self.file_index, self.local_slot, self.length, self.checksum,
-                          self.layout_id, self.last_use_s, len(self.parent_hash)) + self.parent_hash + self.token_ids
+        return (_HEAD.pack(RECORD_VERSION, self.file_index, self.local_slot, self.length, self.checksum,
+                           self.layout_id, self.last_use_s, len(self.parent_hash))
+                + _STORED.pack(self.stored_s) + self.parent_hash + self.token_ids)
 
     @classmethod
     def decode(cls, block_hash: DaemonKey, value: bytes) -> Record:
-        """Raises ValueError on anything that is not a version-1 record."""
+        """Raises ValueError on anything that is not a version-1 or version-2 record."""
         if len(value) < _HEAD.size:
             raise ValueError("record too short")
         version, file_index, local_slot, length, checksum, layout_id, last_use_s, parent_len = _HEAD.unpack_from(value)
-        if version != RECORD_VERSION or len(value) < _HEAD.size + parent_len:
+        start = _HEAD.size + (_STORED.size if version == 2 else 0)
+        if version not in (1, 2) or len(value) < start + parent_len:
             raise ValueError(f"record version {version} or length {len(value)} not understood")
-        parent = DaemonKey(value[_HEAD.size:_HEAD.size + parent_len])
+        stored_s = _STORED.unpack_from(value, _HEAD.size)[0] if version == 2 else last_use_s
+        parent = DaemonKey(value[start:start + parent_len])
         return cls(block_hash, file_index, local_slot, length, checksum, layout_id, last_use_s,
-                   parent, TokenBytes(value[_HEAD.size + parent_len:]))
+                   parent, TokenBytes(value[start + parent_len:]), stored_s)
 
 
 class SsdIndex:

@@ -3,15 +3,23 @@ bytes written run by run on the I/O threads, with a checksum each; read back run
 block verified against the checksum its slot was written with.
 
 A read that fails (an OSError: "io") or comes back short or with another checksum ("corrupt")
-zeroes the caller's row: nothing of a failed block is handed out. `write` and `read` wait for
-every run before returning or raising (a slot must not be freed while a write to it is in
-flight).
+zeroes the caller's row: nothing of a failed block is handed out.
+
+With a sealer (encryption on: kvtierd/sealing/block_seal.py) each block is sealed on its way out
+into a staged record (nonce | ciphertext | tag, the files' `slot_nbytes`) and opened on its way in:
+the GCM tag verifies it, so no checksum is kept (0), and a record that does not open as its key's
+(moved, altered, its tenant forgotten) fails as "unauthentic", its row zeroed like any failure.
+
+`write` and `read` wait for every run before returning or raising (a slot must not be freed while
+a write to it is in flight).
 """
 
 from __future__ import annotations
 
 import concurrent.futures
 import logging
+import mmap
+import threading
 from collections.abc import Callable, Sequence
 from typing import Literal, TypeVar, cast
 
@@ -22,20 +30,26 @@ import xxhash
 from kvtierd.daemon_key import DaemonKey
 from kvtierd.errors import InvalidArgument
 from kvtierd.index.slot_entry import BlockMeta, SlotEntry
+from kvtierd.sealing.block_seal import SEAL_OVERHEAD_BYTES, BlockSealer
 from kvtierd.t2.ssd_files import Run, SlotFiles
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
 BlockBytes = torch.Tensor | bytes | bytearray | memoryview  # a block's bytes as `store` takes them
-ReadResult = Literal[True] | str  # True, or why the block failed: "io" or "corrupt"
+ReadResult = Literal[True] | str  # True, or why the block failed: "io", "corrupt" or "unauthentic"
 
 
 class SlotIO:
-    """`checksums[slot]`: the xxh3-64 of the bytes its holder was written with (the tier sets it)."""
+    """`checksums[slot]`: the xxh3-64 of the bytes its holder was written with (the tier sets it;
+    0 when sealed). `block_nbytes`: a block's bytes as callers hand them over, the files' slot less
+    the seal's overhead when sealed."""
 
-    def __init__(self, files: SlotFiles, num_io_threads: int, checksums: np.ndarray) -> None:
-        self.files, self.checksums = files, checksums
+    def __init__(self, files: SlotFiles, num_io_threads: int, checksums: np.ndarray,
+                 sealer: BlockSealer | None = None) -> None:
+        self.files, self.checksums, self.sealer = files, checksums, sealer
+        self.block_nbytes = files.slot_nbytes - (SEAL_OVERHEAD_BYTES if sealer is not None else 0)
         self._pool = concurrent.futures.ThreadPoolExecutor(num_io_threads, thread_name_prefix="kvtierd-ssd-io")
+        self._records = threading.local()  # per I/O thread: an aligned buffer of sealed records
 
     def write(self, entries: list[SlotEntry], sources: list[memoryview]) -> list[int]:
         """Write each entry's source into its slot; each one's checksum."""
@@ -49,28 +63,56 @@ class SlotIO:
         self._pool.shutdown(wait=True)
 
     def _write_run(self, run: Run, entries: list[SlotEntry], sources: list[memoryview]) -> list[tuple[int, int]]:
-        self.files.write_run(run, sources)
-        return [(p, xxhash.xxh3_64_intdigest(sources[p])) for p in run.positions]
+        if self.sealer is None:
+            self.files.write_run(run, sources)
+            return [(p, xxhash.xxh3_64_intdigest(sources[p])) for p in run.positions]
+        sealed = self._staged(run, sources)
+        record_nbytes = self.files.slot_nbytes
+        for position in run.positions:
+            record = sealed[position]
+            self.sealer.seal_into(entries[position].block_hash, sources[position], record[:record_nbytes])
+            record[record_nbytes:] = bytes(record.nbytes - record_nbytes)
+        self.files.write_run(run, sealed)
+        return [(p, 0) for p in run.positions]
 
     def _read_run(self, run: Run, entries: list[SlotEntry],
                   destinations: list[memoryview]) -> list[tuple[int, ReadResult]]:
         try:
-            views = self.files.read_run(run, destinations)
-            failure = "corrupt"  # a short read (view None) or a checksum mismatch
+            views = self.files.read_run(run, destinations if self.sealer is None else self._staged(run, destinations))
+            failure = "corrupt"  # a short read (view None)
         except OSError as error:
             log.error("SSD tier: read of %d block(s) failed: %s", len(run.positions), error)
             views, failure = [None] * len(run.positions), "io"
         results: list[tuple[int, ReadResult]] = []
         for position, view in zip(run.positions, views):
             destination = destinations[position]
-            if view is not None and xxhash.xxh3_64_intdigest(view) == int(self.checksums[entries[position].slot]):
-                if view.obj is not destination.obj:
-                    destination[:] = view
-                results.append((position, True))
-            else:
+            outcome = failure if view is None else self._accept(entries[position], view, destination)
+            if outcome is not True:
                 destination[:] = bytes(destination.nbytes)  # nothing of a failed block is handed out
-                results.append((position, failure))
+            results.append((position, outcome))
         return results
+
+    def _accept(self, entry: SlotEntry, view: memoryview, destination: memoryview) -> ReadResult:
+        """Verify a slot's bytes as `entry`'s and hand the block into `destination`: True, or why not."""
+        if self.sealer is not None:
+            return True if self.sealer.open_into(entry.block_hash, view, destination) else "unauthentic"
+        if xxhash.xxh3_64_intdigest(view) != int(self.checksums[entry.slot]):
+            return "corrupt"
+        if view.obj is not destination.obj:
+            destination[:] = view
+        return True
+
+    def _staged(self, run: Run, buffers: list[memoryview]) -> list[memoryview]:
+        """`buffers` with the run's positions replaced by one stride each of this thread's aligned
+        record buffer (sealed records are staged there on their way to and from the files)."""
+        stride = self.files.stride
+        view = getattr(self._records, "view", None)
+        if view is None:
+            view = self._records.view = memoryview(mmap.mmap(-1, self.files.chunk_blocks * stride))
+        staged = list(buffers)
+        for j, position in enumerate(run.positions):
+            staged[position] = view[j * stride:(j + 1) * stride]
+        return staged
 
     def _run_all(self, task: Callable[[Run, list[SlotEntry], list[memoryview]], list[tuple[int, T]]],
                  entries: list[SlotEntry], buffers: list[memoryview]) -> list[T]:

@@ -51,7 +51,7 @@ class SlotMover:
         checksums = [0] * len(moves)
         if not moves:
             return MoveOutcome(results, checksums, None)
-        stride, nbytes = self.files.stride, self.files.slot_nbytes
+        stride, nbytes = self.files.stride, self.io.block_nbytes
         view = memoryview(mmap.mmap(-1, min(len(moves), self.batch_blocks) * stride))  # freed with its last view
         written: list[int] = []  # positions written, not yet synced
         try:

@@ -20,6 +20,7 @@ import errno
 import mmap
 import os
 
+from kvtierd.durable_files import write_synced
 from kvtierd.units import ALIGNMENT_BYTES
 
 PROBE_FILE_PREFIX = ".kvtierd-probe-"
@@ -79,12 +80,7 @@ def write_probe_file(directory: str, o_direct: bool) -> str:
     block = mmap.mmap(-1, ALIGNMENT_BYTES)  # page aligned, as O_DIRECT wants
     try:
         try:
-            fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o600)
-            try:
-                os.write(fd, block)
-                os.fsync(fd)
-            finally:
-                os.close(fd)
+            write_synced(path, block)
         except OSError as e:
             raise UnusableDirectory(f"the directory {directory} is not writable: writing a file there failed: "
                                     f"{e.strerror}") from None

@@ -32,3 +32,6 @@ class SsdStats:
     node_capacity_bytes: int = 0  # the node's disk budget (ssd.capacity_bytes), shared by every layout
     node_used_bytes: int = 0  # what every layout's slot files take of it together
     num_full_skips: int = 0  # blocks not stored: the budget was spent and none of this tier's slots evictable
+    num_unauthentic_blocks: int = 0  # sealed records dropped on read: not their key's (moved, altered, forgotten)
+    sealed: bool = False  # encryption on: each slot holds its block sealed under its tenant's data key
+    num_aged_out_blocks: int = 0  # dropped for being older than retention.max_age_s

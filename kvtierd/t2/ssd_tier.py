@@ -19,7 +19,10 @@ the LMDB delete of what was freed, so nobody writes a freed slot before its reco
 delete that fails stays pending and goes out with the next transaction, before any slot write.
 
 Reads verify length and xxh3_64 checksum: a short read, a mismatch or an I/O error is a miss, the
-entry is dropped (SlotIndex and LMDB) and counted, no byte of it reported as loaded. Write errors
+entry is dropped (SlotIndex and LMDB) and counted, no byte of it reported as loaded. With
+`config.tenant_keys` (encryption on) every slot holds its block sealed under its tenant's data key
+(ssd_io.py, kvtierd/sealing/): a record that does not open as its own key's is a miss the same way,
+counted apart (`num_unauthentic`), and a slot is the block's bytes plus SEAL_OVERHEAD_BYTES. Write errors
 (disk full, EIO) stop admission: later stores return 0, the rest keeps working, nothing raises.
 """
 
@@ -41,19 +44,22 @@ from kvtierd.daemon_key import DaemonKey
 from kvtierd.errors import FailedPrecondition, InvalidArgument
 from kvtierd.index.extent_slot_index import ExtentSlotIndex
 from kvtierd.index.index_events import Doorbell, IndexEvent
+from kvtierd.index.residency import LeaveReason
 from kvtierd.index.slot_entry import BlockMeta, SlotEntry
 from kvtierd.index.slot_index import slots_within
 from kvtierd.layout import Layout
 from kvtierd.retention.tier_retention import TierRetention
+from kvtierd.sealing.block_seal import BlockSealer, seal_context, sealed_nbytes
 from kvtierd.t2.directory_lock import SSD_TIER_LOCK_FILE_NAME, DirectoryLock
 from kvtierd.t2.node_budget import NodeBudget, truncating_shed
+from kvtierd.t2.ssd_age_limit import AgeLimit
 from kvtierd.t2.ssd_config import SsdTierConfig, describe_error
 from kvtierd.t2.ssd_files import SlotFiles
 from kvtierd.t2.ssd_growth import SsdGrowth, TierCalls, take_budget
 from kvtierd.t2.ssd_index import Record, SsdIndex
 from kvtierd.t2.ssd_io import BlockBytes, SlotIO, checked_blocks
 from kvtierd.t2.ssd_moves import SlotMover
-from kvtierd.t2.ssd_recovery import recover_records
+from kvtierd.t2.ssd_recovery import open_sealed_tokens, recover_records
 from kvtierd.t2.ssd_stats import SsdStats
 from kvtierd.token_bytes import TokenBytes
 
@@ -66,15 +72,21 @@ class SsdTier:
     """Thread-safe; every method is synchronous (the tier manager calls it from its threads)."""
 
     @classmethod
-    def open(cls, config: SsdTierConfig, layout: Layout, slot_nbytes: int | None = None) -> SsdTier:
+    def open(cls, config: SsdTierConfig, layout: Layout, slot_nbytes: int | None = None, codec: str = "raw") -> SsdTier:
+        """`slot_nbytes`: a block's bytes as stored (its codec's; default the layout's); `codec`
+        names that encoding, bound into sealed records."""
         slot_nbytes = layout.bytes_per_block if slot_nbytes is None else slot_nbytes
         if not isinstance(slot_nbytes, int) or slot_nbytes <= 0:
             raise InvalidArgument(f"slot_nbytes must be a positive integer, got {slot_nbytes!r}")
-        return cls(config, layout, slot_nbytes)
+        return cls(config, layout, slot_nbytes, codec)
 
-    def __init__(self, config: SsdTierConfig, layout: Layout, slot_nbytes: int) -> None:
+    def __init__(self, config: SsdTierConfig, layout: Layout, slot_nbytes: int, codec: str = "raw") -> None:
         self.config, self.layout, self.slot_nbytes = config, layout, slot_nbytes
         self._layout_id = xxhash.xxh3_64_intdigest(layout.fingerprint())
+        sealer = self._sealer = None
+        if config.tenant_keys is not None:
+            sealer = self._sealer = BlockSealer(config.tenant_keys, seal_context(layout.fingerprint(), codec))
+        self.record_nbytes = slot_nbytes if sealer is None else sealed_nbytes(slot_nbytes)  # what a slot holds
         directories = [os.path.abspath(d) for d in config.directories]
         for directory in directories:
             os.makedirs(directory, exist_ok=True)
@@ -89,7 +101,8 @@ class SsdTier:
             log.error("SSD tier: %s", self._reason)
         budget = config.node_budget
         try:
-            self._files = SlotFiles(directories if self._db is not None else [], config.capacity_bytes, slot_nbytes,
+            self._files = SlotFiles(directories if self._db is not None else [], config.capacity_bytes,
+                                    self.record_nbytes,
                                     config.o_direct, index_reserve_bytes=INDEX_RESERVE_BYTES)
         except OSError:
             self._lock.release()
@@ -115,12 +128,15 @@ class SsdTier:
         self._state = threading.Condition()
         self._num_in_flight, self._closed = 0, False
         self.num_corrupted = self.num_io_errors = self.bytes_written = self.bytes_read = 0
+        self.num_unauthentic = 0  # sealed records that did not open as their key's: moved, altered, forgotten
+        self.num_aged_out = 0  # blocks dropped for being older than config.max_age_s
+        self._age_limit = AgeLimit(config.max_age_s)
         self.num_recovered = self.num_dropped_on_open = 0
         self.num_full_skips = 0  # blocks not stored: the budget was spent and nothing of this tier evictable
         self._admitting = self.num_slots > 0
         if not self._admitting and not self._reason:
             self._reason = "disk: no slots (capacity below one slot)"
-        self._io = SlotIO(self._files, config.num_io_threads, self._checksums)
+        self._io = SlotIO(self._files, config.num_io_threads, self._checksums, sealer)
         self._growth = SsdGrowth(self._budget, self._budget_key, self._files, self._index, self._write_lock,
                                  SlotMover(self._files, self._io, config.durability == "fdatasync"),
                                  TierCalls(self._commit_index, self._stop_admitting, self._record, self._count_lost))
@@ -133,8 +149,10 @@ class SsdTier:
     def _recover(self, db: SsdIndex) -> None:
         paths = [f.path for f in self._files.files]
         stored_paths = db.files()
-        found = recover_records(db, self._files, self._layout_id, self.slot_nbytes,
+        found = recover_records(db, self._files, self._layout_id, self.record_nbytes,
                                 paths if stored_paths is None else stored_paths)
+        if self._sealer is not None:
+            found = open_sealed_tokens(found, self._sealer)
         self.num_dropped_on_open = len(found.dropped)
         with self._write_lock:
             self._commit_index("recovery", deletes=found.dropped)  # on failure: pending, not admitting
@@ -143,7 +161,7 @@ class SsdTier:
                 db.set_files(paths)
             except lmdb.Error as error:
                 self._stop_admitting(error, "recovery")
-        self._index.restore(found.restored)
+        self._index.restore(found.restored, found.stored_s)
         for slot, checksum in found.checksums.items():
             self._checksums[slot] = checksum
         self.num_recovered = len(found.restored)
@@ -207,7 +225,9 @@ class SsdTier:
                 bytes_written=self.bytes_written, bytes_read=self.bytes_read, o_direct=self._files.o_direct,
                 durability=self.config.durability, file_bytes=self._index.num_slots * self.stride,
                 share_bytes=share.share_bytes, node_capacity_bytes=share.node_capacity_bytes,
-                node_used_bytes=share.node_used_bytes, num_full_skips=self.num_full_skips)
+                node_used_bytes=share.node_used_bytes, num_full_skips=self.num_full_skips,
+                num_unauthentic_blocks=self.num_unauthentic, sealed=self.record_nbytes != self.slot_nbytes,
+                num_aged_out_blocks=self.num_aged_out)
 
     @property
     def admitting(self) -> bool:
@@ -282,8 +302,11 @@ class SsdTier:
     def _record(self, entry: SlotEntry, checksum: int, slot: int | None = None) -> Record:
         """The LMDB record of `entry` at its slot (or at `slot`, where a give-back moves it)."""
         file_index, local_slot = self._files.location(entry.slot if slot is None else slot)
-        return Record(entry.block_hash, file_index, local_slot, self.slot_nbytes, checksum, self._layout_id,
-                      entry.last_use_s, entry.meta.parent_hash, entry.meta.token_ids)
+        token_ids = entry.meta.token_ids
+        if self._sealer is not None:  # the prompt's tokens: never in the index in the clear
+            token_ids = TokenBytes(self._sealer.seal_tokens(entry.block_hash, token_ids))
+        return Record(entry.block_hash, file_index, local_slot, self.record_nbytes, checksum, self._layout_id,
+                      entry.last_use_s, entry.meta.parent_hash, token_ids, entry.stored_s)
 
     # ------------------------------------------------------------------------------ loads
 
@@ -302,11 +325,14 @@ class SsdTier:
             entries = self._index.prepare_load(hashes, parent, token_bytes, block_size)
             if not entries:
                 return 0
+            fresh = entries[:self._age_limit.num_fresh(entries)]  # a block past the age limit ends the prefix
             try:
-                destinations = [rows[i].numpy().data for i in range(len(entries))]
-                results = self._io.read(entries, destinations)
+                destinations = [rows[i].numpy().data for i in range(len(fresh))]
+                results = self._io.read(fresh, destinations) if fresh else []
             finally:
                 self._index.unpin(entries)
+            if len(fresh) < len(entries):
+                self._drop_aged()
             num_loaded = next((i for i, ok in enumerate(results) if ok is not True), len(results))
             self._drop([(e, why) for e, why in zip(entries, results) if why is not True])
             with self._stats_lock:
@@ -314,6 +340,25 @@ class SsdTier:
                 for entry in entries[:num_loaded]:
                     self._touched[entry.block_hash] = entry.last_use_s
             return num_loaded
+
+    def expire_aged(self) -> int:
+        """The sweep's call: drop the blocks older than the age limit, when a scan is due
+        (ssd_age_limit.py); returns how many went."""
+        if not self._age_limit.scan_due():
+            return 0
+        with self._operation():
+            return self._drop_aged()
+
+    def _drop_aged(self) -> int:
+        aged = [e.block_hash for e in self._age_limit.aged(self._index.entries())]
+        if not aged:
+            return 0
+        with self._write_lock:
+            removed = self._index.remove(aged, LeaveReason.EXPIRED)
+            self._commit_index("age limit", deletes=[e.block_hash for e in removed])
+        with self._stats_lock:
+            self.num_aged_out += len(removed)
+        return len(removed)
 
     def _drop(self, failures: list[tuple[SlotEntry, str]]) -> None:
         """Drop blocks that failed to read or verify (one another load pins: when that load fails too)."""
@@ -326,14 +371,16 @@ class SsdTier:
         self._count_lost([why[e.block_hash] for e in removed])
 
     def _count_lost(self, reasons: Sequence[str]) -> None:
-        """Blocks dropped because they failed to read ("io") or verify ("corrupt")."""
+        """Blocks dropped because they failed to read ("io"), verify ("corrupt") or open ("unauthentic")."""
         num_io = sum(1 for why in reasons if why == "io")
+        num_unauthentic = sum(1 for why in reasons if why == "unauthentic")
         with self._stats_lock:
             self.num_io_errors += num_io
-            self.num_corrupted += len(reasons) - num_io
+            self.num_unauthentic += num_unauthentic
+            self.num_corrupted += len(reasons) - num_io - num_unauthentic
         if reasons:
-            log.warning("SSD tier: dropped %d block(s) that failed to read (%d) or verify (%d)",
-                        len(reasons), num_io, len(reasons) - num_io)
+            log.warning("SSD tier: dropped %d block(s) that failed to read (%d), verify (%d) or open as their own "
+                        "key's (%d)", len(reasons), num_io, len(reasons) - num_io - num_unauthentic, num_unauthentic)
 
     # ------------------------------------------------------------------------------ removal, close
 

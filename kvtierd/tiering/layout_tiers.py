@@ -21,6 +21,7 @@ import concurrent.futures
 import dataclasses
 import logging
 import threading
+import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
@@ -156,12 +157,14 @@ class Tiers:
         for executor in (self.movers, self.spiller, self.through, self.finalizer):
             executor.shutdown(wait=True)
 
-    def wait_quiet(self) -> None:
+    def wait_quiet(self, timeout_s: float | None = None) -> bool:
         """Until every transfer has landed and every finalizer and dispatched move (which may
-        start more) returned."""
+        start more) returned; False when `timeout_s` passed first (None: no limit)."""
+        deadline_s = None if timeout_s is None else time.monotonic() + timeout_s
         with self._unfinished:
-            self._unfinished.wait_for(lambda: self._num_unfinished == 0)
-        self.engine.wait_idle()
+            if not self._unfinished.wait_for(lambda: self._num_unfinished == 0, timeout_s):
+                return False
+        return self.engine.wait_idle(None if deadline_s is None else max(0.0, deadline_s - time.monotonic()))
 
     def recoded_for_t1(self, codec: BlockCodec, rows: torch.Tensor) -> torch.Tensor:
         """Rows of a lower tier's `codec` in T1's."""

@@ -91,7 +91,7 @@ class TierManager:
         if ssd_config is not None:
             from kvtierd.t2.ssd_tier import SsdTier
 
-            ssd = SsdTier.open(ssd_config, layout, make_codec(config.ssd_codec, layout).slot_nbytes)
+            ssd = SsdTier.open(ssd_config, layout, make_codec(config.ssd_codec, layout).slot_nbytes, config.ssd_codec)
         remote = None
         if remote_store is not None:
             from kvtierd.t3.remote_tier import RemoteTier

@@ -71,7 +71,7 @@ PLAN = ("plan", "--bytes-per-token", "819200")
     (("--bogus", "health"), "kvtierctl: error: unrecognized arguments: --bogus (see `kvtierctl --help`)"),
     (("health", "--bogus"), "kvtierctl: error: unrecognized arguments: --bogus (see `kvtierctl health --help`)"),
     (("bogus",), "kvtierctl: error: argument command: invalid choice: 'bogus' (choose from 'stats', 'plan', "
-                 "'inspect', 'evict', 'flush', 'drain', 'health') (see `kvtierctl --help`)"),
+                 "'inspect', 'evict', 'flush', 'forget', 'drain', 'health') (see `kvtierctl --help`)"),
     ((), "kvtierctl: error: the following arguments are required: command (see `kvtierctl --help`)"),
     (("--timeout", "0", "health"),
      "kvtierctl: error: argument --timeout: needs a finite number of seconds > 0, got '0' (see `kvtierctl --help`)"),

@@ -57,3 +57,16 @@ def test_inspect_names_each_tiers_range_of_hits():
     assert hit_ranges(8, 0, 0, 0) == "blocks 0-7 in T0"
     assert hit_ranges(0, 1, 2, 0) == "block 0 in T1, then blocks 1-2 in T2"
     assert hit_ranges(1, 0, 0, 1) == "block 0 in T0, then block 1 in T3"
+
+
+def test_a_sealed_tier_reports_its_unauthentic_blocks_in_stats_and_health():
+    """With T2 sealed the errors line counts the blocks that did not open, and health calls them a problem;
+    a tier in the clear keeps the line it had."""
+    stats = stats_of_ones(num_sessions=1)
+    pool = stats.pools[0]
+    assert "unauthentic" not in "\n".join(StatsView(stats).lines("unix:///k.sock"))
+    pool.t2_sealed, pool.num_unauthentic_blocks = True, 2
+    assert "errors: 1 corrupted T2 block dropped, 2 unauthentic T2 blocks dropped, 1 T2 I/O error" in \
+        "\n".join(StatsView(stats).lines("unix:///k.sock"))
+    problems, _ = health_problems(stats)
+    assert "m: 2 sealed T2 blocks did not open as their own and were dropped (moved or altered on disk?)" in problems

@@ -134,6 +134,7 @@ def test_scrape_reports_what_the_tier_manager_reports(pool):
     assert value(scraped, "kvtierd_ssd_corrupted_blocks_dropped_total", **m) == \
         ssd.num_corrupted_blocks + ssd.num_dropped_on_open
     assert value(scraped, "kvtierd_ssd_io_errors_total", **m) == ssd.num_io_errors
+    assert value(scraped, "kvtierd_ssd_unauthentic_blocks_total", **m) == ssd.num_unauthentic_blocks
     assert value(scraped, "kvtierd_ssd_admitting", **m) == 1
 
 

@@ -258,6 +258,7 @@ def test_config_lines_show_addresses_sizes_and_auth_but_never_a_token(tmp_path):
     default_text = "\n".join(config_lines(load_config(environ={})))
     assert f"unix peer (socket owner uid {os.getuid()})" in default_text
     assert "T2 ssd: 4.0 GiB for the node in" in default_text
+    assert "T2 at rest: in the clear ([encryption] off)" in default_text
     assert "T1 host: 1.0 GiB for the node, shared by the layouts as demand goes" in default_text
 
 

@@ -112,6 +112,19 @@ Checks of value combinations the schema cannot express; each fails the render wi
 {{- if and .Values.ssd.localPersistentVolume.create (ne .Values.ssd.type "persistentVolumeClaim") }}
 {{- fail "ssd.localPersistentVolume.create goes with ssd.type=persistentVolumeClaim (the chart's claim binds to it)" }}
 {{- end }}
+{{- $encryption := .Values.encryption }}
+{{- if and $encryption.enabled (not $encryption.existingSecret) }}
+{{- fail "encryption.enabled needs encryption.existingSecret: a Secret holding the master key (kubectl create secret generic kvtierd-master-key --from-literal=master.key=$(openssl rand -hex 32))" }}
+{{- end }}
+{{- if and $encryption.enabled (eq .Values.ssd.type "none") }}
+{{- fail "encryption.enabled seals the SSD tier's values: it needs T2 (ssd.type other than none)" }}
+{{- end }}
+{{- if and $encryption.enabled (include "kvtierd.remoteEndpoints" .) }}
+{{- fail "encryption.enabled does not seal the shared tier (T3) yet: the daemon refuses remote.endpoints with it" }}
+{{- end }}
+{{- if and $encryption.enabled .Values.sidecarExample.enabled }}
+{{- fail "encryption.enabled is not rendered into the sidecar example: its pod has no master-key init container" }}
+{{- end }}
 {{- $remote := .Values.remote }}
 {{- if and (not (include "kvtierd.remoteEndpoints" .)) (or $remote.existingSecret $remote.tls.enabled $remote.tls.existingSecret) }}
 {{- fail "remote.existingSecret and remote.tls configure the T3 store: set remote.endpoints too (its host:port seed nodes); without endpoints there is no T3" }}
@@ -179,6 +192,9 @@ chart owns because they must match the pod (listeners, mounted files, volumes, d
 {{- $ssd := get $c "ssd" | default dict }}
 {{- $_ = set $ssd "directory" (ternary "" .Values.ssd.mountPath (eq .Values.ssd.type "none")) }}
 {{- $_ = set $c "ssd" $ssd }}
+{{- if .Values.encryption.enabled }}
+{{- $_ = set $c "encryption" (dict "enabled" true "master_key_file" "/etc/kvtierd/master-key/master.key") }}
+{{- end }}
 {{- $endpoints := include "kvtierd.remoteEndpoints" . }}
 {{- if $endpoints }}
 {{- $_ = set $c "remote" (include "kvtierd.remoteConfig" . | fromYaml) }}
@@ -271,7 +287,7 @@ Keys are sorted, so the rendering (and the checksum annotation) is stable.
 {{ $key }} = {{ include "kvtierd.tomlValue" $value }}
 {{- end }}
 {{- end }}
-{{- range $section := list "server" "pool" "host" "ssd" "policy" "remote" }}
+{{- range $section := list "server" "pool" "host" "ssd" "policy" "remote" "encryption" }}
 {{- if hasKey $c $section }}
 {{- $table := get $c $section | default dict }}
 
@@ -392,6 +408,11 @@ until the daemon serves). Call with (dict "root" $ "sidecar" bool).
       mountPath: /etc/kvtierd/tokens
       readOnly: true
     {{- end }}
+    {{- if $v.encryption.enabled }}
+    - name: master-key
+      mountPath: /etc/kvtierd/master-key
+      readOnly: true
+    {{- end }}
     {{- if and (include "kvtierd.remoteEndpoints" $root) $v.remote.existingSecret }}
     - name: remote-auth
       mountPath: /etc/kvtierd/remote-auth
@@ -468,6 +489,19 @@ listener, the bearer tokens, and the T3 store's password and TLS files.
       - key: tokens
         path: tokens
 {{- end }}
+{{- if .Values.encryption.enabled }}
+- name: master-key-secret
+  secret:
+    secretName: {{ .Values.encryption.existingSecret }}
+    defaultMode: 0400
+    items:
+      - key: {{ .Values.encryption.secretKey }}
+        path: master.key
+- name: master-key
+  emptyDir:
+    medium: Memory
+    sizeLimit: 1Mi
+{{- end }}
 {{- $r := .Values.remote }}
 {{- if include "kvtierd.remoteEndpoints" . }}
 {{- if $r.existingSecret }}
@@ -520,4 +554,30 @@ The group of the socket directory: socket.groupId, else the daemon's group.
 */}}
 {{- define "kvtierd.socketGroupId" -}}
 {{- if kindIs "invalid" .Values.socket.groupId }}{{ .Values.securityContext.runAsGroup }}{{ else }}{{ int .Values.socket.groupId }}{{ end }}
+{{- end }}
+
+{{/*
+The init container that puts the master key where the daemon reads it: copied from its Secret volume,
+mode 0400, into a memory-backed emptyDir. A Secret volume's files are group-readable under the pod's
+fsGroup (the kubelet adds the group's read bit), and the daemon refuses a key file others may read.
+*/}}
+{{- define "kvtierd.masterKeyInit" -}}
+- name: master-key
+  image: {{ include "kvtierd.image" . | quote }}
+  imagePullPolicy: {{ .Values.image.pullPolicy }}
+  command: ["install", "-m", "0400", "/etc/kvtierd/master-key-secret/master.key", "/etc/kvtierd/master-key/master.key"]
+  securityContext:
+    {{- toYaml .Values.securityContext | nindent 4 }}
+  resources:
+    requests:
+      cpu: 10m
+      memory: 16Mi
+    limits:
+      memory: 64Mi
+  volumeMounts:
+    - name: master-key-secret
+      mountPath: /etc/kvtierd/master-key-secret
+      readOnly: true
+    - name: master-key
+      mountPath: /etc/kvtierd/master-key
 {{- end }}
