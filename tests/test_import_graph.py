@@ -16,7 +16,7 @@ GRPC_PACKAGES = ("kvtierd.server", "kvtierd.client", "kvtierd.cli", "kvtierd.v1"
 # folders on the floors below its own. `kvtierd` is the modules at the top of kvtierd/ (keys, units, errors).
 FLOORS: tuple[tuple[str, ...], ...] = (
     ("kvtierd", "kvtierd.v1"),
-    ("kvtierd.movers", "kvtierd.retention", "kvtierd.t0"),
+    ("kvtierd.movers", "kvtierd.retention", "kvtierd.sealing", "kvtierd.t0"),
     ("kvtierd.index", "kvtierd.wire"),
     ("kvtierd.t2", "kvtierd.t3", "kvtierd.client"),
     ("kvtierd.t1", "kvtierd.launch", "kvtierd.connectors.reference"),

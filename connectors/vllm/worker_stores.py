@@ -158,9 +158,9 @@ class WorkerStores:
                                                       blocks, num_hits, fresh_block_ids,
                                                       blocks.block_hashes[num_hits - 1] if num_hits else None)
         self._count_rpcs(1, hashes, tokens)
-        self.num_stored_blocks += len(fresh_block_ids)
         self.stats.add("stored_blocks", len(fresh_block_ids))
         self.stats.add("stored_bytes", len(fresh_block_ids) * self._groups[blocks.group_id].block_nbytes)
+        self.num_stored_blocks += len(fresh_block_ids)  # last: once it counts a store, `stats` has it
         return not committed.released
 
     def _acquire(self, session: Session, daemon_request_id: str, blocks: GroupBlocks):

@@ -126,10 +126,11 @@ def test_stores_send_only_new_blocks_and_a_lost_parent_is_stored_again_from_vllm
     ids = engine.free_block_ids[:7]
     engine.scheduler.update_state_after_alloc(request, KVCacheBlocks(ids), 0)
     engine.compute_step(first_step(request, ids, 0, 3 * BLOCK_SIZE), [(request, ids, range(3))])
-    assert wait_until(lambda: held(request) == 3)
+    # the worker counts a store once its Commit returned, after the daemon shows the blocks
+    assert wait_until(lambda: held(request) == 3 and worker.stores.num_stored_blocks == 3)
     worker.stats.take()
     engine.compute_step(next_step(request, 3 * BLOCK_SIZE + 1), [(request, ids, range(3, 6))])
-    assert wait_until(lambda: held(request) == 6)
+    assert wait_until(lambda: held(request) == 6 and worker.stores.num_stored_blocks == 6)
     sent = worker.stats.take().data
     assert sent["store_request_bytes"] == (32 + 4 * BLOCK_SIZE) * (4 + 3)  # Acquire 4 blocks, Commit 3
     assert (sent["store_rpcs"], sent["stored_blocks"]) == (2, 3)  # Acquire, Commit that releases
