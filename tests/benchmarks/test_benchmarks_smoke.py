@@ -28,6 +28,7 @@ def install_redis_server() -> None:
 @pytest.mark.parametrize("script, num_rows", [("bench_block_index.py", 7), ("bench_hashing.py", 8),
                                               ("bench_ssd_tier.py", 6), ("bench_tier_copy.py", 18),
                                               ("bench_daemon_rpc.py", 6), ("bench_store_path.py", 2),
+                                              ("bench_store_cpu.py", 1),
                                               ("bench_engine_pages.py", 2),
                                               pytest.param("bench_put_get.py", 4, marks=pytest.mark.cluster),
                                               pytest.param("bench_ttft.py", 2, marks=pytest.mark.weights),
