@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import os
 
+from kvtierd.layout import llama3_8b
+from kvtierd.planning.capacity import PoolCapacity
 from kvtierd.server.daemon_config import DaemonConfig
 from kvtierd.server.ssd_state import no_room_problem, off_by_choice
 from kvtierd.t3.remote_config import RemoteConfig, format_endpoints
@@ -74,4 +76,20 @@ def remote_summary(remote: RemoteConfig, policy: PolicyConfig) -> list[str]:
     if policy.t0_to_t1 != "write_through" and policy.t1_to_t3 != "off":
         lines.append(f"note: T0->T1 is {policy.t0_to_t1}: a block reaches T3 only once T0 evicts it; set "
                      "policy.t0_to_t1 = write_through for other nodes to see it at once")
+    return lines
+
+
+def planning_lines(config: DaemonConfig, request_tokens: int = 8192) -> list[str]:
+    """Capacity lines for a reference layout (Llama-3-8B fp16, block 16); each attached layout
+    prints its own when its pool is created."""
+    layout = llama3_8b()
+    lines = [f"capacity per layout, planned for {layout.model_id} "
+             f"({layout.bytes_per_token // 1024} KiB per token, {layout.bytes_per_block // 2**20} MiB per block):"]
+    lines += PoolCapacity.from_budget(layout, config.pool.t0_bytes).lines("  T0 device pool", request_tokens)
+    if config.host.capacity_bytes:  # a layout's fixed share of the node's budget
+        host_share = config.host.capacity_bytes // config.pool.max_layouts
+        lines.append(PoolCapacity.from_budget(layout, host_share).lines("  T1 host", request_tokens)[0])
+    if config.ssd.enabled:  # alone on the node: all of it
+        lines.append(PoolCapacity.from_budget(layout, config.ssd.capacity_bytes).lines(
+            "  T2 SSD (alone on the node)", request_tokens)[0])
     return lines

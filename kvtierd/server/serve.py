@@ -37,16 +37,15 @@ from kvtierd.errors import FailedPrecondition
 from kvtierd.events.event_feed import EventFeed
 from kvtierd.events.vllm_events import BatchEncoder, WireFormat
 from kvtierd.events.zmq_publisher import ZmqEventPublisher
-from kvtierd.layout import llama3_8b
 from kvtierd.metrics.daemon_metrics import DaemonMetrics
 from kvtierd.node.operations import Operations
 from kvtierd.node.pools import PoolRegistry, PoolSettings
 from kvtierd.node.quotas import QuotaBook
 from kvtierd.node.sessions import SessionTable
 from kvtierd.node.tenants import Authenticator, TokenBook
-from kvtierd.planning.capacity import PoolCapacity, format_bytes
+from kvtierd.planning.capacity import format_bytes
 from kvtierd.server.config_flags import setting_name
-from kvtierd.server.config_summary import config_lines
+from kvtierd.server.config_summary import config_lines, planning_lines
 from kvtierd.server.daemon_config import DaemonConfig
 from kvtierd.server.encryption_setup import NodeKeys, node_keys
 from kvtierd.server.fd_listener import FdListener
@@ -87,22 +86,6 @@ def pool_settings(config: DaemonConfig, keys: NodeKeys | None = None) -> PoolSet
                         remote=config.remote.with_password_read() if config.remote.enabled else None,
                         tenant_keys=keys.tenant_keys if keys is not None else None,
                         t2_max_age_s=config.retention.max_age_s)
-
-
-def planning_lines(config: DaemonConfig, request_tokens: int = 8192) -> list[str]:
-    """Capacity lines for a reference layout (Llama-3-8B fp16, block 16); each attached layout
-    prints its own when its pool is created."""
-    layout = llama3_8b()
-    lines = [f"capacity per layout, planned for {layout.model_id} "
-             f"({layout.bytes_per_token // 1024} KiB per token, {layout.bytes_per_block // 2**20} MiB per block):"]
-    lines += PoolCapacity.from_budget(layout, config.pool.t0_bytes).lines("  T0 device pool", request_tokens)
-    if config.host.capacity_bytes:  # a layout's fixed share of the node's budget
-        host_share = config.host.capacity_bytes // config.pool.max_layouts
-        lines.append(PoolCapacity.from_budget(layout, host_share).lines("  T1 host", request_tokens)[0])
-    if config.ssd.enabled:  # alone on the node: all of it
-        lines.append(PoolCapacity.from_budget(layout, config.ssd.capacity_bytes).lines(
-            "  T2 SSD (alone on the node)", request_tokens)[0])
-    return lines
 
 
 class Daemon:
