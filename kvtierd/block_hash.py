@@ -15,6 +15,15 @@ every hashed message starts with HEADER = b"kvtierd\\x00" + VERSION (0x01), then
                in order of offset),
            SALT (UTF-8 cache_salt, on block 0 only)
 
+An engine that keys its blocks by its own content hash and does not tell the tokens (SGLang's storage
+API: chained per-page SHA-256 strings) gets keys of kind b"F" (`Namespace.foreign_keys`):
+
+    foreign: PARENT (the namespace's root), SCHEME (UTF-8, which engine's keys: b"sglang"),
+             KEY (the engine's key, UTF-8)
+
+so its keys are bound to the algorithm, the layout and the tenant like any chain, and never equal a
+block hash of kvtierd's own chain (another kind byte).
+
 Because every field carries its tag and its length, the encoding is injective: a LoRA name, a
 cache salt and a tenant with the same text land in different fields and can never produce the
 same message (the untagged-string collision of vLLM #44701 cannot happen here).
@@ -63,6 +72,9 @@ TAG_TOKENS = 0x11
 TAG_LORA = 0x12
 TAG_MM = 0x13
 TAG_SALT = 0x14
+TAG_SCHEME = 0x20
+TAG_FOREIGN_KEY = 0x21
+KIND_FOREIGN = b"F"
 
 HASH_FUNCTIONS: dict[str, tuple[int, Callable[[bytes], bytes]]] = {
     "sha256": (32, lambda data: hashlib.sha256(data).digest()),
@@ -210,6 +222,13 @@ class Namespace:
         rows[:, len(head) + stride:] = np.frombuffer(tail, dtype=np.uint8)
         laid_out = rows.tobytes()
         return [laid_out[i:i + width] for i in range(0, num_blocks * width, width)]
+
+    def foreign_keys(self, scheme: str, keys: Sequence[str]) -> list[BlockHash]:
+        """An engine's own content keys (`scheme` names the engine: "sglang") as block hashes of this
+        namespace: one digest each of the root, the scheme and the key (kind b"F", see the module)."""
+        head = HEADER + KIND_FOREIGN + field(TAG_PARENT, self.root) + field(TAG_SCHEME, scheme.encode())
+        digest = self._digest
+        return [BlockHash(digest(head + field(TAG_FOREIGN_KEY, key.encode()))) for key in keys]
 
     def check_hash(self, block_hash: bytes) -> BlockHash:
         """Validate a hash received from outside; InvalidArgument on a wrong length or type."""

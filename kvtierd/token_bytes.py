@@ -136,6 +136,13 @@ def matching_blocks(stored: Sequence[bytes], tokens: TokenBytes, block_size: int
     return next((i for i, block in enumerate(stored) if block != block_tokens(tokens, i, block_size)), num_blocks)
 
 
+def tokens_of_blocks(tokens: TokenBytes, num_blocks: int, block_size: int) -> tuple[TokenBytes, ...]:
+    """Each of `num_blocks` blocks' packed tokens: cut from `tokens` (a whole number of blocks,
+    checked by the caller), or NO_TOKENS for every block where `tokens` is empty (an engine that
+    keys its blocks by its own content hash and never tells the tokens: SGLang's storage API)."""
+    return split_blocks(tokens, block_size) if tokens else (NO_TOKENS,) * num_blocks
+
+
 def split_blocks(tokens: TokenBytes, block_size: int) -> tuple[TokenBytes, ...]:
     """Packed tokens cut into one bytes object per block of `block_size` tokens (the length is a
     whole number of blocks, checked by the caller). One C-level unpack: slicing block by block in

@@ -83,6 +83,22 @@ def test_hashes_follow_the_documented_encoding(algo):
 
 
 @pytest.mark.parametrize("algo", ALGOS)
+def test_foreign_keys_follow_the_documented_encoding_and_depend_on_every_part(algo):
+    """An engine's own keys (SGLang's page hashes): one digest of kind F over the root, the scheme and
+    the key; another layout, tenant or scheme gives other hashes, and none is a chain hash."""
+    digest = {"sha256": lambda b: hashlib.sha256(b).digest(), "xxh3_128": xxhash.xxh3_128_digest}[algo]
+    ns = namespace(algo, tenant="acme")
+    keys = ["ab" * 32, "page-2"]
+    expected = [digest(b"kvtierd\x00\x01" + b"F" + spec_field(0x10, ns.root) + spec_field(0x20, b"sglang")
+                       + spec_field(0x21, key.encode())) for key in keys]
+    assert ns.foreign_keys("sglang", keys) == expected
+    others = [namespace(algo, tenant="globex").foreign_keys("sglang", keys),
+              namespace(algo, tenant="acme", num_layers=16).foreign_keys("sglang", keys),
+              ns.foreign_keys("other-engine", keys)]
+    assert all(set(other).isdisjoint(expected) for other in others)
+
+
+@pytest.mark.parametrize("algo", ALGOS)
 def test_digest_sizes(algo):
     ns = namespace(algo)
     assert {len(h) for h in ns.hash_blocks(PROMPT)} == {ns.digest_size}

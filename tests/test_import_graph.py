@@ -22,7 +22,7 @@ FLOORS: tuple[tuple[str, ...], ...] = (
     ("kvtierd.t1", "kvtierd.launch", "kvtierd.connectors.reference"),
     ("kvtierd.tiering", "kvtierd.connectors.demo"),
     ("kvtierd.planning",),
-    ("kvtierd.node", "kvtierd.connectors.vllm"),
+    ("kvtierd.node", "kvtierd.connectors.vllm", "kvtierd.connectors.sglang"),
     ("kvtierd.events", "kvtierd.metrics"),
     ("kvtierd.server",),
     ("kvtierd.cli",),

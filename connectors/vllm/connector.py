@@ -59,8 +59,8 @@ from typing import TYPE_CHECKING, Any, cast
 
 import torch
 
+from kvtierd.connectors.daemon_link import DaemonLink
 from kvtierd.connectors.vllm.connector_stats import KvtierdConnectorStats, KvtierdPromMetrics
-from kvtierd.connectors.vllm.daemon_link import DaemonLink
 from kvtierd.connectors.vllm.daemon_lookup import daemon_lookup
 from kvtierd.connectors.vllm.engine_layouts import RankLayouts
 from kvtierd.connectors.vllm.engine_pages import EnginePages

@@ -24,7 +24,7 @@ import dataclasses
 import logging
 from collections.abc import Sequence
 
-from kvtierd.connectors.vllm.daemon_link import DaemonLink
+from kvtierd.connectors.daemon_link import DaemonLink
 from kvtierd.connectors.vllm.group_hits import (
     ABSENT,
     NO_HIT,

@@ -22,8 +22,8 @@ import threading
 from collections.abc import Sequence
 
 from kvtierd.client import CommitResult, Session
+from kvtierd.connectors.daemon_link import DaemonLink
 from kvtierd.connectors.vllm.connector_stats import StatsRecorder
-from kvtierd.connectors.vllm.daemon_link import DaemonLink
 from kvtierd.connectors.vllm.metadata import GroupBlocks, RetainSpec
 from kvtierd.connectors.vllm.retention_hints import PromptRetention
 from kvtierd.errors import InvalidArgument, KvtierError

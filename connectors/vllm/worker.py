@@ -19,9 +19,9 @@ from __future__ import annotations
 
 import concurrent.futures
 
+from kvtierd.connectors.daemon_link import DaemonLink
 from kvtierd.connectors.prefill_cost import PrefillCost
 from kvtierd.connectors.vllm.connector_stats import StatsRecorder
-from kvtierd.connectors.vllm.daemon_link import DaemonLink
 from kvtierd.connectors.vllm.engine_pages import EnginePagesLike
 from kvtierd.connectors.vllm.group_hits import primary_group
 from kvtierd.connectors.vllm.kv_groups import EngineGroups

@@ -18,7 +18,7 @@ from typing import Any
 import torch
 
 from kvtierd.client import Session
-from kvtierd.connectors.vllm.daemon_link import DaemonLink
+from kvtierd.connectors.daemon_link import DaemonLink
 from kvtierd.connectors.vllm.engine_pages import EnginePagesLike
 from kvtierd.errors import KvtierError
 

@@ -20,9 +20,9 @@ import itertools
 import logging
 
 from kvtierd.client import Session
+from kvtierd.connectors.daemon_link import DaemonLink, mapped_pool
 from kvtierd.connectors.prefill_cost import PrefillCost
 from kvtierd.connectors.vllm.connector_stats import StatsRecorder
-from kvtierd.connectors.vllm.daemon_link import DaemonLink, mapped_pool
 from kvtierd.connectors.vllm.engine_pages import EnginePagesLike
 from kvtierd.connectors.vllm.kv_groups import ServedGroup
 from kvtierd.connectors.vllm.metadata import GroupBlocks, LoadSpec, StepMetadata

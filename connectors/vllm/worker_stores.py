@@ -29,9 +29,9 @@ from collections.abc import Sequence
 import torch
 
 from kvtierd.client import Session
+from kvtierd.connectors.daemon_link import DaemonLink, mapped_pool
 from kvtierd.connectors.prefill_cost import PrefillCost
 from kvtierd.connectors.vllm.connector_stats import StatsRecorder, request_payload_nbytes
-from kvtierd.connectors.vllm.daemon_link import DaemonLink, mapped_pool
 from kvtierd.connectors.vllm.engine_pages import EnginePagesLike
 from kvtierd.connectors.vllm.kv_groups import ServedGroup
 from kvtierd.connectors.vllm.metadata import GroupBlocks, GroupStore, StepMetadata, StoreSpec

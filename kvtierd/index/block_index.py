@@ -18,7 +18,7 @@ from kvtierd.index.index_metrics import IndexObserver
 from kvtierd.index.kv_block import KVBlock
 from kvtierd.index.prefix_match import check_hashes
 from kvtierd.index.query_counting import QueryCounting
-from kvtierd.token_bytes import PackableTokenIds, pack_token_ids, packed_size, split_blocks, token_count
+from kvtierd.token_bytes import PackableTokenIds, pack_token_ids, packed_size, token_count, tokens_of_blocks
 
 RequestId = Hashable
 CopyBlock = Callable[[int, int], None]  # (src_block_id, dst_block_id): copy the bytes
@@ -130,7 +130,9 @@ class BlockIndex(BlockCache):
                       token_ids: PackableTokenIds, parent_hash: DaemonKey) -> int:
         """Commit consecutive full blocks from `start_position` (what a prefill computed).
 
-        `token_ids` are the tokens of exactly these blocks; `parent_hash` is the hash before the
+        `token_ids` are the tokens of exactly these blocks, or none at all (an engine that keys blocks
+        by its own content hash and does not tell their tokens: lookups that pass tokens never hit
+        such blocks, and their events carry no tokens); `parent_hash` is the hash before the
         first (the root for position 0), and each hash is the parent of the next. Returns how
         many of the blocks hold their hash afterwards (all of them). Everything is checked
         before anything changes: a bad argument raises and commits none of them.
@@ -143,7 +145,7 @@ class BlockIndex(BlockCache):
             if not 0 <= start_position <= end_position <= len(table) or not block_hashes:
                 raise InvalidArgument(f"positions {start_position}..{end_position - 1} are outside the "
                                       f"request's {len(table)} blocks")
-            if len(token_bytes) != packed_size(self.block_size * len(block_hashes)):
+            if token_bytes and len(token_bytes) != packed_size(self.block_size * len(block_hashes)):
                 raise InvalidArgument(
                     f"{len(block_hashes)} blocks hold {self.block_size * len(block_hashes)} tokens, got "
                     f"{token_count(token_bytes)}: only full blocks are committed")
@@ -151,7 +153,7 @@ class BlockIndex(BlockCache):
             if expected_parent is not None and parent_hash != expected_parent:
                 raise InvalidArgument(f"parent hash of position {start_position} does not match the chain")
             return self._store(table[start_position:end_position], block_hashes, [parent_hash, *block_hashes[:-1]],
-                               split_blocks(token_bytes, self.block_size), self._clock())
+                               tokens_of_blocks(token_bytes, len(block_hashes), self.block_size), self._clock())
 
     def free(self, request_id: RequestId) -> None:
         """Release a request's blocks tail first. A block whose ref_cnt reaches 0 joins the free

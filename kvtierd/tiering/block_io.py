@@ -58,12 +58,18 @@ class BlockPut:
         self._commit_blocks = commit_blocks
         self.commits: list[tuple[int, list[DaemonKey], TokenBytes, DaemonKey]] = []  # (position, keys, tokens, parent)
         self.num_blocks = self.num_already_cached = self.num_held_blocks = 0
+        self.with_tokens: bool | None = None  # whether the blocks carry their tokens (the first block says)
 
     def check(self, block: PutBlock) -> None:
         """InvalidArgument for a block of the wrong size, before anything is written."""
         layout = self.tiers.layout
-        if len(block.token_ids) != packed_size(layout.block_size):
+        if len(block.token_ids) not in (0, packed_size(layout.block_size)):
             raise InvalidArgument(f"a block holds {layout.block_size} tokens (u32), got {len(block.token_ids)} bytes")
+        with_tokens = bool(block.token_ids)
+        if self.with_tokens is None:
+            self.with_tokens = with_tokens
+        elif with_tokens != self.with_tokens:
+            raise InvalidArgument("a Put's blocks either all carry their tokens or none does")
         if block.data.nbytes != layout.bytes_per_block:
             raise InvalidArgument(f"a block of this layout is {layout.bytes_per_block} bytes, got {block.data.nbytes}")
 
@@ -80,7 +86,7 @@ class BlockPut:
         start = self.num_held_blocks
         with_t0_room = self.offloader.backlog.with_t0_room  # T0 full of write-through copies: wait for them
         if start == 0:
-            allocation = with_t0_room(lambda: tiers.index.allocate(self.request_id, keys, 0, tokens))
+            allocation = with_t0_room(lambda: tiers.index.allocate(self.request_id, keys, 0, tokens or None))
             block_ids, num_hits = allocation.block_ids, allocation.num_hit_blocks
         else:
             block_ids, num_hits = with_t0_room(lambda: tiers.index.append_blocks(self.request_id, len(batch))), 0
@@ -95,7 +101,7 @@ class BlockPut:
             tiers.pool.write_block(block_id, block.data)
         if num_hits < len(batch):
             parent = keys[num_hits - 1] if num_hits else self.parent
-            rest_tokens = block_span(tokens, num_hits, None, tiers.layout.block_size)
+            rest_tokens = block_span(tokens, num_hits, None, tiers.layout.block_size) if tokens else tokens
             self.commits.append((start + num_hits, keys[num_hits:], rest_tokens, parent))
             parents = [parent, *keys[num_hits:-1]]
             self.offloader.offer_received_to_t3(

@@ -47,7 +47,7 @@ from kvtierd.tiering.lower_tier import LowerTier, Rows, StoringTier
 from kvtierd.tiering.spills import Spills
 from kvtierd.tiering.tier_config import EdgePolicy
 from kvtierd.tiering.write_through import HeldBatch, WriteThroughBacklog
-from kvtierd.token_bytes import TokenBytes, split_blocks
+from kvtierd.token_bytes import TokenBytes, tokens_of_blocks
 
 log = logging.getLogger(__name__)
 
@@ -121,8 +121,9 @@ class Offloader:
         if tiers.host is None or tiers.config.t0_to_t1 is not EdgePolicy.WRITE_THROUGH or not block_hashes:
             return
         parents = [parent_hash, *block_hashes[:-1]]
-        metas = [BlockMeta(h, p, tokens)  # token_bytes: whole blocks, as commit_blocks checked
-                 for h, p, tokens in zip(block_hashes, parents, split_blocks(token_bytes, tiers.layout.block_size))]
+        # whole blocks or none at all, as commit_blocks checked
+        block_tokens = tokens_of_blocks(token_bytes, len(block_hashes), tiers.layout.block_size)
+        metas = [BlockMeta(h, p, tokens) for h, p, tokens in zip(block_hashes, parents, block_tokens)]
         block_ids = tiers.index.block_table(request_id)[start_position:start_position + len(block_hashes)]
         holder = ("write-through", next(self._holder_ids))
         tiers.index.hold(holder, block_ids)  # neither evicted nor reused until the copy landed

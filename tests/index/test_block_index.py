@@ -393,6 +393,20 @@ def test_commit_blocks_commits_a_prefill_in_one_call():
     assert len(index.take_events()) == 3
 
 
+def test_commit_blocks_without_tokens_caches_the_blocks_for_lookups_that_pass_no_tokens():
+    """An engine that keys blocks by its own content hash (SGLang's storage API) commits no tokens:
+    the blocks are cached and found by hash; a lookup that passes tokens cannot verify them (a miss)."""
+    index = make_index(max_pending_events=100)
+    index.allocate("a", hashes(PROMPT))
+    chain = hashes(PROMPT)
+    assert index.commit_blocks("a", 0, chain, b"", NAMESPACE.root) == 3
+    assert [index.blocks[i].token_ids for i in index.block_table("a")] == [b"", b"", b""]
+    assert index.lookup(chain) == 3
+    assert index.lookup(chain, PROMPT) == 0
+    stored = [event for event in index.take_events() if isinstance(event, BlockStored)]
+    assert [event.token_ids for event in stored] == [b"", b"", b""]
+
+
 def test_commit_blocks_is_all_or_nothing():
     index = make_index()
     index.allocate("a", hashes(PROMPT))

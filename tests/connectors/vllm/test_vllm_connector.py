@@ -426,7 +426,7 @@ def test_the_connector_logs_through_the_handlers_vllm_configured(monkeypatch):
     try:
         configure_logging({}, vllm_logger=vllm_log)
         assert package_log.handlers == [handler] and package_log.level == logging.INFO and not package_log.propagate
-        logging.getLogger("kvtierd.connectors.vllm.daemon_link").info("attached to kvtierd at %s", "unix:///x")
+        logging.getLogger("kvtierd.connectors.daemon_link").info("attached to kvtierd at %s", "unix:///x")
         logging.getLogger("kvtierd.connectors.vllm.worker").debug("not shown at INFO")
         assert [r.getMessage() for r in records] == ["attached to kvtierd at unix:///x"]
         monkeypatch.setattr(package_log, "handlers", [])
@@ -450,7 +450,7 @@ def test_both_sides_attach_before_the_engine_serves_and_a_down_daemon_only_delay
     warnings = []
     handler = logging.Handler(logging.WARNING)
     handler.emit = warnings.append
-    link_log = logging.getLogger("kvtierd.connectors.vllm.daemon_link")
+    link_log = logging.getLogger("kvtierd.connectors.daemon_link")
     link_log.addHandler(handler)
     try:
         down = Engine(f"unix://{tmp_path}/absent.sock", start_attach_s=2.0)
