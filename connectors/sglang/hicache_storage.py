@@ -35,6 +35,9 @@ from kvtierd.connectors.sglang.page_store import DaemonPageStore
 
 log = logging.getLogger(__name__)
 
+DEFAULT_TIMEOUT_S = 5.0
+DEFAULT_RETRY_AFTER_S = 5.0
+
 
 @dataclasses.dataclass(frozen=True, slots=True)
 class StorageSettings:
@@ -43,8 +46,8 @@ class StorageSettings:
     address: str | None = None
     token: str | None = None
     model_id: str | None = None
-    timeout_s: float = 5.0
-    retry_after_s: float = 5.0
+    timeout_s: float = DEFAULT_TIMEOUT_S
+    retry_after_s: float = DEFAULT_RETRY_AFTER_S
 
     @classmethod
     def from_extra(cls, extra: Mapping[str, Any]) -> StorageSettings:
@@ -53,8 +56,8 @@ class StorageSettings:
                                     "to --hicache-storage-backend-extra-config")
         settings = cls(address=extra.get("address") or None, token=extra.get("token") or None,
                        model_id=extra.get("model_id") or None,
-                       timeout_s=float(extra.get("timeout_s", cls.timeout_s)),
-                       retry_after_s=float(extra.get("retry_after_s", cls.retry_after_s)))
+                       timeout_s=float(extra.get("timeout_s", DEFAULT_TIMEOUT_S)),
+                       retry_after_s=float(extra.get("retry_after_s", DEFAULT_RETRY_AFTER_S)))
         if settings.timeout_s <= 0 or settings.retry_after_s < 0:
             raise UnsupportedEngine(f"timeout_s must be > 0 and retry_after_s >= 0, got {settings.timeout_s}, "
                                     f"{settings.retry_after_s}")
