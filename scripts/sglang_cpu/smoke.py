@@ -21,16 +21,18 @@ The Engine kwargs this SGLang (0.5.23) needs on a CPU (ENGINE_KWARGS below), and
   hicache_io_backend="direct"            the copy between device and host pools in torch ops (the
                                          "kernel" backend is a CUDA kernel)
   hicache_mem_layout="layer_first"       the host layout the "direct" backend copies per layer
-  hicache_size=0, hicache_ratio=2.0      the host pool's size: twice the device pool (the default
-                                         ratio; hicache_size in GB overrides it). The host memory
-                                         fraction default would otherwise probe the cgroup's limit
+  hicache_ratio=2.0                      the host pool: twice the device pool. 2.0 is the default,
+                                         but only an explicit ratio (or hicache_size, in GB) turns off
+                                         the auto-sizing by hicache_host_memory_fraction, which keeps
+                                         10 GiB of host RAM free and may shrink the pool on a small box
   page_size=16                           tokens per page; HiCache and storage move whole pages
   hicache_storage_backend="file"         the L3 tier: files in extra config's file_storage_path
   hicache_storage_backend_extra_config   a JSON *string*, not a dict
   hicache_write_policy="write_through"   every page goes to host (and on to storage) when computed
   hicache_storage_prefetch_policy="wait_complete"  a request waits for its storage prefetch
-  log_level="error"                      quiet
-  skip_server_warmup / random_seed      (warmup only applies to launch_server)
+  log_level="error", random_seed=0       quiet, reproducible
+And in the environment, before sglang is imported: SGLANG_USE_CPU_ENGINE=1 (SGLang's is_cpu() is
+false without it, and a machine without CUDA then takes neither path).
 
 A dynamic backend instead: hicache_storage_backend="dynamic" and
 hicache_storage_backend_extra_config='{"backend_name": "x", "module_path": "pkg.mod",
@@ -106,11 +108,18 @@ def write_tiny_llama(directory: pathlib.Path) -> None:
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--keep", type=pathlib.Path, help="work in this directory and keep it")
+    parser.add_argument("--keep", type=pathlib.Path, help="work in this directory (model, storage) and keep it")
     args = parser.parse_args()
 
-    work = args.keep or pathlib.Path(tempfile.mkdtemp(prefix="sglang-smoke-"))
-    work.mkdir(parents=True, exist_ok=True)
+    if args.keep:
+        args.keep.mkdir(parents=True, exist_ok=True)
+        return check(args.keep)
+    with tempfile.TemporaryDirectory(prefix="sglang-smoke-") as work:
+        return check(pathlib.Path(work))
+
+
+def check(work: pathlib.Path) -> int:
+    """The model in WORK/model, the file backend's storage in WORK/l3; 0 when every check holds."""
     model_dir = work / "model"
     write_tiny_llama(model_dir)
 
