@@ -9,14 +9,18 @@ storage backend (L3) in that directory, sends one 300-token prompt twice (greedy
 checks that the second request reports cached tokens and the same output. Prints the engine's start
 time. Exit 0 when it all holds.
 
-The Engine kwargs this SGLang (0.5.23) needs on a CPU (ENGINE_KWARGS below), and why:
+The Engine kwargs this SGLang (0.5.23) is run with on a CPU (ENGINE_KWARGS below), and why. Required:
+device, attention_backend, disable_cuda_graph, disable_overlap_schedule, max_total_tokens,
+enable_hierarchical_cache, hicache_io_backend, hicache_mem_layout (an engine with only these, page_size
+and log_level started and hit its device cache here); mem_fraction_static and hicache_ratio are
+belt and braces; the storage ones are what this check is about.
   device="cpu"                           no CUDA: SGLang picks the CPU platform
   attention_backend="torch_native"       the only attention backend with no compiled kernel
   disable_cuda_graph=True                no CUDA graphs on the CPU
   disable_overlap_schedule=True          the overlap scheduler needs CUDA streams
   max_total_tokens=4096                  the device KV pool's size in tokens; without it SGLang
                                          sizes the pool from a fraction of "GPU" memory (all of RAM)
-  mem_fraction_static=0.5                read by the memory estimate on the CPU as well; 0.5 is ample
+  mem_fraction_static=0.5                (optional) a fixed share for the memory estimate
   enable_hierarchical_cache=True         HiCache: the host (CPU DRAM) tier behind the device pool
   hicache_io_backend="direct"            the copy between device and host pools in torch ops (the
                                          "kernel" backend is a CUDA kernel)
