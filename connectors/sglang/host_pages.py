@@ -21,6 +21,7 @@ Copies gather and scatter whole pages through it; no SGLang import here.
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Sequence
 
 import torch
 
@@ -102,6 +103,17 @@ class HostPages:
         if bool((firsts % self.page_size).any()):
             raise ValueError("a host page does not start on a page boundary")
         return (firsts // self.page_size).tolist()
+
+    def copy_out(self, page_ids: list[int], blocks: Sequence[torch.Tensor]) -> None:
+        """Copy the pages into `blocks` (rows of one block's bytes each, any device): one strided copy a
+        page, no gathered tensor in between."""
+        for row, page_id in zip(blocks, page_ids):
+            row.view(self.view.dtype).view(self.block_shape).copy_(self.view[page_id], non_blocking=True)
+
+    def copy_in(self, page_ids: list[int], blocks: Sequence[torch.Tensor]) -> None:
+        """Copy `blocks` (rows of one block's bytes each, any device) into the pages, one copy a page."""
+        for row, page_id in zip(blocks, page_ids):
+            self.view[page_id].copy_(row.view(self.view.dtype).view(self.block_shape))
 
     def read(self, page_ids: list[int]) -> torch.Tensor:
         """The pages, gathered into one contiguous tensor `[len(page_ids), *block_shape]`."""

@@ -180,15 +180,13 @@ class DaemonPageStore:
 
     def _to_pool(self, session: Session, page_ids: list[int], block_ids: list[int]) -> None:
         pool = _pool_bytes(session)
-        pages = self.pages.read(page_ids).reshape(len(page_ids), -1).view(torch.uint8)
-        pool[torch.as_tensor(block_ids, dtype=torch.int64, device=pool.device)] = pages.to(pool.device)
+        self.pages.copy_out(page_ids, [pool[block_id] for block_id in block_ids])
         if pool.device.type == "cuda":
             torch.cuda.current_stream(pool.device).synchronize()  # the bytes are in the pool before Commit
 
     def _from_pool(self, session: Session, block_ids: list[int], page_ids: list[int]) -> None:
         pool = _pool_bytes(session)
-        blocks = pool[torch.as_tensor(block_ids, dtype=torch.int64, device=pool.device)].cpu()
-        self.pages.write(page_ids, blocks)
+        self.pages.copy_in(page_ids, [pool[block_id] for block_id in block_ids])
 
     def _release(self, session: Session, request_id: str) -> None:
         try:

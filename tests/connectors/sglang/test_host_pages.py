@@ -100,3 +100,14 @@ def test_the_layout_names_the_model_format_and_shard():
         page_layout(EngineShard("m"), (LAYERS, 2, PAGE, HEADS, DIM), "int8")
     with pytest.raises(UnsupportedEngine, match="model name"):
         page_layout(EngineShard(""), (LAYERS, 2, PAGE, HEADS, DIM), "float16")
+
+
+@pytest.mark.parametrize("host_layout", MHA_SHAPES)
+def test_pages_copy_out_to_block_rows_and_back_in_one_copy_each(host_layout):
+    buffer = torch.randn(MHA_SHAPES[host_layout]).half()
+    pages = HostPages.of_buffer(buffer, "mha", host_layout, PAGE)
+    rows = torch.zeros(2, pages.page_nbytes, dtype=torch.uint8)
+    pages.copy_out([4, 1], list(rows))
+    assert torch.equal(rows.view(torch.float16).view(2, *pages.block_shape), pages.read([4, 1]))
+    pages.copy_in([0, 2], list(rows))
+    assert torch.equal(pages.read([0, 2]), pages.read([4, 1]))
