@@ -57,12 +57,13 @@ def layout_digest(layout: Layout, codec_name: str) -> bytes:
 
 class FrameValue:
     """One block's value as the pieces it is sent in: the header, hashes and token ids (a small
-    bytes), then the payload as it was given (no copy). `len()` is the value's length."""
+    bytes), then the payload as it was given (no copy); sealed (t3/sealed_values.py), no head and
+    the sealed record. `block_hash`: the block's daemon key. `len()` is the value's length."""
 
-    __slots__ = ("head", "payload", "nbytes")
+    __slots__ = ("head", "payload", "block_hash", "nbytes")
 
-    def __init__(self, head: bytes, payload: memoryview) -> None:
-        self.head, self.payload = head, payload
+    def __init__(self, head: bytes, payload: memoryview, block_hash: DaemonKey) -> None:
+        self.head, self.payload, self.block_hash = head, payload, block_hash
         self.nbytes = len(head) + payload.nbytes
 
     def __len__(self) -> int:
@@ -83,7 +84,7 @@ def frame_value(digest: bytes, block_hash: DaemonKey, parent_hash: DaemonKey, to
         checksum.update(part)
     head = _HEAD.pack(MAGIC, VERSION, len(block_hash), len(parent_hash), 0, token_count(token_ids), len(payload),
                       digest, checksum.intdigest())
-    return FrameValue(b"".join((head, block_hash, parent_hash, token_ids)), payload)
+    return FrameValue(b"".join((head, block_hash, parent_hash, token_ids)), payload, block_hash)
 
 
 def frame_block(digest: bytes, block_hash: DaemonKey, parent_hash: DaemonKey, token_ids: TokenBytes, payload) -> bytes:
