@@ -73,7 +73,7 @@ class RemoteTierStats:
     num_miss_blocks: int  # blocks of a query not loaded: absent, on a failed node, gone, refused (module doc)
     num_corrupt_blocks: int  # values found but refused: the frame check, or sealed ones that did not open
     corrupt_reasons: dict[str, int]
-    num_unauthentic_blocks: int  # of those, sealed values that did not open as their key's (corrupt_reasons' "unauthentic")
+    num_unauthentic_blocks: int  # of those, sealed values that did not open as their key's ("unauthentic")
     num_written_blocks: int
     num_failed_writes: int  # frames the store did not take
     num_dropped_writes: int  # frames dropped because the write backlog was full
