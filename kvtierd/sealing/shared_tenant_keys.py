@@ -71,7 +71,7 @@ class SharedTenantKeys:
         self._opened: dict[TenantTag, tuple[bytes, AESGCM | None]] = {}  # tag -> (record, its cipher); under _lock
         self._warned: set[TenantTag] = set()  # tenants whose record did not unwrap (warned once)
         self._lock = threading.Lock()
-        self.num_foreign_records = 0  # records seen that did not unwrap with this master key
+        self.num_foreign_records = 0  # records that did not unwrap with this master key, each counted once
 
     def cipher_of(self, tag: TenantTag, record: bytes | None) -> AESGCM | None:
         """The key of the tenant's record as the store holds it now (`record`, None: no record);
