@@ -178,9 +178,12 @@ class RemoteTier:
         values = values[:len(keys)]
         metas: list[BlockMeta] = []
         payloads: list[memoryview] = []
-        for i, (block_hash, value) in enumerate(zip(block_hashes, values)):
+        num_read_bytes = 0
+        for i, block_hash in enumerate(block_hashes):
+            value, values[i] = values[i], None  # sealed, the value read is dropped once opened: one chain's peak
             if value is None:
                 break
+            value_nbytes = len(value)
             if self.sealing is not None and opener is not None:
                 value = self.sealing.open(opener, block_hash, value)
                 if value is None:
@@ -188,19 +191,20 @@ class RemoteTier:
                     break
             tokens = block_tokens(token_bytes, i, block_size)
             try:
-                frame = read_frame(value, self.digest, block_hash, parent, self.slot_nbytes, tokens)
+                frame = read_frame(value, self.digest, block_hash, parent, self.slot_nbytes, tokens,
+                                   authenticated=self.sealing is not None)
             except FrameMismatch as e:
                 self._refused(block_hash, e.reason)
                 break
             metas.append(BlockMeta(block_hash, frame.parent_hash, frame.token_ids))
             payloads.append(frame.payload)
+            num_read_bytes += value_nbytes
             parent = block_hash
         with self._lock:
             for key in keys[:len(metas)]:
                 self._remember(key)
         if counted:
-            self.count_reads(len(metas), len(block_hashes) - len(metas),
-                             sum(len(v) for v in values[:len(metas)] if v is not None))
+            self.count_reads(len(metas), len(block_hashes) - len(metas), num_read_bytes)
         return metas, payloads
 
     def count_reads(self, num_hit_blocks: int, num_miss_blocks: int, num_read_bytes: int) -> None:
