@@ -38,9 +38,18 @@ such daemons (own sockets and pools); no byte goes from A to B except through th
    must be ready); the baseline GETs the very values node C reads (the keys found in the cluster) with
    plain redis-py per-node pipelines (hiredis). MB/s = the values' bytes / time. Goal: ours >= 0.8x.
 
+5. Sealed beside clear ([encryption] on / off), the reads of T3 blocks: two pairs of daemons, each pair on
+   its own key prefix in the same cluster, the same but for [encryption] (both with T2 configured, as
+   encryption needs, and policy.t1_to_t2 = off, so no disk in the way). Each round a fresh chain of
+   `--blocks` x 2 MiB and a second one are put through each pair's node A until its T3 holds them; then
+   node B of each pair, which holds nothing of them, Gets the first (T3 -> the wire, bytes checked) and
+   promotes the second as an engine does (Acquire + Wait + Release into T0), the four ops alternating.
+   Sealed, every value read is opened (AES-256-GCM) and its tenant's key record read beside it. Ratio =
+   clear time / sealed time (sealed MB/s over clear MB/s). Goal: >= 0.9x, Get and promotion.
+
 `--profile DIR`: after the timed rounds, py-spy records node A during 10 more Puts, node B during 10 more
 Gets and during 5 s of Lookups of the chain in T3 (raw collapsed stacks in DIR); the top frames are printed
-after the tables. `--parts` runs some of the four parts only.
+after the tables. `--parts` runs some of the five parts only.
 """
 
 from __future__ import annotations
@@ -89,7 +98,8 @@ CALL_TIMEOUT_S = 120.0
 MAXMEMORY = "1gb"  # per master; the cluster is flushed between rounds
 POLL_S = 0.01  # Stats polled this often while waiting for T3 writes (a Stats costs the daemon ~0.4 ms of CPU)
 T3_WAIT_S = 60.0
-GOAL_PUT_GET, GOAL_TTFT, GOAL_LOOKUP = 0.8, 5.0, 1.5
+GOAL_PUT_GET, GOAL_TTFT, GOAL_LOOKUP, GOAL_SEALED = 0.8, 5.0, 1.5, 0.9
+MASTER_KEY_HEX = "3c" * 32  # the sealed pair's master key (a benchmark's, not a secret)
 PROFILES: list[str] = []  # --profile: the summaries, printed after the tables
 BASELINE_CLIENTS = {"hiredis": "hiredis (redis-py's default; the daemon's)",
                     "hiredis-parser": "hiredis parser, Python packer", "python": "pure-Python RESP"}
@@ -544,6 +554,108 @@ def bench_promotion(cluster, directory: str, args, rng) -> list[list[str]]:
              f">= {GOAL_PUT_GET:g}x", _report.verdict(ratio >= GOAL_PUT_GET)]]
 
 
+# --------------------------------------------------------------------------------------------- 5. sealed
+
+def sealed_node_args(directory: str, name: str, seeds: str, pool_bytes: int, key_file: str | None) -> list[str]:
+    """A daemon with T3 on its own key prefix (`name`'s pair), T2 configured but not written to (T1 -> T2
+    off), [encryption] on with `key_file` (None: off)."""
+    path = os.path.join(directory, name)
+    os.makedirs(path, exist_ok=True)
+    extra = ["--set", f"server.max_message_bytes={MAX_MESSAGE_BYTES}", *ONE_LAYOUT,
+             "--set", f"remote.endpoints={seeds}", "--set", "policy.t0_to_t1=write_through",
+             "--set", "policy.t1_to_t2=off", "--set", f"remote.key_prefix={'sealed' if key_file else 'clear'}"]
+    if key_file:
+        extra += ["--set", "encryption.enabled=true", "--set", f"encryption.master_key_file={key_file}"]
+    return small_daemon_args(path, t0_bytes=str(pool_bytes), host_bytes=str(pool_bytes), ssd_bytes="64MiB",
+                             extra=extra)
+
+
+class SealedRounds:
+    """Each round two fresh chains put through both pairs' node A until T3 holds them; each pair's node B
+    Gets the first and promotes the second (timed); `setup` checks the round before."""
+
+    def __init__(self, cluster, putters: dict[str, KvtierClient], readers: dict[str, KvtierClient], num_blocks: int,
+                 rng: np.random.Generator) -> None:
+        self.cluster, self.putters, self.readers, self.num_blocks, self.rng = cluster, putters, readers, num_blocks, rng
+        self.sessions = {side: client.attach(LAYOUT, map_pool=False) for side, client in readers.items()}
+        self.namespace = Namespace(LAYOUT, tenant="", algo="sha256")
+        self.results: dict[str, object] = {}
+        self.num_rounds = 0
+
+    def setup(self) -> None:
+        if self.results:
+            for side in self.readers:
+                got = self.results.pop(f"get {side}")
+                assert [h for h, _ in got] == self.chains[0][1], f"{side} Get returned {len(got)} blocks"
+                assert all(data == value for (_, data), value in zip(got, self.values[0])), f"{side} Get: other bytes"
+                assert self.results.pop(f"promote {side}") == self.num_blocks, f"{side} promoted fewer blocks"
+            self.num_rounds += 1
+        flush(self.cluster)
+        self.chains, self.values = [], []
+        for _ in range(2):
+            tokens = random_tokens(self.rng, self.num_blocks * BLOCK_SIZE)
+            self.chains.append((tokens, self.namespace.hash_blocks(tokens)))
+            self.values.append([self.rng.bytes(BLOCK_BYTES) for _ in range(self.num_blocks)])
+        for client in self.putters.values():
+            before = t3_written(client, LAYOUT.model_id)
+            for (tokens, hashes), values in zip(self.chains, self.values):
+                packed, stride = pack_token_ids(tokens), 4 * BLOCK_SIZE
+                blocks = [(h, packed[i * stride:(i + 1) * stride], v) for i, (h, v) in enumerate(zip(hashes, values))]
+                assert client.put(LAYOUT, blocks).num_blocks == self.num_blocks
+            wait_t3_written(client, LAYOUT.model_id, before + 2 * self.num_blocks)
+
+    def get(self, side: str):
+        def run() -> None:
+            tokens, hashes = self.chains[0]
+            self.results[f"get {side}"] = self.readers[side].get(LAYOUT, hashes, token_ids=tokens)
+        return run
+
+    def promote(self, side: str):
+        def run() -> None:
+            tokens, hashes = self.chains[1]
+            request_id = f"promote-{self.num_rounds}"
+            self.sessions[side].acquire(request_id, hashes, token_ids=tokens)
+            self.results[f"promote {side}"] = self.sessions[side].wait(request_id)
+            self.sessions[side].release(request_id)
+        return run
+
+
+def bench_sealed(cluster, directory: str, args, rng) -> list[list[str]]:
+    key_file = os.path.join(directory, "master.key")
+    with open(key_file, "w") as f:
+        f.write(MASTER_KEY_HEX)
+    os.chmod(key_file, 0o600)
+    round_bytes = 2 * args.blocks * BLOCK_BYTES
+    pool_bytes = 2 * round_bytes + 16 * BLOCK_BYTES  # T0 and T1 hold two rounds: the warm-up touches every slot
+    flush(cluster)
+    with contextlib.ExitStack() as stack:
+        clients = {}
+        for name, key in (("clear-a", None), ("clear-b", None), ("sealed-a", key_file), ("sealed-b", key_file)):
+            daemon = stack.enter_context(DaemonProcess(sealed_node_args(directory, name, cluster.seeds, pool_bytes,
+                                                                        key)))
+            clients[name] = stack.enter_context(KvtierClient(daemon.address, timeout_s=CALL_TIMEOUT_S,
+                                                             max_message_bytes=MAX_MESSAGE_BYTES))
+        sides = ("clear", "sealed")
+        state = SealedRounds(cluster, {side: clients[f"{side}-a"] for side in sides},
+                             {side: clients[f"{side}-b"] for side in sides}, args.blocks, rng)
+        ops = [state.get("clear"), state.get("sealed"), state.promote("clear"), state.promote("sealed")]
+        timings = _report.time_interleaved(ops, rounds=args.rounds, warmup=args.warmup, setup=state.setup)
+        assert state.num_rounds == args.rounds + args.warmup, state.num_rounds
+        sealed_t3 = t3_stats(clients["sealed-b"], LAYOUT.model_id)
+        assert sealed_t3 is not None and sealed_t3.num_corrupt_blocks == 0, sealed_t3
+    chain_bytes = args.blocks * BLOCK_BYTES
+    mb_per_s = lambda ns: chain_bytes / (ns / 1e9) / 1e6  # noqa: E731
+    rows = []
+    for case, clear, sealed in (("Get on B from T3", timings[0], timings[1]),
+                                ("Promotion on B from T3 (Acquire + Wait)", timings[2], timings[3])):
+        ratio = clear.median_ns / sealed.median_ns
+        rows.append([f"{case}, {args.blocks} x 2 MiB", _report.median_and_best(mb_per_s(sealed.median_ns),
+                                                                               mb_per_s(sealed.best_ns)),
+                     _report.median_and_best(mb_per_s(clear.median_ns), mb_per_s(clear.best_ns)), f"{ratio:.2f}x",
+                     f">= {GOAL_SEALED:g}x", _report.verdict(ratio >= GOAL_SEALED)])
+    return rows
+
+
 # --------------------------------------------------------------------------------------------- main
 
 def parse_args(argv: Sequence[str] | None):
@@ -555,8 +667,8 @@ def parse_args(argv: Sequence[str] | None):
     parser.add_argument("--lookup-tokens", type=int, help="Lookup: prompt tokens (4096; --quick 1024)")
     parser.add_argument("--profile", metavar="DIR", help="py-spy the daemons during 10 more Puts and Gets")
     parser.add_argument("--promotion-tokens", type=int, help="promotion: prefix tokens (4096; --quick 512)")
-    parser.add_argument("--parts", default="put-get,promotion,ttft,lookup",
-                        help="which parts to run (default: all four)")
+    parser.add_argument("--parts", default="put-get,promotion,ttft,lookup,sealed",
+                        help="which parts to run (default: all five)")
     args = parser.parse_args(argv)
     quick = args.quick
     defaults = dict(blocks=8 if quick else 64, rounds=2 if quick else 10, prefix_tokens=256 if quick else 2048,
@@ -591,6 +703,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                 put_get_rows += bench_promotion(cluster, directory, args, rng)
             ttft_rows = bench_ttft(cluster, directory, args, rng) if "ttft" in parts else []
             lookup_rows = bench_lookup(cluster, directory, args, rng) if "lookup" in parts else []
+            sealed_rows = bench_sealed(cluster, directory, args, rng) if "sealed" in parts else []
     print_header(args, cluster, version, redis, notes)
     if put_get_rows:
         print_put_get(args, put_get_rows)
@@ -598,6 +711,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         print_ttft(args, ttft_rows)
     if lookup_rows:
         print_lookup(args, lookup_rows)
+    if sealed_rows:
+        print_sealed(args, sealed_rows)
     for line in PROFILES:
         print(line)
     return 0
@@ -625,6 +740,14 @@ def print_lookup(args, lookup_rows) -> None:
     print("ratio = p50 with T3 (node B) / p50 without (a daemon with no [remote]), one task looping Lookups, the "
           f"sides alternating window by window ({args.lookup_rounds} x {args.window_s:g} s a side); daemon CPU: "
           "with / without, from /proc")
+
+
+def print_sealed(args, sealed_rows) -> None:
+    _report.print_table(["T3 reads, [encryption] on / off", "sealed MB/s", "clear MB/s", "ratio", "goal", "result"],
+                        sealed_rows)
+    print(f"MB/s = {args.blocks * BLOCK_BYTES:,} bytes / time; ratio = clear time / sealed time on the medians over "
+          f"{args.rounds} rounds (best round in brackets); the four ops alternate, a fresh chain each round")
+    print()
 
 
 def print_header(args, cluster: redis_cluster.LocalRedis, version: str, redis_module, notes: list[str]) -> None:

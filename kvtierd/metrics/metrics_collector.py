@@ -125,8 +125,13 @@ _FAMILIES: dict[str, tuple[type, str, str, tuple[str, ...]]] = {
                   "Blocks of a query (Acquire, Get, Lookup with num_query_blocks) asked of the shared store and "
                   "not loaded, once each: absent, on a node down or behind an open breaker, dropped, refused.", ()),
     "t3_corrupt": (CounterMetricFamily, "kvtierd_t3_corrupt_blocks",
-                   "Shared-store values refused by the frame check (another layout or chain, short, bad checksum).",
+                   "Shared-store values refused by the frame check (another layout or chain, short, bad checksum) "
+                   "or, sealed, because they did not open (kvtierd_t3_unauthentic_blocks).",
                    ()),
+    "t3_unauthentic": (CounterMetricFamily, "kvtierd_t3_unauthentic_blocks",
+                       "Sealed shared-store values refused because they did not open as their own key's (moved, "
+                       "another tenant's, altered, or their tenant's key forgotten or wrapped by another master "
+                       "key); among kvtierd_t3_corrupt_blocks, never served.", ()),
     "t3_read_bytes": (CounterMetricFamily, "kvtierd_t3_read_bytes", "Value bytes read from the shared store.", ()),
     "t3_written_bytes": (CounterMetricFamily, "kvtierd_t3_written_bytes", "Value bytes the shared store took.", ()),
     "t3_written": (CounterMetricFamily, "kvtierd_t3_written_blocks", "Blocks the shared store took.", ()),
@@ -296,7 +301,8 @@ def _add_pool(families: Families, model: str, source: PoolSource, stats: Tiering
         add("hit_tokens", stats.num_t3_hit_blocks * source.block_size_tokens, Tier.T3)
         add("skipped_slow", stats.num_skipped_slow_blocks.t3, Tier.T3)
         for key, value in (("t3_hits", t3.num_hit_blocks), ("t3_misses", t3.num_miss_blocks),
-                           ("t3_corrupt", t3.num_corrupt_blocks), ("t3_read_bytes", t3.read_bytes),
+                           ("t3_corrupt", t3.num_corrupt_blocks), ("t3_unauthentic", t3.num_unauthentic_blocks),
+                           ("t3_read_bytes", t3.read_bytes),
                            ("t3_written_bytes", t3.written_bytes), ("t3_written", t3.num_written_blocks),
                            ("t3_failed_writes", t3.num_failed_writes), ("t3_dropped_writes", t3.num_dropped_writes),
                            ("t3_backlog", t3.write_backlog_bytes)):

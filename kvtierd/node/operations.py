@@ -10,19 +10,23 @@ blocks nobody holds: from T0 alone it is an eviction (the on_evict policy copies
 first), from T1 and T2 the slots are freed; an evict that names T1 or T2 as well drops T0's
 blocks without copying them down, so that nothing lands behind it; all three tiers is a flush.
 
-Forget (admin only, with [encryption] on) destroys a tenant's data key first, durably (from then on
-none of its sealed T2 blocks opens, here or after a restart, and its next store makes a new key),
-then flushes the tenant from every pool: T0's unheld blocks without copying them down, T1, T2.
-A copy of the tenant's that was in flight then (T0 → T1, T1 → T2, a T1 slot pinned by its copy)
-may land after that flush, in T2 sealed under a new key: forget waits for the pools' copies in
-flight (FORGET_SETTLE_S at most), flushes again, and destroys the key again if one was made
-meanwhile. `settled` says whether the wait ended before its limit (if not, forget again).
+Forget (admin only, with [encryption] on) destroys a tenant's data keys first, durably: with a T3,
+its shared key in the store (sealing/shared_tenant_keys.py: from then on no node opens any of its
+T3 values; a store that does not answer refuses the forget before anything changed), then the
+node's own (none of its sealed T2 blocks opens, here or after a restart); its next store makes
+new keys. Then it drops the tenant's queued T3 writes and flushes it from every pool: T0's unheld
+blocks without copying them down, T1, T2. A copy of the tenant's that was in flight then (T0 →
+T1, T1 → T2, T1 → T3, a T1 slot pinned by its copy) may land after that flush, sealed under a new
+key: forget waits for the pools' copies and T3 writes in flight (FORGET_SETTLE_S at most), drops
+and flushes again, and destroys the keys again if one was made meanwhile. `settled` says whether
+all of that ended in time (if not, forget again).
 """
 
 from __future__ import annotations
 
 import collections
 import dataclasses
+import time
 from collections.abc import Iterable
 from typing import TYPE_CHECKING
 
@@ -34,6 +38,7 @@ from kvtierd.node.tenants import Tenant
 from kvtierd.tier import LOCAL_TIERS, Tier
 
 if TYPE_CHECKING:
+    from kvtierd.daemon_key import TenantTag
     from kvtierd.sealing.tenant_keys import TenantKeys
 
 EVERY_TENANT = "*"
@@ -55,7 +60,7 @@ class EvictCounts:
 
 @dataclasses.dataclass(frozen=True, slots=True)
 class Forgotten:
-    key_destroyed: bool  # the tenant had a data key, now destroyed
+    key_destroyed: bool  # the tenant had a data key (the node's, or its shared T3 key), now destroyed
     dropped: EvictCounts
     settled: bool  # the copies in flight landed within FORGET_SETTLE_S, before the second flush
 
@@ -177,17 +182,40 @@ class Operations:
         return target
 
     def forget(self, caller: Tenant, tenant: str, settle_s: float = FORGET_SETTLE_S) -> Forgotten:
-        """Destroy the tenant's data key, flush it from every pool, let the copies in flight land,
-        flush again (module doc). Blocking: file deletes and fsyncs, T2 index writes, the wait;
-        run it off the event loop."""
+        """Destroy the tenant's data keys, flush it from every pool, let the copies in flight land,
+        flush again (module doc). Blocking: the store's calls, file deletes and fsyncs, T2 index
+        writes, the wait; run it off the event loop."""
         target = self.check_forget(caller, tenant)
-        assert self.tenant_keys is not None  # check_forget refused otherwise
-        destroyed = self.tenant_keys.forget(target.tag)
+        destroyed = self._destroy_keys(target.tag)  # raises, changing nothing, when the store does not answer
         first = self.evict(caller, tenant, False, list(LOCAL_TIERS))
-        settled = all([pool.manager.tiers.wait_quiet(settle_s) for pool in self.registry.pools()])
+        settled = self._settle(target.tag, settle_s)
         dropped = first.then(self.evict(caller, tenant, False, list(LOCAL_TIERS)))
-        destroyed = self.tenant_keys.forget(target.tag) or destroyed  # a key a copy in flight made meanwhile
+        try:
+            destroyed = self._destroy_keys(target.tag) or destroyed  # a key a copy in flight made meanwhile
+        except FailedPrecondition:  # the store stopped answering since: a key made meanwhile may live on
+            settled = False
         return Forgotten(destroyed, dropped, settled)
+
+    def _destroy_keys(self, tag: TenantTag) -> bool:
+        """The tenant's shared T3 key (first: it may refuse) and the node's; its queued T3 writes dropped."""
+        assert self.tenant_keys is not None  # check_forget refused otherwise
+        remote_keys = self.registry.remote_keys
+        destroyed = remote_keys.forget(tag) if remote_keys is not None else False
+        for pool in self.registry.pools():
+            if (remote := pool.manager.tiers.remote) is not None:
+                remote.forget_tenant(tag)
+        return self.tenant_keys.forget(tag) or destroyed
+
+    def _settle(self, tag: TenantTag, settle_s: float) -> bool:
+        """Wait for the pools' copies in flight, then for their T3 writes (the tenant's queued ones
+        dropped first); False when that took longer than `settle_s`."""
+        deadline_s = time.monotonic() + settle_s
+        settled = all([pool.manager.tiers.wait_quiet(settle_s) for pool in self.registry.pools()])
+        for pool in self.registry.pools():
+            if (remote := pool.manager.tiers.remote) is not None:
+                remote.forget_tenant(tag)
+                settled = remote.drain(max(0.0, deadline_s - time.monotonic())) and settled
+        return settled
 
     # ----------------------------------------------------------------------------- drain
 

@@ -49,6 +49,8 @@ from kvtierd.tiering.tier_manager import TierManager
 
 if TYPE_CHECKING:  # imported where T3 is on (PoolRegistry): redis loads only then
     from kvtierd.index.index_metrics import IndexObserver
+    from kvtierd.sealing.master_key import MasterKey
+    from kvtierd.sealing.shared_tenant_keys import SharedTenantKeys
     from kvtierd.sealing.tenant_keys import TenantKeys
     from kvtierd.t3.redis_store import RedisStore
 
@@ -66,6 +68,7 @@ class PoolSettings:
     ssd: SsdConfig | None = None  # None = no T2; its capacity_bytes is the node's T2 budget, shared by the layouts
     remote: RemoteConfig | None = None  # None = no T3; its password already read from the file
     tenant_keys: TenantKeys | None = None  # [encryption] on: T2 values sealed under each tenant's data key
+    master_key: MasterKey | None = None  # [encryption] on: wraps T3's shared data keys too (with a T3)
     t2_max_age_s: float = 0.0  # retention.max_age_s: older T2 blocks are misses and reclaimed; 0 = no limit
 
     @property
@@ -80,9 +83,9 @@ class LayoutPool:
     def __init__(self, layout: Layout, settings: PoolSettings, observer: IndexObserver | None = None,
                  quotas: QuotaBook | None = None, engines: CopyEngines | None = None,
                  remote_store: RedisStore | None = None, host_budget: NodeBudget | None = None,
-                 ssd_budget: NodeBudget | None = None) -> None:
+                 ssd_budget: NodeBudget | None = None, remote_keys: SharedTenantKeys | None = None) -> None:
         """`host_budget`, `ssd_budget`: the node's (PoolRegistry's); None: this pool's own, of the
-        settings' capacities."""
+        settings' capacities. `remote_keys`: the node's shared data keys (T3 sealed)."""
         pool_config = settings.pool
         num_blocks = pool_config.t0_bytes // layout.bytes_per_block
         if num_blocks < 1:
@@ -104,7 +107,7 @@ class LayoutPool:
                                    device=pool_config.device, hash_size=daemon_key_size(self.digest_size),
                                    observer=observer, max_pending_events=MAX_PENDING_EVENTS, engines=engines,
                                    remote_store=remote_store, cuda_share=pool_config.cuda_share,
-                                   host_budget=self.host_budget, host_key=self._key)
+                                   host_budget=self.host_budget, host_key=self._key, remote_keys=remote_keys)
         tiers = self.manager.tiers
         if quotas is not None and quotas.limits_lower_tiers:
             for tier, store in ((Tier.T1, tiers.host), (Tier.T2, tiers.ssd)):
@@ -157,6 +160,7 @@ class PoolRegistry:
         self.on_created = []  # callbacks (pool) → None, e.g. metrics sources
         self.engines = CopyEngines()  # one copy engine per device, shared by the layouts on it
         self.remote_store = None  # the node's client of the shared store (T3), shared by the layouts
+        self.remote_keys = None  # T3's tenant data keys, wrapped in the store ([encryption] on with a T3)
         self.host_budget = NodeBudget(settings.tier_config.host_capacity_bytes, "host")  # T1, per node
         self.ssd_budget = None  # T2, per node: the slot files of every layout, a restarted daemon's included
         if settings.ssd is not None:
@@ -169,6 +173,11 @@ class PoolRegistry:
             from kvtierd.t3.redis_store import RedisStore
 
             self.remote_store = RedisStore(settings.remote)  # connects on first use: starts with the store down
+            if settings.master_key is not None:
+                from kvtierd.sealing.shared_tenant_keys import SharedTenantKeys
+                from kvtierd.t3.key_records import StoreKeyRecords
+
+                self.remote_keys = SharedTenantKeys(settings.master_key, StoreKeyRecords(self.remote_store))
 
     def get(self, layout: Layout) -> LayoutPool | None:
         return self._pools.get(layout)
@@ -204,7 +213,7 @@ class PoolRegistry:
                     f"cannot create a pool for {layout.model_id}")
             observer = self._observer_for(layout.model_id) if self._observer_for else None
             pool = LayoutPool(layout, self.settings, observer, self.quotas, self.engines, self.remote_store,
-                              self.host_budget, self.ssd_budget)
+                              self.host_budget, self.ssd_budget, self.remote_keys)
             self._pools[layout] = pool
         for line in pool.capacity_lines():
             log.info("%s", line)

@@ -14,7 +14,8 @@ class RetentionConfig:
     max_ttl_s: float = 86400.0  # seconds: the longest ttl_s a hint may ask for
     # a fraction of each tier's capacity (T1: the layout's current share) one tenant's retained blocks may hold
     max_tenant_share: float = 0.5
-    # seconds since its store after which a T2 (SSD) block is a miss and reclaimed; 0 = no limit (T3: remote.ttl_s)
+    # seconds since its store after which a T2 (SSD) block is a miss and reclaimed, and a T3 value expires in
+    # the store (with remote.ttl_s, the smaller); 0 = no limit
     max_age_s: float = 0.0
 
     def __post_init__(self) -> None:

@@ -21,11 +21,13 @@ from __future__ import annotations
 
 import hashlib
 import os
+from typing import Protocol
 
 from cryptography.exceptions import InvalidTag
+from cryptography.hazmat.primitives.ciphers.aead import AESGCM
 
-from kvtierd.daemon_key import DaemonKey, tenant_tag_of
-from kvtierd.sealing.tenant_keys import GCM_TAG_BYTES, NONCE_BYTES, TenantKeys
+from kvtierd.daemon_key import DaemonKey, TenantTag, tenant_tag_of
+from kvtierd.sealing.tenant_keys import GCM_TAG_BYTES, NONCE_BYTES
 
 SEAL_OVERHEAD_BYTES = NONCE_BYTES + GCM_TAG_BYTES
 _DOMAIN = b"kvtierd-sealed-block-v1\x00"
@@ -36,15 +38,26 @@ def sealed_nbytes(plain_nbytes: int) -> int:
     return plain_nbytes + SEAL_OVERHEAD_BYTES
 
 
-def seal_context(layout_fingerprint: bytes, codec: str) -> bytes:
-    """What a tier's records are bound to besides their key: its layout and codec, as a 32-byte digest."""
-    return hashlib.sha256(layout_fingerprint + b"\x00codec=" + codec.encode()).digest()
+class Keyring(Protocol):
+    """Whose data key seals a tenant's records: TenantKeys (T2's, on this node) or the keys one T3
+    batch resolved from the shared store (t3/sealed_values.py)."""
+
+    def cipher_for_store(self, tag: TenantTag) -> AESGCM: ...
+
+    def cipher_for_load(self, tag: TenantTag) -> AESGCM | None: ...
+
+
+def seal_context(layout_fingerprint: bytes, codec: str, record_kind: str = "") -> bytes:
+    """What a tier's records are bound to besides their key: its layout and codec (and, for a tier
+    whose records are not bare blocks, what they are: T3's "frame"), as a 32-byte digest."""
+    kind = b"\x00kind=" + record_kind.encode() if record_kind else b""
+    return hashlib.sha256(layout_fingerprint + b"\x00codec=" + codec.encode() + kind).digest()
 
 
 class BlockSealer:
     """Seals and opens one tier's blocks (one layout and codec). Thread-safe: no state of its own."""
 
-    def __init__(self, keys: TenantKeys, context: bytes) -> None:
+    def __init__(self, keys: Keyring, context: bytes) -> None:
         self.keys = keys
         self._prefix = _DOMAIN + context
         self._tokens_prefix = _TOKENS_DOMAIN + context

@@ -49,6 +49,14 @@ def config_lines(config: DaemonConfig) -> list[str]:
                  + (f"{policy.recompute_s_per_token:g} s/token (policy.recompute_s_per_token)"
                     if policy.recompute_s_per_token > 0 else "the engines' measured cost (every hit until measured)"))
     lines += remote_summary(config.remote, policy)
+    if config.remote.enabled:
+        remote, max_age_s = config.remote, config.retention.max_age_s
+        ttl_ms = remote.value_ttl_ms(max_age_s)
+        lines.append(("T3 at rest: sealed per tenant (AES-256-GCM), data keys wrapped by the master key in the store "
+                      f"({remote.key_prefix}:tenant-key:*)" if config.encryption.enabled
+                      else "T3 at rest: in the clear ([encryption] off)")
+                     + (f"; values expire {ttl_ms / 1000:g} s after their write (remote.ttl_s, retention.max_age_s)"
+                        if ttl_ms else ""))
     evictions = (policy.t0_eviction, policy.t1_eviction, policy.t2_eviction)
     eviction = "" if evictions == ("lru",) * 3 else "; eviction T0 {}, T1 {}, T2 {}".format(*evictions)
     lines.append(f"policy: T0->T1 {policy.t0_to_t1}, T1->T2 {policy.t1_to_t2}{eviction}; {recompute}")

@@ -85,6 +85,7 @@ def pool_settings(config: DaemonConfig, keys: NodeKeys | None = None) -> PoolSet
                         ssd=config.ssd if config.ssd.enabled else None,
                         remote=config.remote.with_password_read() if config.remote.enabled else None,
                         tenant_keys=keys.tenant_keys if keys is not None else None,
+                        master_key=keys.master if keys is not None else None,
                         t2_max_age_s=config.retention.max_age_s)
 
 
@@ -178,7 +179,7 @@ class Daemon:
             self.ssd_lock = DirectoryLock.acquire(ssd.directory, setting_name("ssd.directory"))
         if self.keys is not None:  # under the lock: one daemon claims the key directory
             self.keys.claim()
-            log.info("encryption: %s", self.keys.describe())
+            log.info("encryption: %s", self.keys.describe(with_t3=self.registry.remote_keys is not None))
         num_orphans, orphan_bytes = remove_orphaned_segments()  # what killed daemons left in /dev/shm
         if num_orphans:
             log.warning("removed %d shared-memory segments (%s) that killed kvtierd processes left in /dev/shm",

@@ -57,12 +57,13 @@ def layout_digest(layout: Layout, codec_name: str) -> bytes:
 
 class FrameValue:
     """One block's value as the pieces it is sent in: the header, hashes and token ids (a small
-    bytes), then the payload as it was given (no copy). `len()` is the value's length."""
+    bytes), then the payload as it was given (no copy); sealed (t3/sealed_values.py), no head and
+    the sealed record. `block_hash`: the block's daemon key. `len()` is the value's length."""
 
-    __slots__ = ("head", "payload", "nbytes")
+    __slots__ = ("head", "payload", "block_hash", "nbytes")
 
-    def __init__(self, head: bytes, payload: memoryview) -> None:
-        self.head, self.payload = head, payload
+    def __init__(self, head: bytes, payload: memoryview, block_hash: DaemonKey) -> None:
+        self.head, self.payload, self.block_hash = head, payload, block_hash
         self.nbytes = len(head) + payload.nbytes
 
     def __len__(self) -> int:
@@ -83,7 +84,7 @@ def frame_value(digest: bytes, block_hash: DaemonKey, parent_hash: DaemonKey, to
         checksum.update(part)
     head = _HEAD.pack(MAGIC, VERSION, len(block_hash), len(parent_hash), 0, token_count(token_ids), len(payload),
                       digest, checksum.intdigest())
-    return FrameValue(b"".join((head, block_hash, parent_hash, token_ids)), payload)
+    return FrameValue(b"".join((head, block_hash, parent_hash, token_ids)), payload, block_hash)
 
 
 def frame_block(digest: bytes, block_hash: DaemonKey, parent_hash: DaemonKey, token_ids: TokenBytes, payload) -> bytes:
@@ -101,9 +102,11 @@ class Frame:
 
 
 def read_frame(value: bytes | memoryview | None, digest: bytes, block_hash: DaemonKey, parent_hash: DaemonKey | None,
-               payload_nbytes: int, token_ids: TokenBytes | None = None) -> Frame:
+               payload_nbytes: int, token_ids: TokenBytes | None = None, authenticated: bool = False) -> Frame:
     """Verify `value` as the block `block_hash` after `parent_hash` in the layout `digest`, with
     `payload_nbytes` of payload (and `parent_hash`, `token_ids`, when the caller knows them).
+    `authenticated`: the frame was just opened from a sealed value (t3/sealed_values.py), whose GCM
+    tag covers every byte of it under the tenant's key: the checksum is not computed again.
     Raises FrameMismatch."""
     if value is None or len(value) < HEADER_BYTES:
         raise FrameMismatch("short", f"{0 if value is None else len(value)} bytes")
@@ -129,6 +132,6 @@ def read_frame(value: bytes | memoryview | None, digest: bytes, block_hash: Daem
     stored_tokens = TokenBytes(bytes(view[tokens_at:payload_at]))
     if token_ids is not None and stored_tokens != token_ids:
         raise FrameMismatch("tokens")
-    if xxhash.xxh3_64_intdigest(view[start:]) != checksum:
+    if not authenticated and xxhash.xxh3_64_intdigest(view[start:]) != checksum:
         raise FrameMismatch("checksum")
     return Frame(stored_parent, stored_tokens, view[payload_at:])

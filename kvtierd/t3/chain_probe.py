@@ -57,6 +57,22 @@ def probe_chains(chains: Sequence[Sequence[DaemonKey]], store_key: Callable[[Dae
     return answers
 
 
+class AlsoAsked:
+    """An Exists that asks `extra_keys` too, in its first call's round trip (a sealed T3 probe's
+    tenant key records: sealed_values.py); their answers are `extra_present` after that call."""
+
+    def __init__(self, exists: Exists, extra_keys: Sequence[bytes]) -> None:
+        self.exists, self.extra_keys = exists, list(extra_keys)
+        self.extra_present: list[bool] | None = None  # None until the first call
+
+    def __call__(self, keys: list[bytes]) -> list[bool]:
+        if self.extra_present is not None:
+            return self.exists(keys)
+        flags = self.exists(keys + self.extra_keys)
+        self.extra_present = flags[len(keys):]
+        return flags[:len(keys)]
+
+
 @dataclasses.dataclass(frozen=True, slots=True)
 class ProbeAnswer:
     last_key: DaemonKey  # the chain's last daemon key (the chain hash: it names every block before it)

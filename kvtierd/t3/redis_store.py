@@ -46,6 +46,10 @@ _GET = b"*2\r\n$3\r\nGET\r\n$%d\r\n%s\r\n"
 _SMALL = 1 << 14  # a value below this is joined into the write before it
 
 
+class StoreUnavailable(Exception):
+    """The store did not answer a `command` (its message names the node and why, never a value)."""
+
+
 class RedisStore:
     """Thread-safe. `_slot_nodes` is replaced whole (never mutated) under `_lock`."""
 
@@ -113,13 +117,14 @@ class RedisStore:
             self._replied(node, [reply for reply in replies if isinstance(reply, redis.RedisError)])
         return present
 
-    def set(self, items: Sequence[tuple[bytes, bytes | FrameValue]], ttl_s: int = 0) -> list[bool]:
-        """SET each (key, value), with a TTL when `ttl_s`; True where the node took it. Each node's
-        SETs go out packed by hand as one write of many buffers, a FrameValue's payload sent from
-        where it lies (no copy), the nodes in parallel; then their replies are read."""
+    def set(self, items: Sequence[tuple[bytes, bytes | FrameValue]], ttl_ms: int = 0) -> list[bool]:
+        """SET each (key, value), expiring after `ttl_ms` milliseconds when given (PX); True where the
+        node took it. Each node's SETs go out packed by hand as one write of many buffers, a
+        FrameValue's payload sent from where it lies (no copy), the nodes in parallel; then their
+        replies are read."""
         written = [False] * len(items)
-        expiry = b"$2\r\nEX\r\n$%d\r\n%d\r\n" % (len(str(ttl_s)), ttl_s) if ttl_s else b""
-        head = b"*5\r\n$3\r\nSET\r\n" if ttl_s else b"*3\r\n$3\r\nSET\r\n"
+        expiry = b"$2\r\nPX\r\n$%d\r\n%d\r\n" % (len(str(ttl_ms)), ttl_ms) if ttl_ms else b""
+        head = b"*5\r\n$3\r\nSET\r\n" if ttl_ms else b"*3\r\n$3\r\nSET\r\n"
 
         def run(node: StoreNode, positions: list[int]) -> None:
             buffers: list = []
@@ -143,6 +148,25 @@ class RedisStore:
 
         self._on_each_node(self._group([key for key, _ in items]), run)
         return written
+
+    def command(self, key: bytes, *args: bytes | str) -> Any:
+        """One command (`args`: its name, `key` and the rest) on the node that owns `key`, and its
+        reply; StoreUnavailable when no node serves the key, its breaker is open or the call fails.
+        For the few small records beside the blocks (t3/key_records.py), not for blocks."""
+        table = self._slot_table()
+        node = None if table is None else self._owner(table, key)
+        if node is None or not node.breaker.allow():
+            raise StoreUnavailable("no reachable store node serves the key")
+        try:
+            reply = node.client.execute_command(*args)
+        except (AskError, ClusterDownError) as e:  # the slot moved: the table is read again
+            self._replied(node, [e])
+            raise StoreUnavailable(f"{endpoint_names([node.address])}: {type(e).__name__}") from None
+        except (redis.RedisError, OSError) as e:
+            self._node_failed(node, e)
+            raise StoreUnavailable(node.failure[0]) from None
+        self._replied(node, [])
+        return reply
 
     def _send(self, node: StoreNode, packed: list) -> redis.Connection | None:
         """A pooled connection of the node with the `packed` commands (buffers, sent in order)

@@ -42,7 +42,9 @@ class RemoteConfig:
     breaker_failures: int = 3  # failed calls in a row that open a node's breaker
     breaker_open_s: float = 5.0  # seconds a breaker stays open before one probe
     probe_interval_s: float = 2.0  # seconds between the daemon's PINGs of every store node (health)
-    ttl_s: int = 0  # seconds a value lives in the store; 0 = until the store evicts it
+    # seconds a value lives in the store (its own expiry); 0 = until the store evicts it. retention.max_age_s,
+    # when smaller, bounds it too (value_ttl_ms)
+    ttl_s: int = 0
 
     def __post_init__(self) -> None:
         if isinstance(self.endpoints, str):
@@ -67,6 +69,12 @@ class RemoteConfig:
     def enabled(self) -> bool:
         """T3 is on: at least one seed."""
         return bool(self.endpoints)
+
+    def value_ttl_ms(self, max_age_s: float = 0.0) -> int:
+        """The expiry a value is written with, in milliseconds: the smaller of `ttl_s` and `max_age_s`
+        (retention.max_age_s) where set, at least 1 ms; 0 = none."""
+        limits_s = [limit_s for limit_s in (self.ttl_s, max_age_s) if limit_s > 0]
+        return max(1, round(1000 * min(limits_s))) if limits_s else 0
 
     def with_password_read(self) -> RemoteConfig:
         """This config with `password` read from `password_file` (its line end dropped), for the

@@ -28,7 +28,15 @@ the blocks it did find are counted by the load that follows, or not at all when 
 them (a Lookup that is not followed by an Acquire, a hit skipped as slower than recompute).
 
 Writes go through RemoteWrites (bounded; dropped beyond the backlog). Capacity and eviction are
-the store's (maxmemory + an allkeys-* policy); a key the store dropped is a miss.
+the store's (maxmemory + an allkeys-* policy); a key the store dropped is a miss. A value expires
+`ttl_ms` after its write (the store's own expiry, SET PX): the smaller of remote.ttl_s and
+retention.max_age_s where set; the store then drops it, a miss like any other.
+
+Sealed (`sealing`, [encryption] on): every value is its frame sealed under its tenant's shared key
+(sealed_values.py), on the writer's thread; a load GETs the chain's tenant key record beside its
+blocks and opens each value before it verifies the frame, and a value that does not open is
+refused ("unauthentic"); a probe asks for the record in its first round trip and answers 0 for a
+chain whose tenant has none (forgotten, or never written).
 """
 
 from __future__ import annotations
@@ -41,14 +49,15 @@ from collections.abc import Sequence
 
 import torch
 
-from kvtierd.daemon_key import TAG_BYTES, DaemonKey
+from kvtierd.daemon_key import TAG_BYTES, DaemonKey, TenantTag, tenant_tag_of
 from kvtierd.index.slot_entry import BlockMeta
 from kvtierd.layout import Layout
 from kvtierd.movers.copy_engine import Bandwidth
 from kvtierd.t3.block_frame import FrameMismatch, FrameValue, frame_value, layout_digest, read_frame
-from kvtierd.t3.chain_probe import RecentProbes, probe_chains
+from kvtierd.t3.chain_probe import AlsoAsked, RecentProbes, probe_chains
 from kvtierd.t3.redis_store import RedisStore
 from kvtierd.t3.remote_writes import RemoteWrites
+from kvtierd.t3.sealed_values import ValueSealing
 from kvtierd.token_bytes import TokenBytes, block_tokens
 
 MAX_KNOWN_KEYS = 1 << 16  # keys recently written or read: not written again
@@ -62,8 +71,9 @@ class RemoteTierStats:
     codec: str
     num_hit_blocks: int  # blocks read, verified and loaded
     num_miss_blocks: int  # blocks of a query not loaded: absent, on a failed node, gone, refused (module doc)
-    num_corrupt_blocks: int  # values found but refused by the frame check
+    num_corrupt_blocks: int  # values found but refused: the frame check, or sealed ones that did not open
     corrupt_reasons: dict[str, int]
+    num_unauthentic_blocks: int  # of those, sealed values that did not open as their key's ("unauthentic")
     num_written_blocks: int
     num_failed_writes: int  # frames the store did not take
     num_dropped_writes: int  # frames dropped because the write backlog was full
@@ -75,14 +85,17 @@ class RemoteTierStats:
 
 
 class RemoteTier:
-    def __init__(self, store: RedisStore, layout: Layout, codec_name: str, slot_nbytes: int) -> None:
+    def __init__(self, store: RedisStore, layout: Layout, codec_name: str, slot_nbytes: int,
+                 sealing: ValueSealing | None = None, max_age_s: float = 0.0) -> None:
+        """`sealing`: values sealed per tenant ([encryption] on); `max_age_s`: retention.max_age_s (0: none)."""
         config = store.config
         self.store = store
         self.codec_name = codec_name
         self.slot_nbytes = slot_nbytes
         self.digest = layout_digest(layout, codec_name)
         self._key_head = f"{config.key_prefix}:{self.digest.hex()}:".encode()
-        self.ttl_s = config.ttl_s
+        self.ttl_ms = config.value_ttl_ms(max_age_s)
+        self.sealing = sealing
         self.read = Bandwidth(0.5e9)  # measured GETs, for cost-aware hits
         self.write = Bandwidth(0.5e9)
         self._lock = threading.Lock()
@@ -127,7 +140,14 @@ class RemoteTier:
     def probe_chains(self, chains: Sequence[Sequence[DaemonKey]], count_misses: bool = False) -> list[int]:
         """`probe` of each chain, every chain's keys asked at once (one or two round trips), each
         answer ending before its first block on a node known unreachable (module doc)."""
-        leading = probe_chains(chains, self.key, self.store.exists)
+        exists = self.store.exists
+        tags = _tags_of(chain[0] for chain in chains if chain) if self.sealing is not None else []
+        if self.sealing is not None:
+            exists = AlsoAsked(exists, self.sealing.record_keys(tags))
+        leading = probe_chains(chains, self.key, exists)
+        if isinstance(exists, AlsoAsked) and exists.extra_present is not None:  # no key record: nothing opens
+            keyed = {tag for tag, present in zip(tags, exists.extra_present) if present}
+            leading = [n if n and tenant_tag_of(chain[0]) in keyed else 0 for chain, n in zip(chains, leading)]
         if not self.store.all_reachable():
             leading = [self.store.num_reachable([self.key(h) for h in chain[:n]]) if n > 1 else n
                        for chain, n in zip(chains, leading)]
@@ -150,28 +170,41 @@ class RemoteTier:
         if not block_hashes:
             return [], []
         keys = [self.key(h) for h in block_hashes]
+        tags = _tags_of(block_hashes) if self.sealing is not None else []
+        record_keys = self.sealing.record_keys(tags) if self.sealing is not None else []
         with self.read.measure(len(block_hashes) * self.slot_nbytes):
-            values = self.store.get(keys)
+            values = self.store.get(keys + record_keys)  # a sealed chain's key records in the same round trip
+        opener = self.sealing.opener(tags, values[len(keys):]) if self.sealing is not None else None
+        values = values[:len(keys)]
         metas: list[BlockMeta] = []
         payloads: list[memoryview] = []
-        for i, (block_hash, value) in enumerate(zip(block_hashes, values)):
+        num_read_bytes = 0
+        for i, block_hash in enumerate(block_hashes):
+            value, values[i] = values[i], None  # sealed, the value read is dropped once opened: one chain's peak
             if value is None:
                 break
+            value_nbytes = len(value)
+            if self.sealing is not None and opener is not None:
+                value = self.sealing.open(opener, block_hash, value)
+                if value is None:
+                    self._refused(block_hash, "unauthentic")
+                    break
             tokens = block_tokens(token_bytes, i, block_size)
             try:
-                frame = read_frame(value, self.digest, block_hash, parent, self.slot_nbytes, tokens)
+                frame = read_frame(value, self.digest, block_hash, parent, self.slot_nbytes, tokens,
+                                   authenticated=self.sealing is not None)
             except FrameMismatch as e:
                 self._refused(block_hash, e.reason)
                 break
             metas.append(BlockMeta(block_hash, frame.parent_hash, frame.token_ids))
             payloads.append(frame.payload)
+            num_read_bytes += value_nbytes
             parent = block_hash
         with self._lock:
             for key in keys[:len(metas)]:
                 self._remember(key)
         if counted:
-            self.count_reads(len(metas), len(block_hashes) - len(metas),
-                             sum(len(v) for v in values[:len(metas)] if v is not None))
+            self.count_reads(len(metas), len(block_hashes) - len(metas), num_read_bytes)
         return metas, payloads
 
     def count_reads(self, num_hit_blocks: int, num_miss_blocks: int, num_read_bytes: int) -> None:
@@ -205,8 +238,16 @@ class RemoteTier:
         return self.writes.offer(items)
 
     def _write(self, items: list[tuple[bytes, FrameValue]]) -> list[bool]:
-        with self.write.measure(sum(len(frame) for _, frame in items)):
-            return self.store.set(items, self.ttl_s)
+        """On the writer's thread: SET the batch, each value sealed first when sealing is on (a
+        value whose tenant has no key this node can use is not written)."""
+        if self.sealing is None:
+            with self.write.measure(sum(len(frame) for _, frame in items)):
+                return self.store.set(items, self.ttl_ms)
+        sealed = self.sealing.seal(items)
+        ready = [(key, value) for (key, _), value in zip(items, sealed) if value is not None]
+        with self.write.measure(sum(len(value) for _, value in ready)):
+            written = iter(self.store.set(ready, self.ttl_ms))
+        return [value is not None and next(written) for value in sealed]
 
     def _written(self, items: list[tuple[bytes, FrameValue]], written: list[bool]) -> None:
         with self._lock:
@@ -222,6 +263,16 @@ class RemoteTier:
         with self._lock:
             for key in keys:
                 self._known.pop(key, None)
+
+    def forget_tenant(self, tag: TenantTag) -> int:
+        """After the tenant's key was destroyed: its queued writes dropped (sealed after that, they
+        would be written under a new key) and its blocks no longer taken as written, so that its
+        next blocks go to the store again, under its new key. Returns how many writes were dropped."""
+        head = self._key_head + tag.hex().encode() + b":"
+        with self._lock:
+            for key in [key for key in self._known if key.startswith(head)]:
+                del self._known[key]
+        return self.writes.discard(lambda key: key.startswith(head))
 
     def _remember(self, key: bytes) -> None:
         """Under _lock."""
@@ -243,6 +294,7 @@ class RemoteTier:
         return RemoteTierStats(
             codec=self.codec_name, num_hit_blocks=counts.get("hit", 0), num_miss_blocks=counts.get("miss", 0),
             num_corrupt_blocks=sum(corrupt.values()), corrupt_reasons=corrupt,
+            num_unauthentic_blocks=corrupt.get("unauthentic", 0),
             num_written_blocks=counts.get("written", 0), num_failed_writes=counts.get("failed_writes", 0),
             num_dropped_writes=self.writes.num_dropped, read_bytes=counts.get("read_bytes", 0),
             written_bytes=counts.get("written_bytes", 0), write_backlog_bytes=self.writes.backlog_bytes,
@@ -255,3 +307,8 @@ class RemoteTier:
     def close(self) -> None:
         self.readers.shutdown(wait=True)
         self.writes.close()
+
+
+def _tags_of(block_hashes) -> list[TenantTag]:
+    """The distinct tenants of some daemon keys, in order (a chain is one tenant's)."""
+    return list(dict.fromkeys(map(tenant_tag_of, block_hashes)))

@@ -58,6 +58,16 @@ class RemoteWrites(Generic[FrameT]):
             self._on_dropped(dropped)
         return num_queued
 
+    def discard(self, drop: Callable[[bytes], bool]) -> int:
+        """Remove the queued writes whose key `drop` names (not the batch in flight); how many."""
+        with self._cond:
+            kept = [(key, frame) for key, frame in self._queue if not drop(key)]
+            num_dropped = len(self._queue) - len(kept)
+            self.backlog_bytes -= sum(len(frame) for key, frame in self._queue if drop(key))
+            self._queue = collections.deque(kept)
+            self._cond.notify_all()
+        return num_dropped
+
     def wait_idle(self, timeout_s: float | None = None) -> bool:
         """Until nothing is queued or in flight; False on timeout."""
         with self._cond:

@@ -48,6 +48,7 @@ from kvtierd.tiering.write_backs import WriteBacks
 from kvtierd.token_bytes import PackableTokenIds, TokenBytes, pack_optional, pack_token_ids
 
 if TYPE_CHECKING:  # imported when built (below): lmdb and redis load only for a pool that has T2 or T3
+    from kvtierd.sealing.shared_tenant_keys import SharedTenantKeys
     from kvtierd.t2.ssd_config import SsdTierConfig
     from kvtierd.t3.redis_store import RedisStore
 
@@ -62,10 +63,12 @@ class TierManager:
                  hash_size: int = 32, observer: IndexObserver | None = None, copy_threads: int = 2,
                  max_pending_events: int = 0, engines: CopyEngines | None = None,
                  remote_store: RedisStore | None = None, cuda_share: str = "fd",
-                 host_budget: NodeBudget | None = None, host_key: str = "") -> None:
+                 host_budget: NodeBudget | None = None, host_key: str = "",
+                 remote_keys: SharedTenantKeys | None = None) -> None:
         """`engines`: the node's copy engines, one per device, shared with the other layouts on it
         (None: a private set, of `copy_threads` threads without CUDA). `remote_store`: the node's
-        shared store (None: no T3). `cuda_share`: how a CUDA pool is shared ("fd" | "ipc", factory.py).
+        shared store (None: no T3); `remote_keys`: the tenants' shared data keys its values are
+        sealed with (None: [encryption] off). `cuda_share`: how a CUDA pool is shared ("fd" | "ipc", factory.py).
         `host_budget`: the node's host budget T1 shares with the other layouts, as `host_key` (None: a
         budget of T1's own, `config.host_capacity_bytes`)."""
         config = config.for_layout(layout)
@@ -95,9 +98,14 @@ class TierManager:
         remote = None
         if remote_store is not None:
             from kvtierd.t3.remote_tier import RemoteTier
+            from kvtierd.t3.sealed_values import ValueSealing
 
+            sealing = None
+            if remote_keys is not None:
+                sealing = ValueSealing(remote_keys, layout.fingerprint(), config.remote_codec)
             remote = RemoteTier(remote_store, layout, config.remote_codec,
-                                make_codec(config.remote_codec, layout).slot_nbytes)
+                                make_codec(config.remote_codec, layout).slot_nbytes, sealing,
+                                config.retention.max_age_s)
         index.set_eviction(config.t0_eviction)  # the order of blocks without a live hint, per tier
         if host is not None:
             host.index.set_eviction(config.t1_eviction)

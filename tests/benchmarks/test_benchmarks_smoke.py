@@ -35,7 +35,7 @@ def install_redis_server() -> None:
                                               ("bench_ttft.py --device cpu --dtype bfloat16", 1),
                                               ("bench_paged_attention.py", 2),
                                               ("bench_chat_throughput.py", 1), ("bench_slow_tier.py", 1),
-                                              pytest.param("bench_t3.py", 6, marks=pytest.mark.cluster),
+                                              pytest.param("bench_t3.py", 8, marks=pytest.mark.cluster),
                                               pytest.param("bench_vllm.py", 4,
                                                            marks=[pytest.mark.vllm, pytest.mark.timeout(1800)])])
 @pytest.mark.slow  # a quick round of a benchmark is still tens of seconds

@@ -1,7 +1,7 @@
 """The chart's encryption values: [encryption] rendered only when enabled, the master key mounted from
 its Secret through an init container that copies it mode 0400 (a Secret volume's files are
-group-readable under fsGroup, which the daemon refuses), and the combinations the daemon would
-refuse refused at render time."""
+group-readable under fsGroup, which the daemon refuses), the combinations the daemon would
+refuse refused at render time, and encryption beside a T3 rendered."""
 
 from __future__ import annotations
 
@@ -45,10 +45,17 @@ def test_the_master_key_reaches_the_daemon_as_a_0400_copy_of_its_secret(helm_bin
     assert "master-key-secret" not in daemon_mounts
 
 
+def test_encryption_with_a_t3_renders_both_sections(helm_binary: str) -> None:
+    """[encryption] beside [remote]: the daemon seals T3 too, so the chart no longer refuses the pair."""
+    proc = helm_run(helm_binary, "template", "r", str(CHART), "-f", str(ENCRYPTION_CI),
+                    "--set", "remote.endpoints={redis:6379}")
+    assert proc.returncode == 0, proc.stderr
+    assert "[encryption]" in proc.stdout and 'endpoints = "redis:6379"' in proc.stdout
+
+
 @pytest.mark.parametrize("args, message", [
     (["--set", "encryption.enabled=true"], "encryption.enabled needs encryption.existingSecret"),
     (["-f", str(ENCRYPTION_CI), "--set", "ssd.type=none"], "needs T2"),
-    (["-f", str(ENCRYPTION_CI), "--set", "remote.endpoints={redis:6379}"], "shared tier (T3)"),
     (["-f", str(ENCRYPTION_CI), "--set", "sidecarExample.enabled=true"], "sidecar example"),
 ])
 def test_what_the_daemon_would_refuse_is_refused_at_render(helm_binary: str, args: list[str], message: str) -> None:

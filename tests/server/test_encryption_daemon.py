@@ -111,13 +111,14 @@ def test_another_master_key_is_refused_until_the_keys_are_rewrapped_to_it(tmp_pa
         assert client.get(LAYOUT, hashes, token_ids=tokens) == list(zip(hashes, data))
 
 
-def test_encryption_without_t2_or_with_t3_refuses_the_start(tmp_path):
+def test_encryption_without_t2_refuses_the_start_and_with_t3_seals_it(tmp_path):
+    """No T2: refused. With a T3 (here a store that is down): the daemon starts and says T3 is sealed."""
     key_file = master_key_file(tmp_path)
     status, stdout, stderr = serve_until_refused(sealed_args(tmp_path, key_file, "--ssd-bytes", "0"), tmp_path)
     assert_refused(status, stdout, stderr, ("encryption.enabled", "needs T2"))
-    status, stdout, stderr = serve_until_refused(
-        sealed_args(tmp_path, key_file, "--set", "remote.endpoints=127.0.0.1:1"), tmp_path)
-    assert_refused(status, stdout, stderr, ("encryption.enabled", "shared tier (T3)"))
+    with DaemonProcess(sealed_args(tmp_path, key_file, "--set", "remote.endpoints=127.0.0.1:1")) as daemon:
+        assert "T3 at rest: sealed per tenant (AES-256-GCM)" in daemon.output()
+        assert MASTER_HEX not in daemon.output()
 
 
 def test_forget_makes_a_tenants_blocks_misses_now_and_after_a_restart_and_spares_another(tmp_path):

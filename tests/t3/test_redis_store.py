@@ -130,13 +130,13 @@ def test_absent_keys_are_misses_among_hits_in_order(flushed_cluster):
 
 
 def test_set_with_a_ttl_gives_the_key_that_ttl(flushed_cluster):
-    """ttl_s > 0: every key set carries a TTL of at most ttl_s; 0: none."""
+    """ttl_ms > 0: every key set carries a TTL of at most ttl_ms; 0: none."""
     cluster = flushed_cluster
     with open_store(cluster) as store:
-        store.set([(b"kvtierd:ttl:a", b"1")], ttl_s=100)
-        store.set([(b"kvtierd:ttl:b", b"2")], ttl_s=0)
+        store.set([(b"kvtierd:ttl:a", b"1")], ttl_ms=100_000)
+        store.set([(b"kvtierd:ttl:b", b"2")], ttl_ms=0)
     with contextlib.closing(cluster.cluster_client()) as client:
-        assert 0 < client.ttl(b"kvtierd:ttl:a") <= 100
+        assert 99_000 < client.pttl(b"kvtierd:ttl:a") <= 100_000
         assert client.ttl(b"kvtierd:ttl:b") == -1  # no expiry
 
 

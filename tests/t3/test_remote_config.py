@@ -109,3 +109,10 @@ def test_password_and_password_file_together_are_refused(tmp_path):
     with pytest.raises(InvalidArgument, match="set one of them"):
         load_config(environ={}, overrides={"remote.endpoints": "127.0.0.1:6379", "remote.password": SECRET,
                                            "remote.password_file": str(tmp_path / "p")})
+
+
+@pytest.mark.parametrize("ttl_s, max_age_s, expected_ms", [(0, 0.0, 0), (60, 0.0, 60_000), (0, 2.5, 2_500),
+                                                           (60, 2.5, 2_500), (2, 30.0, 2_000), (0, 0.0001, 1)])
+def test_a_value_expires_after_the_smaller_of_remote_ttl_s_and_retention_max_age_s(ttl_s, max_age_s, expected_ms):
+    """value_ttl_ms: the store's expiry of a value (SET PX); 0 = none; never rounded down to none."""
+    assert RemoteConfig(ttl_s=ttl_s).value_ttl_ms(max_age_s) == expected_ms

@@ -73,6 +73,25 @@ def test_offers_beyond_the_backlog_are_dropped_counted_and_never_written():
         writes.close()
 
 
+def test_discard_removes_the_queued_writes_it_names_not_the_batch_in_flight():
+    """A forget's drop: with k0 in flight and k1..k4 queued, discarding the odd keys leaves k0, k2, k4
+    written and the backlog at 0; the number returned is what was removed from the queue."""
+    store = GatedStore()
+    writes = make_writes(store, 10 * FRAME, batch_bytes=FRAME)
+    try:
+        assert writes.offer(items(0, 1)) == 1
+        wait_until(lambda: store.num_calls() == 1, timeout_s=10, what="the writer to take k0")
+        assert writes.offer(items(1, 4)) == 4
+        assert writes.discard(lambda key: int(key[1:]) % 2 == 1) == 2
+        assert writes.backlog_bytes == 3 * FRAME
+        store.gate.set()
+        assert writes.wait_idle(10) and writes.backlog_bytes == 0
+        assert [key for key, _ in store.written] == [b"k0", b"k2", b"k4"]
+    finally:
+        store.gate.set()
+        writes.close()
+
+
 def test_a_frame_larger_than_the_whole_backlog_is_dropped_and_smaller_ones_still_fit():
     """A frame that can never fit is dropped on its own; the next ones that fit are queued."""
     store = GatedStore(gated=False)

@@ -119,9 +119,6 @@ Checks of value combinations the schema cannot express; each fails the render wi
 {{- if and $encryption.enabled (eq .Values.ssd.type "none") }}
 {{- fail "encryption.enabled seals the SSD tier's values: it needs T2 (ssd.type other than none)" }}
 {{- end }}
-{{- if and $encryption.enabled (include "kvtierd.remoteEndpoints" .) }}
-{{- fail "encryption.enabled does not seal the shared tier (T3) yet: the daemon refuses remote.endpoints with it" }}
-{{- end }}
 {{- if and $encryption.enabled .Values.sidecarExample.enabled }}
 {{- fail "encryption.enabled is not rendered into the sidecar example: its pod has no master-key init container" }}
 {{- end }}
