@@ -11,7 +11,9 @@ process on the node and every node on its T3, surviving their restarts. Interfac
 hands over host page indices and the backend copies the pages itself (page_store.py). The other keys
 of the extra config (all optional): `address` (else KVTIERD_ADDRESS, else the default socket), `token`
 (else KVTIERD_TOKEN: the tenant), `model_id` (the key namespace; default SGLang's model name),
-`timeout_s` (5: per RPC), `retry_after_s` (5: between attach attempts).
+`timeout_s` (5: per RPC), `retry_after_s` (5: between attach attempts), `map_pool` (true: pages are
+copied through the daemon's pool mapped into SGLang's process; false: they travel in Put and Get, for a
+daemon on another host).
 
 Refused at start, in one line: no `interface_v1`, a hybrid model (SGLang registers Mamba, SWA or other
 pools of its own through interface v2), context parallelism of attention or decode, and host layouts
@@ -48,6 +50,7 @@ class StorageSettings:
     model_id: str | None = None
     timeout_s: float = DEFAULT_TIMEOUT_S
     retry_after_s: float = DEFAULT_RETRY_AFTER_S
+    map_pool: bool = True  # False: pages travel in Put and Get (a daemon on another host)
 
     @classmethod
     def from_extra(cls, extra: Mapping[str, Any]) -> StorageSettings:
@@ -57,7 +60,8 @@ class StorageSettings:
         settings = cls(address=extra.get("address") or None, token=extra.get("token") or None,
                        model_id=extra.get("model_id") or None,
                        timeout_s=float(extra.get("timeout_s", DEFAULT_TIMEOUT_S)),
-                       retry_after_s=float(extra.get("retry_after_s", DEFAULT_RETRY_AFTER_S)))
+                       retry_after_s=float(extra.get("retry_after_s", DEFAULT_RETRY_AFTER_S)),
+                       map_pool=bool(extra.get("map_pool", True)))
         if settings.timeout_s <= 0 or settings.retry_after_s < 0:
             raise UnsupportedEngine(f"timeout_s must be > 0 and retry_after_s >= 0, got {settings.timeout_s}, "
                                     f"{settings.retry_after_s}")
@@ -96,7 +100,8 @@ class KvtierdHiCacheStorage(HiCacheStorage):
         pages = HostPages.of_buffer(buffer, "mla" if self.shard.is_mla else "mha", mem_pool_host.layout,
                                     mem_pool_host.page_size)
         layout = page_layout(self.shard, pages.block_shape, str(buffer.dtype).removeprefix("torch."))
-        link = DaemonLink(layout, target=self.settings.address, token=self.settings.token, map_pool=True,
+        link = DaemonLink(layout, target=self.settings.address, token=self.settings.token,
+                          map_pool=self.settings.map_pool,
                           timeout_s=self.settings.timeout_s, retry_after_s=self.settings.retry_after_s)
         self.store = DaemonPageStore(link, pages)
         log.info("kvtierd SGLang storage: layout %s (%d bytes a page, host layout %s)", layout.model_id,

@@ -188,6 +188,11 @@ class Session(SessionBase):
         self._client = client
         self._keepalive: KeepAlive | None = None
 
+    @property
+    def client(self) -> KvtierClient:
+        """The client this session was attached through (Put and Get, which need no session)."""
+        return self._client
+
     def lookup(self, block_hashes: Sequence[bytes], token_ids: TokenIds | None = None,
                prefetch: bool = False, chain_lengths: Sequence[int] | None = None,
                num_query_blocks: int = 0, hold_id: str = "") -> pb.LookupResponse:

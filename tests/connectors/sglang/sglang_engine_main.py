@@ -30,20 +30,33 @@ REPO = pathlib.Path(__file__).resolve().parents[3]
 PAGE_SIZE = 16
 
 
-def engine_kwargs(args: argparse.Namespace) -> dict:
+def engine_kwargs(model_dir: str, address: str | None = None, token: str | None = None, **changes) -> dict:
+    """sglang.Engine's kwargs (and, as flags, launch_server's): the CPU ones smoke.py names, kvtierd as the
+    storage tier where `address` is given, then `changes`."""
     sys.path.insert(0, str(REPO / "scripts" / "sglang_cpu"))
     from smoke import ENGINE_KWARGS  # the kwargs this SGLang needs on a CPU, said there
 
-    kwargs = {**ENGINE_KWARGS, "model_path": args.model_dir, "page_size": PAGE_SIZE, "log_level": "warning",
-              **json.loads(args.engine_kwargs)}
-    if args.address:
+    kwargs = {**ENGINE_KWARGS, "model_path": model_dir, "page_size": PAGE_SIZE, "log_level": "warning"}
+    if address:
         extra = {"backend_name": "kvtierd", "module_path": "kvtierd.connectors.sglang.hicache_storage",
-                 "class_name": "KvtierdHiCacheStorage", "interface_v1": 1, "address": args.address,
+                 "class_name": "KvtierdHiCacheStorage", "interface_v1": 1, "address": address,
                  "hicache_storage_pass_prefix_keys": True, "timeout_s": 2, "retry_after_s": 1}
-        if args.token:
-            extra["token"] = args.token
+        if token:
+            extra["token"] = token
         kwargs.update(hicache_storage_backend="dynamic", hicache_storage_backend_extra_config=json.dumps(extra))
-    return kwargs
+    return {**kwargs, **changes}
+
+
+def server_flags(kwargs: dict) -> list[str]:
+    """`python -m sglang.launch_server`'s flags for Engine kwargs (True: the bare flag)."""
+    flags: list[str] = []
+    for name, value in kwargs.items():
+        flag = "--" + name.replace("_", "-")
+        if value is True:
+            flags.append(flag)
+        elif value is not False:
+            flags += [flag, str(value)]
+    return flags
 
 
 def daemon_pages(address: str, token: str | None) -> int:
@@ -84,7 +97,7 @@ def main() -> int:
     import sglang
 
     started = time.monotonic()
-    engine = sglang.Engine(**engine_kwargs(args))
+    engine = sglang.Engine(**engine_kwargs(args.model_dir, args.address, args.token, **json.loads(args.engine_kwargs)))
     result: dict = {"start_s": time.monotonic() - started, "output_token_ids": [], "cached_tokens": [],
                     "cached_tokens_details": [], "ttft_s": []}
     print("sglang_engine_main: ready", flush=True)

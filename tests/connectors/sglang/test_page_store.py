@@ -7,6 +7,7 @@ from __future__ import annotations
 import hashlib
 import time
 
+import pytest
 import torch
 
 from kvtierd.client import KvtierClient
@@ -18,6 +19,8 @@ from kvtierd.launch.daemon_process import WRITE_THROUGH, DaemonProcess, small_da
 
 LAYERS, HEADS, DIM, PAGE, NUM_PAGES = 2, 2, 16, 4, 12
 SHARD = EngineShard("tiny-llama")
+# Through the daemon's pool mapped into the process, and as bytes in Put and Get (no mapping).
+TRANSPORTS = pytest.mark.parametrize("map_pool", [True, False], ids=["mapped", "put-get"])
 
 
 def host_buffer(host_layout: str) -> torch.Tensor:
@@ -27,11 +30,13 @@ def host_buffer(host_layout: str) -> torch.Tensor:
 
 
 def engine(address: str, host_layout: str = "layer_first", token: str | None = None,
-           timeout_s: float = 5.0) -> tuple[DaemonPageStore, HostPages]:
-    """One SGLang process's storage: its host pool and its page store."""
+           timeout_s: float = 5.0, map_pool: bool = True) -> tuple[DaemonPageStore, HostPages]:
+    """One SGLang process's storage: its host pool and its page store (through the mapped pool, or Put
+    and Get without it)."""
     pages = HostPages.of_buffer(host_buffer(host_layout), "mha", host_layout, PAGE)
     layout = page_layout(SHARD, pages.block_shape, "float16")
-    link = DaemonLink(layout, target=address, token=token, map_pool=True, timeout_s=timeout_s, retry_after_s=0)
+    link = DaemonLink(layout, target=address, token=token, map_pool=map_pool, timeout_s=timeout_s,
+                      retry_after_s=0)
     return DaemonPageStore(link, pages), pages
 
 
@@ -55,15 +60,16 @@ def fill(pages: HostPages, page_ids: list[int], seed: int) -> torch.Tensor:
     return blocks
 
 
-def test_a_second_engine_loads_what_the_first_stored_whatever_its_host_layout(tmp_path):
+@TRANSPORTS
+def test_a_second_engine_loads_what_the_first_stored_whatever_its_host_layout(tmp_path, map_pool):
     keys = sglang_keys(1, 6)
     with DaemonProcess(small_daemon_args(str(tmp_path))) as daemon:
-        first, first_pages = engine(daemon.address, "layer_first")
+        first, first_pages = engine(daemon.address, "layer_first", map_pool=map_pool)
         stored = fill(first_pages, [5, 6, 7, 8, 9, 10], seed=1)
         assert first.store(keys[:3], indices([5, 6, 7]), None) == [True] * 3
         assert first.store(keys[3:], indices([8, 9, 10]), keys[2]) == [True] * 3
 
-        second, second_pages = engine(daemon.address, "page_first")
+        second, second_pages = engine(daemon.address, "page_first", map_pool=map_pool)
         assert second.count_leading(keys) == 6
         assert second.count_leading(keys[2:]) == 4  # from the middle: a key names every token before it
         assert second.count_leading([*keys[:2], sglang_keys(9, 1)[0], keys[3]]) == 2
@@ -74,10 +80,11 @@ def test_a_second_engine_loads_what_the_first_stored_whatever_its_host_layout(tm
         second.link.close()
 
 
-def test_a_store_of_pages_the_daemon_holds_copies_only_the_new_ones(tmp_path):
+@TRANSPORTS
+def test_a_store_of_pages_the_daemon_holds_copies_only_the_new_ones(tmp_path, map_pool):
     keys = sglang_keys(2, 5)
     with DaemonProcess(small_daemon_args(str(tmp_path))) as daemon:
-        store, pages = engine(daemon.address)
+        store, pages = engine(daemon.address, map_pool=map_pool)
         fill(pages, list(range(5)), seed=2)
         store.store(keys[:3], indices([0, 1, 2]), None)
         assert store.store(keys, indices(list(range(5))), None) == [True] * 5
@@ -86,16 +93,17 @@ def test_a_store_of_pages_the_daemon_holds_copies_only_the_new_ones(tmp_path):
         store.link.close()
 
 
-def test_a_load_crosses_store_boundaries_whose_parent_sglang_did_not_pass(tmp_path):
+@TRANSPORTS
+def test_a_load_crosses_store_boundaries_whose_parent_sglang_did_not_pass(tmp_path, map_pool):
     """SGLang stores radix node by radix node; without prefix keys a node's first page has no known parent.
     A load from the first page still gets every page, one Acquire per such boundary."""
     keys = sglang_keys(3, 6)
     with DaemonProcess(small_daemon_args(str(tmp_path))) as daemon:
-        writer, writer_pages = engine(daemon.address)
+        writer, writer_pages = engine(daemon.address, map_pool=map_pool)
         stored = fill(writer_pages, list(range(6)), seed=3)
         for start in (0, 2, 4):  # three nodes, none told its parent
             assert writer.store(keys[start:start + 2], indices([start, start + 1]), None) == [True, True]
-        reader, reader_pages = engine(daemon.address)
+        reader, reader_pages = engine(daemon.address, map_pool=map_pool)
         assert reader.load(keys, indices(list(range(6, 12))), None) == [True] * 6
         assert torch.equal(reader_pages.read(list(range(6, 12))), stored)
         assert reader.load([*keys[:2], sglang_keys(8, 1)[0], *keys[3:]], indices(list(range(6, 12))), None) == \
@@ -104,15 +112,16 @@ def test_a_load_crosses_store_boundaries_whose_parent_sglang_did_not_pass(tmp_pa
         reader.link.close()
 
 
-def test_two_tenants_never_see_each_others_pages(tmp_path):
+@TRANSPORTS
+def test_two_tenants_never_see_each_others_pages(tmp_path, map_pool):
     tokens_file = tmp_path / "tokens"
     tokens_file.write_text("acme a-token\nglobex g-token\n")
     keys = sglang_keys(4, 3)
     with DaemonProcess(small_daemon_args(str(tmp_path), extra=["--tokens-file", str(tokens_file)])) as daemon:
-        acme, acme_pages = engine(daemon.address, token="a-token")
+        acme, acme_pages = engine(daemon.address, token="a-token", map_pool=map_pool)
         fill(acme_pages, [0, 1, 2], seed=4)
         assert acme.store(keys, indices([0, 1, 2]), None) == [True] * 3
-        globex, globex_pages = engine(daemon.address, token="g-token")
+        globex, globex_pages = engine(daemon.address, token="g-token", map_pool=map_pool)
         assert globex.count_leading(keys) == 0
         assert globex.load(keys, indices([0, 1, 2]), None) == [False] * 3
         assert globex_pages.view.count_nonzero() == 0  # not a byte of acme's
@@ -121,11 +130,12 @@ def test_two_tenants_never_see_each_others_pages(tmp_path):
         globex.link.close()
 
 
-def test_pages_stored_before_a_restart_load_from_t2_after_it(tmp_path):
+@TRANSPORTS
+def test_pages_stored_before_a_restart_load_from_t2_after_it(tmp_path, map_pool):
     keys = sglang_keys(5, 4)
     args = small_daemon_args(str(tmp_path), extra=WRITE_THROUGH)
     with DaemonProcess(args) as daemon:
-        store, pages = engine(daemon.address)
+        store, pages = engine(daemon.address, map_pool=map_pool)
         stored = fill(pages, [0, 1, 2, 3], seed=5)
         assert store.store(keys, indices([0, 1, 2, 3]), None) == [True] * 4
         with KvtierClient(daemon.address) as client:
@@ -133,7 +143,7 @@ def test_pages_stored_before_a_restart_load_from_t2_after_it(tmp_path):
                                        if t.tier == "t2"] == [4])
         store.link.close()
     with DaemonProcess(args) as daemon:
-        store, pages = engine(daemon.address)
+        store, pages = engine(daemon.address, map_pool=map_pool)
         assert store.count_leading(keys) == 4
         assert store.load(keys, indices([4, 5, 6, 7]), None) == [True] * 4
         assert torch.equal(pages.read([4, 5, 6, 7]), stored)

@@ -11,14 +11,19 @@ device and host pools: its cached tokens can only come from storage, and SGLang 
 from __future__ import annotations
 
 import json
+import os
 import pathlib
 import random
+import signal
+import socket
 import subprocess
+import urllib.request
 
 import pytest
 
 from kvtierd.client import KvtierClient
 from kvtierd.launch.daemon_process import WRITE_THROUGH, DaemonProcess, small_daemon_args, wait_until
+from tests.connectors.sglang.sglang_engine_main import engine_kwargs, server_flags
 from tests.connectors.vllm.engine_process import EngineProcess
 
 ENGINE_MAIN = pathlib.Path(__file__).with_name("sglang_engine_main.py")
@@ -26,6 +31,7 @@ REPO = ENGINE_MAIN.parents[3]
 READY_LINE, PAUSED_LINE = "sglang_engine_main: ready", "sglang_engine_main: paused"
 PAGE_SIZE = 16
 ENGINE_TIMEOUT_S = 300
+MAX_TOKENS = 8  # sglang_engine_main.py's default
 
 WRITE_MODEL = """
 import pathlib, sys
@@ -115,22 +121,77 @@ def test_engines_share_pages_through_the_daemon_and_never_across_tenants(run_eng
         assert acme.num_t0_cached_blocks >= ALL_PAGES
 
 
-def test_after_a_daemon_restart_a_new_engine_loads_the_prefix_from_t2(run_engine, tmp_path):
+def test_after_a_daemon_restart_sglangs_http_server_loads_the_prefix_from_t2(run_engine, sglang_python, tiny_llama,
+                                                                                tmp_path):
+    """An engine's pages reach T2; the daemon restarts; `python -m sglang.launch_server`, a new process,
+    answers /generate with the prefix loaded from T2 and the engine's tokens."""
     args = small_daemon_args(str(tmp_path), extra=WRITE_THROUGH)
+    num_pages = len(PROMPTS[0]) // PAGE_SIZE
     with DaemonProcess(args) as daemon:
-        first = run_engine("before", PROMPTS[:1], "--address", daemon.address, "--wait-stored",
-                           str(len(PROMPTS[0]) // PAGE_SIZE))
+        first = run_engine("before", PROMPTS[:1], "--address", daemon.address, "--wait-stored", str(num_pages))
         with KvtierClient(daemon.address) as client:
-            assert wait_until(lambda: t2_pages(client) >= len(PROMPTS[0]) // PAGE_SIZE, timeout_s=60)
+            assert wait_until(lambda: t2_pages(client) >= num_pages, timeout_s=60)
     with DaemonProcess(args) as daemon:
-        after = run_engine("after", PROMPTS[:1], "--address", daemon.address)
+        with SglangServer(sglang_python, tiny_llama, tmp_path, daemon.address) as server:
+            answer = server.generate(PROMPTS[0], max_new_tokens=MAX_TOKENS)
         with KvtierClient(daemon.address) as client:
             # A restarted daemon's T0 and T1 start empty: every hit came from T2, loaded directly or first
             # moved to T1 by the Lookup's prefetch (SGLang's batch_exists), so counted as T1's.
             lower_hits = sum(t.num_hit_blocks for p in client.stats().pools for t in p.tiers if t.tier in ("t1", "t2"))
-    assert storage_tokens(after)[0] >= len(PROMPTS[0]) // PAGE_SIZE * PAGE_SIZE - PAGE_SIZE
+    assert answer["meta_info"]["cached_tokens_details"]["storage"] >= (num_pages - 1) * PAGE_SIZE
     assert lower_hits >= len(PREFIX) // PAGE_SIZE
-    assert after["output_token_ids"] == first["output_token_ids"]
+    assert list(answer["output_ids"]) == first["output_token_ids"][0]
+
+
+class SglangServer:
+    """`python -m sglang.launch_server` on a free loopback port, with kvtierd as its storage tier."""
+
+    def __init__(self, python: str, model_dir: pathlib.Path, directory: pathlib.Path, address: str) -> None:
+        with socket.socket() as probe:
+            probe.bind(("127.0.0.1", 0))
+            self.port = probe.getsockname()[1]
+        flags = server_flags(engine_kwargs(str(model_dir), address))
+        command = [python, "-m", "sglang.launch_server", *flags, "--host", "127.0.0.1", "--port", str(self.port)]
+        env = {"PATH": "/usr/bin:/bin", "HOME": str(directory), "SGLANG_USE_CPU_ENGINE": "1",
+               "TOKENIZERS_PARALLELISM": "false"}
+        self.log_path = directory / "server.log"
+        with open(self.log_path, "w") as log:
+            self.process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env=env, cwd=directory,
+                                            start_new_session=True)
+
+    def __enter__(self) -> SglangServer:
+        if not wait_until(self._healthy, timeout_s=ENGINE_TIMEOUT_S, period_s=0.5):
+            self.close()
+            pytest.fail(f"sglang.launch_server did not answer /health:\n{self.log_path.read_text()[-4000:]}")
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.close()
+
+    def _healthy(self) -> bool:
+        if self.process.poll() is not None:
+            return True  # exited: __enter__'s generate fails with its log
+        try:
+            with urllib.request.urlopen(f"http://127.0.0.1:{self.port}/health", timeout=2) as response:
+                return response.status == 200
+        except OSError:
+            return False
+
+    def generate(self, input_ids: list[int], max_new_tokens: int) -> dict:
+        body = json.dumps({"input_ids": input_ids, "sampling_params": {"temperature": 0.0, "ignore_eos": True,
+                                                                       "max_new_tokens": max_new_tokens}})
+        request = urllib.request.Request(f"http://127.0.0.1:{self.port}/generate", data=body.encode(),
+                                         headers={"Content-Type": "application/json"})
+        with urllib.request.urlopen(request, timeout=120) as response:
+            return json.loads(response.read())
+
+    def close(self) -> None:
+        try:
+            os.killpg(self.process.pid, signal.SIGTERM)
+            self.process.wait(30)
+        except (ProcessLookupError, subprocess.TimeoutExpired):
+            os.killpg(self.process.pid, signal.SIGKILL)
+            self.process.wait(30)
 
 
 def t2_pages(client: KvtierClient) -> int:
