@@ -24,21 +24,18 @@ from __future__ import annotations
 import concurrent.futures
 import logging
 import threading
-from binascii import crc_hqx
 from collections.abc import Callable, Sequence
 from typing import Any
 
 import redis
-from redis.backoff import NoBackoff
-from redis.crc import REDIS_CLUSTER_HASH_SLOTS
 from redis.exceptions import AskError, ClusterDownError, NoPermissionError
-from redis.retry import Retry
 
 from kvtierd.t3.block_frame import FrameValue
-from kvtierd.t3.circuit_breaker import BreakerState, CircuitBreaker
-from kvtierd.t3.redis_connections import CONNECTION, HIREDIS, TLS_CONNECTION, BulkReader, read_replies
+from kvtierd.t3.circuit_breaker import BreakerState
+from kvtierd.t3.cluster_topology import ClusterTopology
+from kvtierd.t3.redis_connections import HIREDIS, BulkReader, read_replies
 from kvtierd.t3.remote_config import RemoteConfig
-from kvtierd.t3.store_node import Address, StoreHealth, StoreNode, endpoint_names
+from kvtierd.t3.store_node import StoreHealth, StoreNode, endpoint_names
 
 log = logging.getLogger(__name__)
 _EXISTS = b"*2\r\n$6\r\nEXISTS\r\n$%d\r\n%s\r\n"  # one EXISTS in RESP, packed by hand
@@ -51,22 +48,22 @@ class StoreUnavailable(Exception):
 
 
 class RedisStore:
-    """Thread-safe. `_slot_nodes` is replaced whole (never mutated) under `_lock`."""
+    """Thread-safe: the counters under `_lock`; which node owns a key is `topology`'s (cluster_topology.py)."""
 
     def __init__(self, config: RemoteConfig, max_parallel_nodes: int = 8) -> None:
         self.config = config
-        self.mode = "unknown" if config.mode == "auto" else config.mode
         self._lock = threading.Lock()
-        self._nodes: dict[Address, StoreNode] = {}
-        self._slot_nodes: list[StoreNode | None] | None = None  # slot → owner; None: not read yet
-        self._masters: list[StoreNode] = []  # the distinct owners in the last slot table read
-        self._unowned_slots = False  # that table has slots no master serves
-        self._seeds = CircuitBreaker(config.breaker_failures, config.breaker_open_s)  # topology reads
+        self.topology = ClusterTopology(config, self._seeds_failed)
         self._parallel = concurrent.futures.ThreadPoolExecutor(max_parallel_nodes, thread_name_prefix="kvtierd-t3")
         self.num_errors = 0
         self._last_failure: tuple[str, bool] = ("", False)  # (what failed, credentials refused)
         self._stop_probing = threading.Event()
         self._prober: threading.Thread | None = None
+
+    @property
+    def mode(self) -> str:
+        """"cluster" or "single"; "unknown" until a seed answered (remote.mode auto)."""
+        return self.topology.mode
 
     # ----------------------------------------------------------------------------- the three calls
 
@@ -93,7 +90,7 @@ class RedisStore:
                     values[i] = reply
             self._replied(node, [reply for reply in replies if isinstance(reply, redis.RedisError)])
 
-        self._on_each_node(self._group(keys), run)
+        self._on_each_node(self.topology.group(keys), run)
         return values
 
     def exists(self, keys: Sequence[bytes]) -> list[bool]:
@@ -102,7 +99,7 @@ class RedisStore:
         command, and a probe of a 4k-token chain is 256 small commands (a Lookup's cost)."""
         present = [False] * len(keys)
         sent = []
-        for node, positions in self._group(keys).items():
+        for node, positions in self.topology.group(keys).items():
             if node.breaker.allow():
                 packed = b"".join(_EXISTS % (len(keys[i]), keys[i]) for i in positions)
                 connection = self._send(node, [packed])
@@ -146,15 +143,15 @@ class RedisStore:
                 written[i] = reply == b"OK"
             self._replied(node, [reply for reply in replies if isinstance(reply, redis.RedisError)])
 
-        self._on_each_node(self._group([key for key, _ in items]), run)
+        self._on_each_node(self.topology.group([key for key, _ in items]), run)
         return written
 
     def command(self, key: bytes, *args: bytes | str) -> Any:
         """One command (`args`: its name, `key` and the rest) on the node that owns `key`, and its
         reply; StoreUnavailable when no node serves the key, its breaker is open or the call fails.
         For the few small records beside the blocks (t3/key_records.py), not for blocks."""
-        table = self._slot_table()
-        node = None if table is None else self._owner(table, key)
+        table = self.topology.slot_table()
+        node = None if table is None else self.topology.owner(table, key)
         if node is None or not node.breaker.allow():
             raise StoreUnavailable("no reachable store node serves the key")
         try:
@@ -209,44 +206,42 @@ class RedisStore:
     def num_reachable(self, keys: Sequence[bytes]) -> int:
         """How many leading `keys` live on nodes known reachable now (StoreNode.reachable); 0 with no
         slot table. Asks no node: one that died since its last call (or PING) is not known yet."""
-        with self._lock:
-            table = self._slot_nodes
+        table = self.topology.known_table()
         if table is None:
             return 0
-        down = {node for node in self._serving_nodes() if not node.reachable}
+        down = {node for node in self.topology.serving_nodes() if not node.reachable}
         for position, key in enumerate(keys):
-            node = self._owner(table, key)
+            node = self.topology.owner(table, key)
             if node is None or node in down:
                 return position
         return len(keys)
 
     def all_reachable(self) -> bool:
         """Every slot has a master and every master is known reachable: num_reachable is every key."""
-        with self._lock:
-            known = self._slot_nodes is not None and not self._unowned_slots
-        return known and all(node.reachable for node in self._serving_nodes())
+        return self.topology.complete() and all(node.reachable for node in self.topology.serving_nodes())
 
     def health(self) -> StoreHealth:
-        nodes = self._serving_nodes()
-        states = [node.breaker.state for node in nodes] + [self._seeds.state]
+        topology = self.topology
+        nodes = topology.serving_nodes()
+        states = [node.breaker.state for node in nodes] + [topology.seeds.state]
         num_open = sum(not node.reachable for node in nodes)
-        if self.mode == "unknown":  # no endpoint answered yet: every seed is unreachable
+        if topology.mode == "unknown":  # no endpoint answered yet: every seed is unreachable
             num_open = len(self.config.endpoints)
             nodes = [None] * num_open
         worst = (BreakerState.OPEN if BreakerState.OPEN in states else
                  BreakerState.HALF_OPEN if BreakerState.HALF_OPEN in states else BreakerState.CLOSED)
         down = [node.failure for node in nodes if node is not None and not node.reachable]
+        num_opened = sum(node.breaker.num_opened for node in topology.all_nodes()) + topology.seeds.num_opened
         with self._lock:
-            last_error, refused = down[0] if down else self._last_failure if self.mode == "unknown" else ("", False)
-            num_opened = sum(node.breaker.num_opened for node in self._nodes.values()) + self._seeds.num_opened
-        return StoreHealth(self.mode, worst, len(nodes), num_open, self.num_errors, num_opened, last_error, refused)
+            last_error, refused = down[0] if down else self._last_failure if topology.mode == "unknown" else ("", False)
+        return StoreHealth(topology.mode, worst, len(nodes), num_open, self.num_errors, num_opened, last_error, refused)
 
     def probe(self) -> StoreHealth:
         """Ask every node whether it answers now (the topology first while unknown): one PING each,
         in parallel, within the socket timeout; a node whose breaker is open is not asked until
         it half-opens. Blocking: never on the event loop."""
-        if self._slot_table() is not None:
-            nodes = [node for node in self._serving_nodes() if node.breaker.allow()]
+        if self.topology.slot_table() is not None:
+            nodes = [node for node in self.topology.serving_nodes() if node.breaker.allow()]
             for future in [self._parallel.submit(self._ping, node) for node in nodes]:
                 future.result()
         return self.health()
@@ -271,9 +266,7 @@ class RedisStore:
         if self._prober is not None:
             self._prober.join()
         self._parallel.shutdown(wait=True)
-        with self._lock:
-            nodes, self._nodes = list(self._nodes.values()), {}
-        for node in nodes:
+        for node in self.topology.take_nodes():
             node.client.close()
 
     # ----------------------------------------------------------------------------- routing
@@ -287,30 +280,6 @@ class RedisStore:
             for future in [self._parallel.submit(run, node, positions) for node, positions in groups.items()]:
                 future.result()
 
-    def _group(self, keys: Sequence[bytes]) -> dict[StoreNode, list[int]]:
-        """Positions of `keys` by the node that owns them; {} while no seed answers."""
-        slot_nodes = self._slot_table()
-        if slot_nodes is None:
-            return {}
-        groups: dict[StoreNode, list[int]] = {}
-        for position, key in enumerate(keys):
-            node = self._owner(slot_nodes, key)
-            if node is not None:  # a slot no master serves: a miss
-                groups.setdefault(node, []).append(position)
-        return groups
-
-    def _owner(self, slot_nodes: list[StoreNode | None], key: bytes) -> StoreNode | None:
-        """The node of `key` in a slot table (None: no master serves its slot)."""
-        if self.mode == "single":
-            return slot_nodes[0]
-        # key_slot(key) without its hash-tag search: our keys have none (RemoteConfig, RemoteTier.key)
-        return slot_nodes[crc_hqx(key, 0) & (REDIS_CLUSTER_HASH_SLOTS - 1)]
-
-    def _serving_nodes(self) -> list[StoreNode]:
-        """The nodes that own slots (every node known while the slot table is unknown)."""
-        with self._lock:
-            return list(self._nodes.values()) if self._slot_nodes is None else list(self._masters)
-
     def _ping(self, node: StoreNode) -> None:
         try:
             node.client.ping()
@@ -319,74 +288,10 @@ class RedisStore:
         else:
             self._replied(node, [])
 
-    def _slot_table(self) -> list[StoreNode | None] | None:
-        with self._lock:
-            table = self._slot_nodes
-        if table is not None or not self._seeds.allow():
-            return table
-        try:
-            table = self._read_topology()
-        except (redis.RedisError, OSError) as e:
-            self._seeds.failed()
-            self._failed(endpoint_names(self.config.endpoints), e)
-            log.warning("T3 store unreachable at %s: %s", endpoint_names(self.config.endpoints), e)
-            return None
-        self._seeds.succeeded()
-        with self._lock:
-            self._slot_nodes = table
-            self._masters = list({id(node): node for node in table if node is not None}.values())
-            self._unowned_slots = None in table
-        return table
-
-    def _read_topology(self) -> list[StoreNode | None]:
-        """The slot table from the first seed (or known node) that answers."""
-        error: Exception | None = None
-        with self._lock:
-            known = [node.address for node in self._nodes.values()]
-        for address in dict.fromkeys([*self.config.endpoints, *known]):
-            node = self._node(address)
-            try:
-                if self.mode == "single":
-                    node.client.ping()
-                    return [node]
-                try:
-                    ranges = node.client.execute_command("CLUSTER SLOTS")
-                except redis.ResponseError as e:
-                    if self.config.mode == "auto" and "cluster support disabled" in str(e).lower():
-                        self.mode = "single"
-                        return [node]
-                    raise
-            except (redis.RedisError, OSError) as e:
-                error = e
-                continue
-            self.mode = "cluster"
-            table: list[StoreNode | None] = [None] * REDIS_CLUSTER_HASH_SLOTS
-            for first, last, master, *_ in ranges or ():
-                host = master[0].decode() if isinstance(master[0], bytes) else master[0]
-                owner = self._node((host or address[0], int(master[1])))
-                table[first:last + 1] = [owner] * (last - first + 1)
-            return table
-        raise error or redis.ConnectionError("no endpoints")
-
-    def _node(self, address: Address) -> StoreNode:
-        with self._lock:
-            node = self._nodes.get(address)
-            if node is None:
-                node = self._nodes[address] = StoreNode(address, self._client(address), CircuitBreaker(
-                    self.config.breaker_failures, self.config.breaker_open_s))
-            return node
-
-    def _client(self, address: Address) -> redis.Redis:
-        config = self.config
-        options: dict[str, Any] = dict(host=address[0], port=address[1], username=config.username or None,
-                       password=config.password or None, socket_timeout=config.timeout_s,
-                       socket_connect_timeout=config.timeout_s, retry=Retry(NoBackoff(), 0),
-                       socket_read_size=1 << 20)
-        if config.tls:
-            options.update(ssl_ca_certs=config.tls_ca_file or None, ssl_certfile=config.tls_cert_file or None,
-                           ssl_keyfile=config.tls_key_file or None)
-        connection_class = TLS_CONNECTION if config.tls else CONNECTION
-        return redis.Redis(connection_pool=redis.ConnectionPool(connection_class=connection_class, **options))
+    def _seeds_failed(self, error: BaseException) -> None:
+        """No seed answered for the slot table: counted, logged."""
+        self._failed(endpoint_names(self.config.endpoints), error)
+        log.warning("T3 store unreachable at %s: %s", endpoint_names(self.config.endpoints), error)
 
     def _failed(self, where: str, error: BaseException) -> tuple[str, bool]:
         """Count a failed call; (why it failed, whether the store refused the credentials)."""
@@ -412,8 +317,7 @@ class RedisStore:
         failure for the node's breaker, however many keys it carried."""
         # By class: redis-py strips the reply's code ("MOVED 3999 host:port" is MovedError("3999 host:port")).
         if any(isinstance(e, (AskError, ClusterDownError)) for e in errors):
-            with self._lock:  # MOVED is an AskError
-                self._slot_nodes = None  # read the slot table again on the next call
+            self.topology.forget_slots()  # MOVED is an AskError: read the slot table again on the next call
         denied = [e for e in errors if isinstance(e, (NoPermissionError, redis.AuthenticationError))]
         if denied:  # NOPERM, NOAUTH: a credential problem fails the node like a dead one
             self._node_failed(node, denied[0])

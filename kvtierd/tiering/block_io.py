@@ -101,7 +101,7 @@ class BlockPut:
             tiers.pool.write_block(block_id, block.data)
         if num_hits < len(batch):
             parent = keys[num_hits - 1] if num_hits else self.parent
-            rest_tokens = block_span(tokens, num_hits, None, tiers.layout.block_size) if tokens else tokens
+            rest_tokens = block_span(tokens, num_hits, None, tiers.layout.block_size)  # b"" stays b""
             self.commits.append((start + num_hits, keys[num_hits:], rest_tokens, parent))
             parents = [parent, *keys[num_hits:-1]]
             self.offloader.offer_received_to_t3(
