@@ -17,6 +17,9 @@
   write_through): the rows are framed (copied) on the thread that has them and queued for the
   store's writer (t3/remote_writes.py: bounded, dropped beyond its backlog), never waited for.
   A Put's blocks go to T3 batch by batch as they arrive when T0 → T1 → T3 is write-through.
+Both write-through edges out of T0 and T1 run one batch at a time (serial_batches.py): the commits
+that come while a batch goes down go down together in the next, so a busy edge pays its fixed costs
+(the copy job's hand-offs, the disk's sync and index commits) once for many commits.
 The edges out of T1 and T2 loop over the tiers below that take offers (T2 and T3, the
 StoringTier adapters of lower_tier_adapters.py), farthest first: T3's offer only queues, T2's waits on
 the disk, so T3 is never held up behind it. What a tier took goes on down its own write-through
@@ -26,11 +29,12 @@ that did not land.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import itertools
 import logging
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import torch
 
@@ -44,12 +48,24 @@ from kvtierd.t1.host_tier import HostTier
 from kvtierd.tier import Edge, Tier
 from kvtierd.tiering.layout_tiers import Tiers, recoded
 from kvtierd.tiering.lower_tier import LowerTier, Rows, StoringTier
+from kvtierd.tiering.serial_batches import SerialBatches
 from kvtierd.tiering.spills import Spills
 from kvtierd.tiering.tier_config import EdgePolicy
 from kvtierd.tiering.write_through import HeldBatch, WriteThroughBacklog
 from kvtierd.token_bytes import TokenBytes, tokens_of_blocks
 
 log = logging.getLogger(__name__)
+
+MAX_BATCH_BYTES = 64 << 20  # the most one batch of a write-through edge moves (one piece always goes whole)
+
+
+@dataclasses.dataclass(frozen=True)
+class _Committed:
+    """One commit's blocks, held in T0 for the write-through T0 → T1 (`block_of`: T0's block of each hash)."""
+    metas: list[BlockMeta]
+    block_of: dict[DaemonKey, int]
+    held: HeldBatch
+    deadline: float  # monotonic: until when they may wait for T1 slots
 
 
 class Offloader:
@@ -59,6 +75,13 @@ class Offloader:
         self.spills = Spills(lambda work: tiers.dispatch(work, tiers.spiller))
         self._stores: list[StoringTier] = []  # the tiers below T1 that take offers, farthest first
         self.backlog = WriteThroughBacklog(tiers.config.write_through_wait_s)  # T0 → T1 write-through's holds
+        # The write-through edges out of T0 and out of T1, one batch at a time each: the commits that come
+        # while one runs go down together (serial_batches.py).
+        slot_nbytes = max(1, tiers.layout.bytes_per_block)
+        self.through_batches = SerialBatches[_Committed](self._write_through_batch, lambda c: len(c.metas),
+                                                         max(1, MAX_BATCH_BYTES // slot_nbytes))
+        self.down_batches = SerialBatches[list[SlotEntry]](self._write_down_batch, len,
+                                                           max(1, MAX_BATCH_BYTES // slot_nbytes))
 
     @property
     def _host(self) -> HostTier:
@@ -132,8 +155,29 @@ class Offloader:
         block_of = {m.block_hash: block_id for m, block_id in zip(metas, block_ids)
                     if tiers.index.blocks[block_id].block_hash == m.block_hash}
         metas = [m for m in metas if m.block_hash in block_of]
-        deadline = self.backlog.deadline()
-        tiers.dispatch(lambda: self._write_through(metas, block_of, held, deadline), tiers.through)
+        self.through_batches.add(_Committed(metas, block_of, held, self.backlog.deadline()))
+
+    def _write_through_batch(self, batch: list[_Committed], done: Callable[[], None]) -> None:
+        """Start the write-through of commits' blocks as one (a hash committed twice goes once): their
+        holds end, and `done` is called, once every copy of the batch landed or failed."""
+        metas: list[BlockMeta] = []
+        block_of: dict[DaemonKey, int] = {}
+        for committed in batch:
+            for meta in committed.metas:
+                if meta.block_hash not in block_of:
+                    block_of[meta.block_hash] = committed.block_of[meta.block_hash]
+                    metas.append(meta)
+
+        def release() -> None:
+            try:
+                for committed in batch:
+                    committed.held.end_part()
+            finally:
+                done()
+
+        held = HeldBatch(release)
+        deadline = min(committed.deadline for committed in batch)
+        self.tiers.dispatch(lambda: self._write_through(metas, block_of, held, deadline), self.tiers.through)
 
     def _write_through(self, metas: list[BlockMeta], block_of: dict[DaemonKey, int], held: HeldBatch,
                        deadline: float) -> None:
@@ -237,8 +281,15 @@ class Offloader:
         stores = self._stores_below(Tier.T1, EdgePolicy.WRITE_THROUGH)
         self._host.index.complete_store(entries, success=True, pin=bool(stores))
         tiers.counters.count_offloaded(Edge.T0_T1, len(entries))
-        if not stores:
-            return
+        if stores and entries:
+            self.down_batches.add(entries)
+
+    def _write_down_batch(self, batch: list[list[SlotEntry]], done: Callable[[], None]) -> None:
+        """Write T1's entries of `batch` down the write-through edges out of T1 as one offer to each
+        tier below (one disk write, one sync); unpinned, and `done` called, once written or failed."""
+        tiers = self.tiers
+        stores = self._stores_below(Tier.T1, EdgePolicy.WRITE_THROUGH)
+        entries = [entry for piece in batch for entry in piece]
 
         def write() -> None:
             rows = self._t1_rows(entries)
@@ -251,13 +302,17 @@ class Offloader:
             log.exception("writing %d blocks down from the host tier failed", len(entries))
             tiers.counters.count_failed_offloads(len(entries))
             self._host.index.unpin(entries)
+            done()
             return
 
         def written(error: BaseException | None) -> None:
-            if error is not None:
-                log.error("writing %d blocks down from the host tier failed: %s", len(entries), error)
-                tiers.counters.count_failed_offloads(len(entries))
-            self._host.index.unpin(entries)
+            try:
+                if error is not None:
+                    log.error("writing %d blocks down from the host tier failed: %s", len(entries), error)
+                    tiers.counters.count_failed_offloads(len(entries))
+                self._host.index.unpin(entries)
+            finally:
+                done()
 
         tiers.after(transfer, written)
 

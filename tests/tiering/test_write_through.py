@@ -12,7 +12,7 @@ import pytest
 from kvtierd.errors import ResourceExhausted
 from kvtierd.launch.daemon_process import wait_until
 from kvtierd.t2.ssd_files import SlotFiles
-from kvtierd.t2.ssd_tier import SsdTierConfig
+from kvtierd.t2.ssd_tier import SsdTier, SsdTierConfig
 from kvtierd.tier import Edge
 from kvtierd.tiering.tier_config import EdgePolicy
 from tests.factories import BLOCK_SIZE, NAMESPACE, tokens
@@ -156,3 +156,38 @@ def _put_or_error(manager, prompt: list[int]) -> object:
         return put(manager, prompt, "put-d")
     except BaseException as error:  # reported to the test thread
         return error
+
+
+def test_commits_made_while_a_t2_write_waits_on_the_disk_go_down_in_one_write(tmp_path, disk_gate, monkeypatch):
+    """The first commit's T2 write waits at the disk; three more commits land in T1 meanwhile. Once the
+    disk answers, their six blocks go to T2 in one store (one write, one sync, one index commit), not
+    three; every block is on T2 and reads back exactly."""
+    stores: list[int] = []
+    store = SsdTier.store
+
+    def counted(self, items):
+        stores.append(len(items))
+        return store(self, items)
+
+    monkeypatch.setattr(SsdTier, "store", counted)
+    manager = make_manager(32, host_blocks=32, t0_to_t1=EdgePolicy.WRITE_THROUGH,
+                           ssd_config=SsdTierConfig([str(tmp_path / "ssd")], capacity_bytes=64 * 4096))
+    try:
+        prompts = [tokens(20 + i, 2 * BLOCK_SIZE) for i in range(4)]
+        chains = [NAMESPACE.hash_blocks(prompt) for prompt in prompts]
+        host = manager.tiers.host
+        for i, prompt in enumerate(prompts):
+            prefill(manager, f"r{i}", prompt)
+            assert wait_until(lambda: host.index.lookup(chains[i]) == 2)  # in T1; the first's T2 write at the gate
+        assert stores == [2]
+        disk_gate.set()
+        manager.drain()
+        assert stores == [2, 6]
+        for i, (prompt, chain) in enumerate(zip(prompts, chains)):
+            assert manager.tiers.ssd.lookup(chain) == 2
+            manager.release(f"r{i}")
+            assert get(manager, chain, prompt) == expected(chain)
+        assert dropped(manager) == dropped(manager, Edge.T1_T2) == 0
+    finally:
+        disk_gate.set()
+        manager.close()
