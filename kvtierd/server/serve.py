@@ -250,7 +250,7 @@ class Daemon:
             pool.manager.retention.sweep()
             pool.manager.lookup_holds.expire()
             if (ssd := pool.manager.tiers.ssd) is not None:
-                ssd.expire_aged()  # retention.max_age_s
+                ssd.drops.expire_aged()  # retention.max_age_s
 
     async def _follow_store(self, store: RedisStore) -> None:
         """Health of STORE_HEALTH_NAME from the store's probes (health() only reads their results)."""

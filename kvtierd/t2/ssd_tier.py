@@ -44,7 +44,6 @@ from kvtierd.daemon_key import DaemonKey
 from kvtierd.errors import FailedPrecondition, InvalidArgument
 from kvtierd.index.extent_slot_index import ExtentSlotIndex
 from kvtierd.index.index_events import Doorbell, IndexEvent
-from kvtierd.index.residency import LeaveReason
 from kvtierd.index.slot_entry import BlockMeta, SlotEntry
 from kvtierd.index.slot_index import slots_within
 from kvtierd.layout import Layout
@@ -52,8 +51,8 @@ from kvtierd.retention.tier_retention import TierRetention
 from kvtierd.sealing.block_seal import BlockSealer, seal_context, sealed_nbytes
 from kvtierd.t2.directory_lock import SSD_TIER_LOCK_FILE_NAME, DirectoryLock
 from kvtierd.t2.node_budget import NodeBudget, truncating_shed
-from kvtierd.t2.ssd_age_limit import AgeLimit
 from kvtierd.t2.ssd_config import SsdTierConfig, describe_error
+from kvtierd.t2.ssd_drops import SsdDrops
 from kvtierd.t2.ssd_files import SlotFiles
 from kvtierd.t2.ssd_growth import SsdGrowth, TierCalls, take_budget
 from kvtierd.t2.ssd_index import Record, SsdIndex
@@ -127,10 +126,9 @@ class SsdTier:
         self._touched: dict[DaemonKey, float] = {}  # last uses not yet persisted; under _stats_lock
         self._state = threading.Condition()
         self._num_in_flight, self._closed = 0, False
-        self.num_corrupted = self.num_io_errors = self.bytes_written = self.bytes_read = 0
-        self.num_unauthentic = 0  # sealed records that did not open as their key's: moved, altered, forgotten
-        self.num_aged_out = 0  # blocks dropped for being older than config.max_age_s
-        self._age_limit = AgeLimit(config.max_age_s)
+        self.bytes_written = self.bytes_read = 0
+        self.drops = SsdDrops(self._index, self._write_lock, lambda where, deletes: self._commit_index(where, deletes),
+                              self._operation, config.max_age_s)  # what reads and the age limit drop, counted
         self.num_recovered = self.num_dropped_on_open = 0
         self.num_full_skips = 0  # blocks not stored: the budget was spent and nothing of this tier evictable
         self._admitting = self.num_slots > 0
@@ -139,7 +137,8 @@ class SsdTier:
         self._io = SlotIO(self._files, config.num_io_threads, self._checksums, sealer)
         self._growth = SsdGrowth(self._budget, self._budget_key, self._files, self._index, self._write_lock,
                                  SlotMover(self._files, self._io, config.durability == "fdatasync"),
-                                 TierCalls(self._commit_index, self._stop_admitting, self._record, self._count_lost))
+                                 TierCalls(self._commit_index, self._stop_admitting, self._record,
+                                           self.drops.count_lost))
         if self._db is not None:
             self._recover(self._db)
         self._budget.register(self._budget_key, self._shed)  # from now on others may ask it to give back
@@ -219,15 +218,15 @@ class SsdTier:
                 capacity_bytes=self.num_slots * self.stride, requested_capacity_bytes=self.config.capacity_bytes,
                 used_bytes=self._index.num_used_slots * self.stride, num_cached_blocks=self._index.num_ready,
                 num_slots=self.num_slots, slot_nbytes=self.slot_nbytes, num_evictions=self._index.num_evictions,
-                num_quota_skips=self._index.num_quota_skips, num_corrupted_blocks=self.num_corrupted,
-                num_io_errors=self.num_io_errors, num_recovered_blocks=self.num_recovered,
+                num_quota_skips=self._index.num_quota_skips, num_corrupted_blocks=self.drops.num_corrupted,
+                num_io_errors=self.drops.num_io_errors, num_recovered_blocks=self.num_recovered,
                 num_dropped_on_open=self.num_dropped_on_open, admitting=self._admitting, reason=self._reason or "",
                 bytes_written=self.bytes_written, bytes_read=self.bytes_read, o_direct=self._files.o_direct,
                 durability=self.config.durability, file_bytes=self._index.num_slots * self.stride,
                 share_bytes=share.share_bytes, node_capacity_bytes=share.node_capacity_bytes,
                 node_used_bytes=share.node_used_bytes, num_full_skips=self.num_full_skips,
-                num_unauthentic_blocks=self.num_unauthentic, sealed=self.record_nbytes != self.slot_nbytes,
-                num_aged_out_blocks=self.num_aged_out)
+                num_unauthentic_blocks=self.drops.num_unauthentic, sealed=self.record_nbytes != self.slot_nbytes,
+                num_aged_out_blocks=self.drops.num_aged_out)
 
     @property
     def admitting(self) -> bool:
@@ -325,62 +324,21 @@ class SsdTier:
             entries = self._index.prepare_load(hashes, parent, token_bytes, block_size)
             if not entries:
                 return 0
-            fresh = entries[:self._age_limit.num_fresh(entries)]  # a block past the age limit ends the prefix
+            fresh = entries[:self.drops.age_limit.num_fresh(entries)]  # a block past the age limit ends the prefix
             try:
                 destinations = [rows[i].numpy().data for i in range(len(fresh))]
                 results = self._io.read(fresh, destinations) if fresh else []
             finally:
                 self._index.unpin(entries)
             if len(fresh) < len(entries):
-                self._drop_aged()
+                self.drops.drop_aged()
             num_loaded = next((i for i, ok in enumerate(results) if ok is not True), len(results))
-            self._drop([(e, why) for e, why in zip(entries, results) if why is not True])
+            self.drops.drop([(e, why) for e, why in zip(entries, results) if why is not True])
             with self._stats_lock:
                 self.bytes_read += num_loaded * self.slot_nbytes
                 for entry in entries[:num_loaded]:
                     self._touched[entry.block_hash] = entry.last_use_s
             return num_loaded
-
-    def expire_aged(self) -> int:
-        """The sweep's call: drop the blocks older than the age limit, when a scan is due
-        (ssd_age_limit.py); returns how many went."""
-        if not self._age_limit.scan_due():
-            return 0
-        with self._operation():
-            return self._drop_aged()
-
-    def _drop_aged(self) -> int:
-        aged = [e.block_hash for e in self._age_limit.aged(self._index.entries())]
-        if not aged:
-            return 0
-        with self._write_lock:
-            removed = self._index.remove(aged, LeaveReason.EXPIRED)
-            self._commit_index("age limit", deletes=[e.block_hash for e in removed])
-        with self._stats_lock:
-            self.num_aged_out += len(removed)
-        return len(removed)
-
-    def _drop(self, failures: list[tuple[SlotEntry, str]]) -> None:
-        """Drop blocks that failed to read or verify (one another load pins: when that load fails too)."""
-        if not failures:
-            return
-        why = {entry.block_hash: reason for entry, reason in failures}
-        with self._write_lock:
-            removed = self._index.remove(list(why))
-            self._commit_index("drop", deletes=[e.block_hash for e in removed])
-        self._count_lost([why[e.block_hash] for e in removed])
-
-    def _count_lost(self, reasons: Sequence[str]) -> None:
-        """Blocks dropped because they failed to read ("io"), verify ("corrupt") or open ("unauthentic")."""
-        num_io = sum(1 for why in reasons if why == "io")
-        num_unauthentic = sum(1 for why in reasons if why == "unauthentic")
-        with self._stats_lock:
-            self.num_io_errors += num_io
-            self.num_unauthentic += num_unauthentic
-            self.num_corrupted += len(reasons) - num_io - num_unauthentic
-        if reasons:
-            log.warning("SSD tier: dropped %d block(s) that failed to read (%d), verify (%d) or open as their own "
-                        "key's (%d)", len(reasons), num_io, len(reasons) - num_io - num_unauthentic, num_unauthentic)
 
     # ------------------------------------------------------------------------------ removal, close
 
@@ -444,8 +402,8 @@ class SsdTier:
         return True
 
     def _stop_admitting(self, error: BaseException, where: str) -> None:
+        self.drops.count_io_error()
         with self._stats_lock:
-            self.num_io_errors += 1
             was_admitting, self._admitting = self._admitting, False
             if was_admitting:
                 self._reason = describe_error(error, where, self.config.directories[0]) + "; T2 stopped admitting"

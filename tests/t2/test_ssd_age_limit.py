@@ -70,10 +70,10 @@ def test_the_sweep_reclaims_aged_blocks_nobody_asked_for_and_paces_itself(tmp_pa
     keys = stored_six_with_the_last_three_two_hours_old(tmp_path)
     tier = open_tier(tmp_path, HOUR_S)
     try:
-        assert tier.expire_aged() == 3
+        assert tier.drops.expire_aged() == 3
         assert sorted(tier.block_hashes()) == sorted(keys[:3])
         assert tier.stats().used_bytes == 3 * tier.stride  # their slots are free
-        assert tier.expire_aged() == 0
+        assert tier.drops.expire_aged() == 0
     finally:
         tier.close()
 
@@ -83,7 +83,7 @@ def test_without_a_limit_old_blocks_are_served(tmp_path):
     keys = stored_six_with_the_last_three_two_hours_old(tmp_path)
     tier = open_tier(tmp_path, 0.0)
     try:
-        assert tier.expire_aged() == 0 and num_loaded(tier, keys) == 6
+        assert tier.drops.expire_aged() == 0 and num_loaded(tier, keys) == 6
     finally:
         tier.close()
 
