@@ -63,7 +63,9 @@ def main(argv: list[str] | None = None) -> int:
         "rewrap-keys", help="rotate the master key of [encryption]: re-wrap every data key (daemon stopped)",
         description="Re-wraps every tenant's data key in <ssd-dir>/keys from the old master key to the new one, "
                     "without touching a block; refused while a daemon holds the SSD directory, and when the "
-                    "keys are not the old key's. Then start the daemon with the new key file.")
+                    "keys are not the old key's. With --config naming the daemon's file with a [remote] store, "
+                    "the tenants' keys in that shared store too (from any one node). Then start the daemon with "
+                    "the new key file.")
     from kvtierd.cli.rewrap_keys import add_rewrap_flags
     add_rewrap_flags(rewrap)
     serve = commands.add_parser(

@@ -13,11 +13,17 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+import redis
+
 from kvtierd.daemon_key import TenantTag
 from kvtierd.errors import FailedPrecondition
 from kvtierd.t3.redis_store import RedisStore, StoreUnavailable
 
 RECORD_INFIX = "tenant-key"
+SCAN_COUNT = 1000  # keys a SCAN step looks at
+# SET the record to ARGV[2] only while it is still ARGV[1] (a forget or another node's change wins).
+_COMPARE_AND_SET = ("if redis.call('GET', KEYS[1]) == ARGV[1] then redis.call('SET', KEYS[1], ARGV[2]) return 1 end "
+                    "return 0")
 
 
 class StoreKeyRecords:
@@ -44,6 +50,44 @@ class StoreKeyRecords:
             return self.store.command(key, "GET", key)  # another node's, stored first
         except StoreUnavailable:
             return None
+
+    def tags(self) -> list[TenantTag]:
+        """Every tenant with a record, from a SCAN of each node that owns slots (master-key rotation:
+        sealing/shared_rotation.py). FailedPrecondition when the store or one of its nodes did not answer."""
+        try:
+            if self.store.topology.slot_table() is None:
+                raise StoreUnavailable("no seed answered")
+            if not self.store.topology.complete():
+                raise StoreUnavailable("some hash slots have no master")
+            found: list[TenantTag] = []
+            for node in self.store.topology.serving_nodes():
+                for key in node.client.scan_iter(match=self._head + b"*", count=SCAN_COUNT):
+                    suffix = bytes(key)[len(self._head):]
+                    try:
+                        found.append(TenantTag(bytes.fromhex(suffix.decode())))
+                    except ValueError:  # not a record this version writes: left alone
+                        continue
+        except (StoreUnavailable, redis.RedisError, OSError) as e:
+            raise FailedPrecondition(f"the shared store (T3) did not answer ({type(e).__name__}: {e}); "
+                                     "nothing changed there") from None
+        return list(dict.fromkeys(found))
+
+    def fetch(self, tag: TenantTag) -> bytes | None:
+        """The tenant's record (None: it has none); FailedPrecondition when its node did not answer."""
+        key = self.record_key(tag)
+        try:
+            record = self.store.command(key, "GET", key)
+        except StoreUnavailable as e:
+            raise FailedPrecondition(f"the shared store (T3) did not answer ({e})") from None
+        return None if record is None else bytes(record)
+
+    def replace(self, tag: TenantTag, expected: bytes, record: bytes) -> bool:
+        """Store `record` if the tenant's record is still `expected` (one script on its node)."""
+        key = self.record_key(tag)
+        try:
+            return bool(self.store.command(key, "EVAL", _COMPARE_AND_SET, "1", key, expected, record))
+        except StoreUnavailable as e:
+            raise FailedPrecondition(f"the shared store (T3) did not answer ({e})") from None
 
     def delete(self, tag: TenantTag) -> bool:
         key = self.record_key(tag)

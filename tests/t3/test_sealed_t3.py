@@ -3,7 +3,8 @@ daemons ("nodes": own sockets, pools, SSD and key directories) sharing one store
 master key unless a test says otherwise. The store holds no block byte or prompt in the clear;
 values swapped between tenants or blocks are misses, counted; a forget on node A makes node B serve
 none of the tenant's old blocks at once while another tenant's are served; a node with another
-master key reads nothing and replaces no key; values expire after retention.max_age_s."""
+master key reads nothing and replaces no key; values expire after retention.max_age_s; a master-key
+rotation re-wraps the tenants' keys in the store in place."""
 
 from __future__ import annotations
 
@@ -18,7 +19,7 @@ from kvtierd.launch.daemon_process import DaemonProcess, small_daemon_args, wait
 from kvtierd.node.tenants import Tenant
 from kvtierd.token_bytes import pack_token_ids
 from tests.server.e2e_runner import LAYOUT, expected_block
-from tests.server.test_encryption_daemon import MASTER_HEX, TOKENS, kvtierctl, master_key_file
+from tests.server.test_encryption_daemon import MASTER_HEX, TOKENS, kvtierctl, kvtierd, master_key_file
 from tests.t3.test_two_nodes import put_chain, t3_stats
 
 pytestmark = pytest.mark.timeout(240)
@@ -187,3 +188,46 @@ def test_t3_values_expire_after_retention_max_age_s_and_key_records_do_not(tmp_p
             assert [client.pttl(key) for key in records] == [-1]
         assert wait_until(lambda: not store_values(redis_cluster)[0], timeout_s=15)
         assert acme_b.get(LAYOUT, hashes, token_ids=tokens) == []
+
+
+def test_rewrap_keys_with_the_daemon_file_rewraps_the_shared_keys_in_place(tmp_path, redis_cluster):
+    """Node A (master key 1) puts acme's and globex's chains, then stops. `kvtierd rewrap-keys` with a
+    daemon file that names no store is refused in one line, changing nothing; with the file naming the
+    store it re-wraps A's own key and both tenants' records in the store, values untouched: a node on
+    key 2 reads both chains from T3, a node on key 1 none. Run again, nothing is left to re-wrap."""
+    old_key = master_key_file(tmp_path)
+    (tmp_path / "new").mkdir()
+    new_key = master_key_file(tmp_path / "new", content=OTHER_MASTER_HEX + "\n")
+    with sealed_node(tmp_path / "a", redis_cluster.seeds, old_key) as a, \
+            KvtierClient(a.address, token="a-token") as acme_a, KvtierClient(a.address, token="g-token") as globex_a:
+        acme_tokens, acme_hashes = put_chain(acme_a, 21, 32)
+        globex_tokens, globex_hashes = put_chain(globex_a, 22, 32)
+    values, records = store_values(redis_cluster)
+    assert sorted(records) == sorted([record_key("acme"), record_key("globex")])
+    rewrap = ["rewrap-keys", "--ssd-dir", str(tmp_path / "a" / "ssd"), "--old-key-file", str(old_key),
+              "--new-key-file", str(new_key), "--config"]
+    no_store = tmp_path / "no-store.toml"
+    no_store.write_text("[remote]\nendpoints = \"\"\n")
+    refused = kvtierd(*rewrap, str(no_store))
+    assert refused.returncode == 2 and refused.stderr.count("\n") == 1 and "names no store" in refused.stderr
+    assert store_values(redis_cluster) == (values, records)
+    config = tmp_path / "kvtierd.toml"
+    config.write_text(f"[remote]\nendpoints = \"{redis_cluster.seeds}\"\n")
+    done = kvtierd(*rewrap, str(config))
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.startswith("re-wrapped 2 data key(s)")  # A's own (T2), unchanged by the refusal
+    assert "shared store: re-wrapped 2 tenant key(s); 0 already under the new key" in done.stdout
+    new_values, new_records = store_values(redis_cluster)
+    assert new_values == values and sorted(new_records) == sorted(records)
+    assert all(new_records[key] != records[key] and len(new_records[key]) == 61 for key in records)
+    with sealed_node(tmp_path / "b", redis_cluster.seeds, new_key) as b, \
+            KvtierClient(b.address, token="a-token") as acme_b, KvtierClient(b.address, token="g-token") as globex_b:
+        assert acme_b.get(LAYOUT, acme_hashes, token_ids=acme_tokens) == blocks_of(acme_hashes)
+        assert globex_b.get(LAYOUT, globex_hashes, token_ids=globex_tokens) == blocks_of(globex_hashes)
+    with sealed_node(tmp_path / "c", redis_cluster.seeds, old_key) as c, \
+            KvtierClient(c.address, token="a-token") as acme_c:
+        assert acme_c.get(LAYOUT, acme_hashes, token_ids=acme_tokens) == []
+    again = kvtierd(*rewrap, str(config))
+    assert again.returncode == 0 and again.stdout.startswith("re-wrapped 0 data key(s)"), again.stderr
+    assert "shared store: re-wrapped 0 tenant key(s); 2 already under the new key" in again.stdout
+    assert MASTER_HEX not in done.stdout + done.stderr + again.stdout + again.stderr
