@@ -15,6 +15,8 @@ chain whose first page's parent the daemon does not check.
 from __future__ import annotations
 
 import itertools
+import logging
+import warnings
 from typing import Protocol
 
 import torch
@@ -24,6 +26,8 @@ from kvtierd.client import Session
 from kvtierd.connectors.sglang.host_pages import HostPages
 from kvtierd.errors import KvtierError
 from kvtierd.token_bytes import NO_TOKENS
+
+log = logging.getLogger(__name__)
 
 
 class PageTransport(Protocol):
@@ -100,9 +104,16 @@ class PutGet:
 
     def load(self, session: Session, hashes: list[BlockHash], page_ids: list[int]) -> int:
         blocks = session.client.get(session.layout, hashes)
-        self.pages.copy_in(page_ids[:len(blocks)],
-                           [torch.frombuffer(bytearray(data), dtype=torch.uint8) for _, data in blocks])
+        self.pages.copy_in(page_ids[:len(blocks)], _read_only_rows([data for _, data in blocks]))
         return len(blocks)
+
+
+def _read_only_rows(payloads: list[bytes]) -> list[torch.Tensor]:
+    """A uint8 tensor over each received block's bytes, no copy. torch warns that such a buffer is not
+    writable; these rows are only read (copied into the pages)."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="The given buffer is not writable", category=UserWarning)
+        return [torch.frombuffer(payload, dtype=torch.uint8) for payload in payloads]
 
 
 def _pool_bytes(session: Session) -> torch.Tensor:
@@ -113,7 +124,10 @@ def _pool_bytes(session: Session) -> torch.Tensor:
 
 
 def _release(session: Session, request_id: str) -> None:
+    """Release the request's blocks; a failure is logged, not raised: the daemon reclaims the blocks of
+    a session whose lease lapsed, and SGLang's call already has its answer."""
     try:
         session.release(request_id)
-    except KvtierError:  # the daemon reclaims a lost session's blocks itself
-        pass
+    except KvtierError as error:
+        log.warning("kvtierd: releasing %s failed (%s); the daemon reclaims its blocks when the session's lease "
+                    "lapses", request_id, error)
