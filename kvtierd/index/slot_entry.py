@@ -5,10 +5,10 @@ one block in one slot (SlotEntry), and the slots a store was given (StorePlan).
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 
 from kvtierd.daemon_key import DaemonKey
-from kvtierd.token_bytes import NO_TOKENS, TokenBytes, block_tokens
+from kvtierd.token_bytes import NO_TOKENS, TokenBytes, block_tokens, matching_blocks
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -70,3 +70,21 @@ class StorePlan:
     num_skipped: int  # blocks already present (stored or being stored) or that did not fit
     unplaced: list[BlockMeta] = dataclasses.field(default_factory=list)  # no slot: every one (or the owner's) in flight
     num_room_changes: int = 0  # the index's count of room changes when planned (SlotIndex.wait_for_room)
+
+
+def ready_prefix(entries: Mapping[DaemonKey, SlotEntry], block_hashes: Sequence[DaemonKey], parent: DaemonKey | None,
+                 token_bytes: TokenBytes | None, block_size: int) -> list[SlotEntry]:
+    """The chain's leading READY entries of `entries`, each the child of the one before (of `parent`
+    first, where given), and with `token_bytes` those whose tokens match: the first mismatch ends it."""
+    hits: list[SlotEntry] = []
+    for block_hash in block_hashes:
+        entry = entries.get(block_hash)
+        if entry is None or entry.storing:
+            break
+        if parent is not None and entry.meta.parent_hash != parent:
+            break
+        hits.append(entry)
+        parent = block_hash
+    if token_bytes is not None and hits:  # verified together, the first mismatch ends the prefix
+        hits = hits[:matching_blocks([entry.meta.token_ids for entry in hits], token_bytes, block_size)]
+    return hits

@@ -25,7 +25,6 @@ sends nothing. Queued under the lock and taken atomically with `take_events`.
 
 from __future__ import annotations
 
-import collections
 import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
@@ -34,10 +33,11 @@ from kvtierd.daemon_key import DaemonKey
 from kvtierd.errors import InvalidArgument
 from kvtierd.index.classed_lru import ClassedLru
 from kvtierd.index.index_events import BlockRemoved, BlockStored, Doorbell, EventQueue, IndexEvent
+from kvtierd.index.owner_slots import OwnerSlots
 from kvtierd.index.residency import LeaveReason, Residency
-from kvtierd.index.slot_entry import BlockMeta, SlotEntry, StorePlan, tail_first
+from kvtierd.index.slot_entry import BlockMeta, SlotEntry, StorePlan, ready_prefix, tail_first
 from kvtierd.retention.tier_retention import TierRetention
-from kvtierd.token_bytes import TokenBytes, matching_blocks
+from kvtierd.token_bytes import TokenBytes
 
 
 class SlotIndex:
@@ -71,10 +71,7 @@ class SlotIndex:
         self.num_evictions = 0
         self.residency = Residency()  # store to removal of READY entries, by why each left (residency.py)
         self.num_uses = 0  # stores and loads asked of the index (under the lock): has it been used lately?
-        self._owner_of: Callable[[DaemonKey], bytes] | None = None  # set by set_owner_quota
-        self._max_slots_of: Callable[[bytes], int | None] = lambda owner: None
-        self._num_slots_by_owner: collections.Counter[bytes] = collections.Counter()
-        self.num_quota_skips = 0  # blocks not stored: their owner was at its limit with nothing evictable
+        self._owners = OwnerSlots()  # per-owner quotas (owner_slots.py), off until set_owner_quota
         self._events: EventQueue | None = None  # set by enable_events
         # called (with the lock held: it must not block) when a store had to evict for want of a free
         # slot: a tier whose extent can grow (t1/host_share.py) asks its budget for more
@@ -101,7 +98,7 @@ class SlotIndex:
         """How many leading blocks of the chain are READY here (verified like prefix_match).
         Changes nothing."""
         with self._lock:
-            return len(self._ready_prefix(block_hashes, parent, token_bytes, block_size))
+            return len(ready_prefix(self._entries, block_hashes, parent, token_bytes, block_size))
 
     def metas(self, block_hashes: Sequence[DaemonKey]) -> list[BlockMeta]:
         """The stored keys of the leading READY entries named (stops at the first absent one)."""
@@ -130,19 +127,19 @@ class SlotIndex:
             self.num_uses += 1
             num_skipped = 0
             now = self._clock()
-            owner_of = self._owner_of
+            owners = self._owners
             for meta in blocks:
                 if meta.block_hash in self._entries:
                     num_skipped += 1
                     continue
-                owner = owner_of(meta.block_hash) if owner_of is not None else None
-                limit = self._max_slots_of(owner) if owner is not None else None
-                if owner_of is not None and owner is not None and limit is not None \
-                        and self._num_slots_by_owner[owner] >= limit:
-                    victim = next((e for e in self._lru.values() if owner_of(e.block_hash) == owner), None)
+                full_owner = owners.full_owner(meta.block_hash)
+                if full_owner is not None:  # it recycles one of its own slots
+                    owner_of = owners.owner_of
+                    assert owner_of is not None
+                    victim = next((e for e in self._lru.values() if owner_of(e.block_hash) == full_owner), None)
                     if victim is None:
                         num_skipped += 1  # the owner's slots are all in flight
-                        self.num_quota_skips += 1
+                        owners.num_skips += 1
                         unplaced.append(meta)
                         continue
                     del self._lru[victim.block_hash]
@@ -222,7 +219,7 @@ class SlotIndex:
         unpin. Returns the pinned entries (possibly none)."""
         with self._lock:
             self.num_uses += 1
-            hits = self._ready_prefix(block_hashes, parent, token_bytes, block_size)
+            hits = ready_prefix(self._entries, block_hashes, parent, token_bytes, block_size)
             now = self._clock()
             for entry in hits:
                 if entry.num_loads == 0:
@@ -363,13 +360,16 @@ class SlotIndex:
         `max_slots_of(owner)` (None = no limit). An owner at its limit stores a new block in the slot
         of its own least recently used entry; with none evictable, the block is not stored."""
         with self._lock:
-            self._owner_of = owner_of
-            self._max_slots_of = max_slots_of
-            self._num_slots_by_owner = collections.Counter(map(owner_of, self._entries))
+            self._owners.limit_by(owner_of, max_slots_of, self._entries)
 
     def num_slots_of(self, owner: bytes) -> int:
         with self._lock:
-            return self._num_slots_by_owner[owner]
+            return self._owners.count(owner)
+
+    @property
+    def num_quota_skips(self) -> int:
+        """Blocks not stored: their owner was at its limit with nothing evictable."""
+        return self._owners.num_skips
 
     def _make_evictable(self, entries: Sequence[SlotEntry]) -> None:
         """Append entries that turned evictable together, a chain's blocks tail first (slot_entry.tail_first):
@@ -385,37 +385,14 @@ class SlotIndex:
 
     def _insert(self, entry: SlotEntry) -> None:
         self._entries[entry.block_hash] = entry
-        if self._owner_of is not None:
-            self._num_slots_by_owner[self._owner_of(entry.block_hash)] += 1
+        self._owners.added(entry.block_hash)
 
     def _delete(self, block_hash: DaemonKey) -> None:
         del self._entries[block_hash]
         self._lru.forget(block_hash)  # its eviction order's history of it goes too
-        if self._owner_of is not None:
-            owner = self._owner_of(block_hash)
-            self._num_slots_by_owner[owner] -= 1
-            assert self._num_slots_by_owner[owner] >= 0
-
-    def _ready_prefix(self, block_hashes: Sequence[DaemonKey], parent: DaemonKey | None,
-                      token_bytes: TokenBytes | None, block_size: int) -> list[SlotEntry]:
-        hits: list[SlotEntry] = []
-        for block_hash in block_hashes:
-            entry = self._entries.get(block_hash)
-            if entry is None or entry.storing:
-                break
-            if parent is not None and entry.meta.parent_hash != parent:
-                break
-            hits.append(entry)
-            parent = block_hash
-        if token_bytes is not None and hits:  # verified together, the first mismatch ends the prefix
-            hits = hits[:matching_blocks([entry.meta.token_ids for entry in hits], token_bytes, block_size)]
-        return hits
+        self._owners.removed(block_hash)
 
 
 def _stored(entry: SlotEntry) -> BlockStored:
     return BlockStored(entry.block_hash, entry.meta.parent_hash, entry.slot, entry.meta.token_ids)
 
-
-def slots_within(limit_bytes: int | None, slot_stride_bytes: int) -> int | None:
-    """How many slots of `slot_stride_bytes` a byte limit allows (None: no limit)."""
-    return None if limit_bytes is None else limit_bytes // slot_stride_bytes

@@ -12,7 +12,7 @@ import torch
 from kvtierd.daemon_key import DaemonKey
 from kvtierd.index.extent_slot_index import ExtentSlotIndex
 from kvtierd.index.index_events import Doorbell, IndexEvent
-from kvtierd.index.slot_index import slots_within
+from kvtierd.index.owner_slots import slots_within
 from kvtierd.layout import Layout
 from kvtierd.movers.block_codec import make_codec
 from kvtierd.t1.host_share import HostShare

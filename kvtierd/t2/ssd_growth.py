@@ -21,6 +21,7 @@ from collections.abc import Callable, Sequence
 from kvtierd.index.extent_slot_index import ExtentSlotIndex
 from kvtierd.index.slot_entry import SlotEntry
 from kvtierd.t2.node_budget import NodeBudget
+from kvtierd.t2.ssd_config import SsdTierConfig
 from kvtierd.t2.ssd_files import SlotFiles
 from kvtierd.t2.ssd_index import Record
 from kvtierd.t2.ssd_moves import MoveOutcome, SlotMover
@@ -70,6 +71,15 @@ class SsdGrowth:
         self._write_lock = write_lock
         self._shedding = False  # under write_lock: a shed is moving blocks
         self._grow_slots = max(1, GROW_CHUNK_BYTES // self.stride)
+
+    def watermark_victims(self, config: SsdTierConfig) -> list[SlotEntry]:
+        """After a store (under `write_lock`): above `config.high_watermark` of the most slots the tier may
+        hold used, the least recently used entries evicted down to `config.low_watermark`, for the caller
+        to delete."""
+        num_slots, num_used = self._index.max_slots, self._index.num_used_slots
+        if num_used <= int(config.high_watermark * num_slots):
+            return []
+        return self._index.evict_lru(num_used - int(config.low_watermark * num_slots))
 
     def make_room(self, num_blocks: int) -> None:
         """Grow the files for `num_blocks` new blocks when the free slots lack them and the budget

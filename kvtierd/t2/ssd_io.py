@@ -127,6 +127,18 @@ class SlotIO:
         return results
 
 
+def checked_rows(out: torch.Tensor | Sequence[torch.Tensor], num_blocks: int, slot_nbytes: int) -> list[torch.Tensor]:
+    """The rows a load reads `num_blocks` blocks into: `out`'s first rows (a uint8 tensor `[>= n,
+    slot_nbytes]`) or its n rows; InvalidArgument unless each is a CPU uint8 row of `slot_nbytes`
+    contiguous bytes."""
+    rows = list(out[:num_blocks]) if isinstance(out, torch.Tensor) else list(out)
+    if len(rows) < num_blocks or not all(
+            isinstance(row, torch.Tensor) and row.dtype == torch.uint8 and row.device.type == "cpu"
+            and row.shape == (slot_nbytes,) and row.is_contiguous() for row in rows):
+        raise InvalidArgument(f"out must be CPU uint8 rows of {slot_nbytes} contiguous bytes, at least {num_blocks}")
+    return rows
+
+
 def checked_blocks(items: Sequence[tuple[BlockMeta, BlockBytes]],
                    slot_nbytes: int) -> tuple[list[BlockMeta], dict[DaemonKey, memoryview]]:
     """The metas of a store's items and a view of each block's bytes (the first, for a key given

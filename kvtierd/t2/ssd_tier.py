@@ -44,8 +44,8 @@ from kvtierd.daemon_key import DaemonKey
 from kvtierd.errors import FailedPrecondition, InvalidArgument
 from kvtierd.index.extent_slot_index import ExtentSlotIndex
 from kvtierd.index.index_events import Doorbell, IndexEvent
+from kvtierd.index.owner_slots import slots_within
 from kvtierd.index.slot_entry import BlockMeta, SlotEntry
-from kvtierd.index.slot_index import slots_within
 from kvtierd.layout import Layout
 from kvtierd.retention.tier_retention import TierRetention
 from kvtierd.sealing.block_seal import BlockSealer, seal_context, sealed_nbytes
@@ -56,7 +56,7 @@ from kvtierd.t2.ssd_drops import SsdDrops
 from kvtierd.t2.ssd_files import SlotFiles
 from kvtierd.t2.ssd_growth import SsdGrowth, TierCalls, take_budget
 from kvtierd.t2.ssd_index import Record, SsdIndex
-from kvtierd.t2.ssd_io import BlockBytes, SlotIO, checked_blocks
+from kvtierd.t2.ssd_io import BlockBytes, SlotIO, checked_blocks, checked_rows
 from kvtierd.t2.ssd_moves import SlotMover
 from kvtierd.t2.ssd_recovery import open_sealed_tokens, recover_records
 from kvtierd.t2.ssd_stats import SsdStats
@@ -252,7 +252,7 @@ class SsdTier:
                 if num_full > 0:
                     with self._stats_lock:
                         self.num_full_skips += num_full
-                victims = plan.evicted + self._watermark_victims()
+                victims = plan.evicted + self._growth.watermark_victims(self.config)
                 if not self._commit_index("evict", deletes=[v.block_hash for v in victims]):  # (a)
                     self._index.complete_store(plan.stores, False)
                     return 0
@@ -292,12 +292,6 @@ class SsdTier:
         except FailedPrecondition:  # closed (_operation); nothing inside raises it
             return 0
 
-    def _watermark_victims(self) -> list[SlotEntry]:
-        num_used = self._index.num_used_slots
-        if num_used <= int(self.config.high_watermark * self.num_slots):
-            return []
-        return self._index.evict_lru(num_used - int(self.config.low_watermark * self.num_slots))
-
     def _record(self, entry: SlotEntry, checksum: int, slot: int | None = None) -> Record:
         """The LMDB record of `entry` at its slot (or at `slot`, where a give-back moves it)."""
         file_index, local_slot = self._files.location(entry.slot if slot is None else slot)
@@ -314,12 +308,7 @@ class SsdTier:
         """Copy the leading verified hits into out[:k]; returns k. A block failing its read or check
         ends the prefix, is dropped and counted; its row is zeroed. `out`: uint8 `[>= n, slot_nbytes]`
         or n rows (T1 slots: a 4 KiB aligned row one stride long is read into without staging)."""
-        rows = list(out[:len(hashes)]) if isinstance(out, torch.Tensor) else list(out)
-        if len(rows) < len(hashes) or not all(
-                isinstance(row, torch.Tensor) and row.dtype == torch.uint8 and row.device.type == "cpu"
-                and row.shape == (self.slot_nbytes,) and row.is_contiguous() for row in rows):
-            raise InvalidArgument(
-                f"out must be CPU uint8 rows of {self.slot_nbytes} contiguous bytes, at least {len(hashes)}")
+        rows = checked_rows(out, len(hashes), self.slot_nbytes)
         with self._operation():
             entries = self._index.prepare_load(hashes, parent, token_bytes, block_size)
             if not entries:
