@@ -77,11 +77,9 @@ class Offloader:
         self.backlog = WriteThroughBacklog(tiers.config.write_through_wait_s)  # T0 → T1 write-through's holds
         # The write-through edges out of T0 and out of T1, one batch at a time each: the commits that come
         # while one runs go down together (serial_batches.py).
-        slot_nbytes = max(1, tiers.layout.bytes_per_block)
-        self.through_batches = SerialBatches[_Committed](self._write_through_batch, lambda c: len(c.metas),
-                                                         max(1, MAX_BATCH_BYTES // slot_nbytes))
-        self.down_batches = SerialBatches[list[SlotEntry]](self._write_down_batch, len,
-                                                           max(1, MAX_BATCH_BYTES // slot_nbytes))
+        max_blocks = max(1, MAX_BATCH_BYTES // max(1, tiers.layout.bytes_per_block))
+        self.through_batches = SerialBatches[_Committed](self._write_through_batch, lambda c: len(c.metas), max_blocks)
+        self.down_batches = SerialBatches[list[SlotEntry]](self._write_down_batch, len, max_blocks)
 
     @property
     def _host(self) -> HostTier:
