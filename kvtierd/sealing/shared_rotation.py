@@ -13,6 +13,7 @@ that opens under neither key (another master key's) is left as it is.
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 from collections.abc import Sequence
 from typing import Protocol
@@ -51,9 +52,7 @@ class SharedRewrap:
 
 def rewrap_shared_keys(records: RotatableRecords, old: MasterKey, new: MasterKey) -> SharedRewrap:
     """Re-wrap every record of `records` that opens with `old` to `new`, in place."""
-    counts = {"rewrapped": 0, "already": 0, "foreign": 0, "changed": 0}
-    for tag in records.tags():
-        counts[_rewrap_one(records, tag, old, new)] += 1
+    counts = collections.Counter(_rewrap_one(records, tag, old, new) for tag in records.tags())
     return SharedRewrap(counts["rewrapped"], counts["already"], counts["foreign"], counts["changed"])
 
 

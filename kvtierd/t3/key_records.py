@@ -75,17 +75,18 @@ class StoreKeyRecords:
     def fetch(self, tag: TenantTag) -> bytes | None:
         """The tenant's record (None: it has none); FailedPrecondition when its node did not answer."""
         key = self.record_key(tag)
-        try:
-            record = self.store.command(key, "GET", key)
-        except StoreUnavailable as e:
-            raise FailedPrecondition(f"the shared store (T3) did not answer ({e})") from None
+        record = self._answered(key, "GET", key)
         return None if record is None else bytes(record)
 
     def replace(self, tag: TenantTag, expected: bytes, record: bytes) -> bool:
         """Store `record` if the tenant's record is still `expected` (one script on its node)."""
         key = self.record_key(tag)
+        return bool(self._answered(key, "EVAL", _COMPARE_AND_SET, "1", key, expected, record))
+
+    def _answered(self, key: bytes, *args: bytes | str):
+        """The store's reply to one command (RedisStore.command); FailedPrecondition when its node did not answer."""
         try:
-            return bool(self.store.command(key, "EVAL", _COMPARE_AND_SET, "1", key, expected, record))
+            return self.store.command(key, *args)
         except StoreUnavailable as e:
             raise FailedPrecondition(f"the shared store (T3) did not answer ({e})") from None
 
