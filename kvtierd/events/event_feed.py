@@ -20,6 +20,7 @@ moment `watch` switches them on, as each pool is created.
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 import secrets
 from typing import TYPE_CHECKING
@@ -107,7 +108,7 @@ class EventFeed:
             num_events += len(events)
             for event in events:
                 tag = None if isinstance(event, AllBlocksCleared) else tenant_tag_of(event.block_hash)
-                self.history.append(pool.layout, tag, to_message(event, pool.layout.model_id))
+                self.history.append(pool.layout, tag, functools.partial(to_message, event, pool.layout.model_id))
             if self.publisher is not None:
                 num_events += self._publish(self.publisher, pool, events)
         if num_events:

@@ -6,12 +6,16 @@ Sequence numbers start at 1 and grow by one per event (of any tenant or pool). T
 window `(trimmed_seq, last_seq]`; for each (pool, tenant tag) it remembers the last seq it
 trimmed (tag None: a pool-wide CLEARED), so "did this subscriber lose anything after its cursor"
 is exact, not "did anyone's events leave": a quiet tenant is not told it lost the others'.
+
+An entry keeps how to make its message, not the message: most events are never read (no
+subscriber, or not theirs), and a protobuf message costs more than the block's other bookkeeping.
 """
 
 from __future__ import annotations
 
 import collections
 import dataclasses
+from collections.abc import Callable
 
 from kvtierd.layout import Layout
 from kvtierd.v1 import kvtier_pb2 as pb
@@ -22,7 +26,12 @@ class Entry:
     seq: int
     layout: Layout
     tag: bytes | None  # the owning tenant's tag; None: every tenant's (CLEARED)
-    message: pb.Event
+    make_message: Callable[[], pb.Event]  # a new message without seq and feed_id at each call
+
+    def message(self, feed_id: int) -> pb.Event:
+        message = self.make_message()
+        message.seq, message.feed_id = self.seq, feed_id
+        return message
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -49,11 +58,11 @@ class EventHistory:
         self._entries: collections.deque[Entry] = collections.deque()
         self._trimmed_seq_of: dict[tuple[Layout, bytes | None], int] = {}
 
-    def append(self, layout: Layout, tag: bytes | None, message: pb.Event) -> None:
+    def append(self, layout: Layout, tag: bytes | None, make_message: Callable[[], pb.Event]) -> None:
+        """The next event, of `layout`'s pool and the tenant of `tag`; `make_message` makes its message
+        (without seq and feed_id), once for each reader that reads it."""
         self.last_seq += 1
-        message.seq = self.last_seq
-        message.feed_id = self.feed_id
-        self._entries.append(Entry(self.last_seq, layout, tag, message))
+        self._entries.append(Entry(self.last_seq, layout, tag, make_message))
         if len(self._entries) > self.max_events:
             old = self._entries.popleft()
             self.trimmed_seq = old.seq
@@ -77,9 +86,8 @@ class EventHistory:
             if entry.seq <= cursor:
                 break
             if reader.sees(entry.layout, entry.tag):
-                new.append(entry.message)
-        new.reverse()
-        return out + new, max(cursor, self.last_seq)
+                new.append(entry)
+        return out + [entry.message(self.feed_id) for entry in reversed(new)], max(cursor, self.last_seq)
 
     def start(self, reader: Reader, resume_after_seq: int | None, feed_id: int) -> tuple[list[pb.Event], int]:
         """A subscriber's first events and cursor: from now (no resume), or after `resume_after_seq`

@@ -150,9 +150,14 @@ def _copy_on_host(plan: SpanPlan) -> None:
     if _NATIVE is not None:
         num_threads = min(torch.get_num_threads(), os.cpu_count() or 1, 8)
         if num_threads > 1 and int(plan.sizes.sum()) >= PARALLEL_FROM_BYTES:  # as torch's copy_ splits one
-            pool = _share_pool(num_threads)
+            pool = _share_pool(num_threads - 1)  # the calling thread copies a share too
             shares = cut_shares(plan.dst_addresses, plan.src_addresses, plan.sizes, num_threads)
-            for done in [pool.submit(_NATIVE.copy_spans, *share) for share in shares]:
+            others = [pool.submit(_NATIVE.copy_spans, *share) for share in shares[1:]]
+            try:
+                _NATIVE.copy_spans(*shares[0])  # this thread's share: it would only wait otherwise
+            finally:
+                concurrent.futures.wait(others)
+            for done in others:
                 done.result()
         else:
             _NATIVE.copy_spans(plan.dst_addresses, plan.src_addresses, plan.sizes)

@@ -116,13 +116,17 @@ class SlotIO:
 
     def _run_all(self, task: Callable[[Run, list[SlotEntry], list[memoryview]], list[tuple[int, T]]],
                  entries: list[SlotEntry], buffers: list[memoryview]) -> list[T]:
-        """Run `task(run, entries, buffers)` per run on the I/O threads; wait for every one."""
+        """Run `task(run, entries, buffers)` per run, the last on this thread and the others on the I/O
+        threads (a write of one run hands nothing over); wait for every one."""
         runs = self.files.plan_runs([e.slot for e in entries])
-        futures = [self._pool.submit(task, run, entries, buffers) for run in runs]
-        concurrent.futures.wait(futures)
+        futures = [self._pool.submit(task, run, entries, buffers) for run in runs[:-1]]
+        try:
+            outcomes = [task(runs[-1], entries, buffers)] if runs else []
+        finally:
+            concurrent.futures.wait(futures)  # even when this thread's run failed: no I/O left running
         results = cast("list[T]", [None] * len(entries))  # each position is set below, or this raises
-        for future in futures:
-            for position, value in future.result():  # re-raises the first failure
+        for outcome in [*(future.result() for future in futures), *outcomes]:  # re-raises the first failure
+            for position, value in outcome:
                 results[position] = value
         return results
 

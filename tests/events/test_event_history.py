@@ -4,6 +4,7 @@ and LOST exactly when a subscriber's own events were trimmed."""
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Callable
 
 import pytest
 from hypothesis import given
@@ -20,8 +21,8 @@ POOL_A, POOL_B = Layout("model-a", 2, 2, 16, 4), Layout("model-b", 2, 2, 16, 4)
 ACME, GLOBEX = Tenant.named("acme"), Tenant.named("globex")
 
 
-def stored(name: bytes) -> pb.Event:
-    return pb.Event(kind=pb.Event.STORED, block_hash=name)
+def stored(name: bytes) -> Callable[[], pb.Event]:
+    return lambda: pb.Event(kind=pb.Event.STORED, block_hash=name)
 
 
 def names(events) -> list[bytes]:
@@ -33,7 +34,7 @@ def test_seqs_count_every_event_and_a_reader_sees_its_tenant_its_pool_and_cleare
     history.append(POOL_A, ACME.tag, stored(b"a1"))
     history.append(POOL_A, GLOBEX.tag, stored(b"g1"))
     history.append(POOL_B, ACME.tag, stored(b"a2"))
-    history.append(POOL_A, None, pb.Event(kind=pb.Event.CLEARED))
+    history.append(POOL_A, None, lambda: pb.Event(kind=pb.Event.CLEARED))
     everything, cursor = history.read(Reader(ACME.tag, None), 0)
     assert [(e.block_hash, e.seq, e.feed_id) for e in everything] == [(b"a1", 1, 7), (b"a2", 3, 7), (b"", 4, 7)]
     assert cursor == 4 and history.read(Reader(ACME.tag, None), cursor) == ([], 4)
@@ -131,3 +132,21 @@ def test_a_subscription_waits_for_the_pump_and_reads_from_its_cursor():
     first, last_seq = asyncio.run(scenario())
     assert (first.kind, first.block_hash, first.parent_hash, first.seq, first.feed_id) == (
         pb.Event.STORED, b"a" * 32, b"r" * 32, 2, 5) and last_seq == 2
+
+
+def test_a_message_is_made_only_for_a_reader_that_reads_its_event():
+    made: list[bytes] = []
+
+    def counted(name: bytes) -> Callable[[], pb.Event]:
+        def make() -> pb.Event:
+            made.append(name)
+            return pb.Event(kind=pb.Event.STORED, block_hash=name)
+        return make
+
+    history = EventHistory(100, feed_id=7)
+    for i in range(50):  # no subscriber: nothing is made
+        history.append(POOL_A, (ACME if i % 2 else GLOBEX).tag, counted(b"%d" % i))
+    assert made == []
+    events, _ = history.read(Reader(ACME.tag, POOL_A), 0)
+    assert made == names(events) == [b"%d" % i for i in range(1, 50, 2)]
+    assert [e.seq for e in events] == list(range(2, 51, 2))
