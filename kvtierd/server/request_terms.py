@@ -41,7 +41,7 @@ def hit_counts(hits: TierCounts) -> dict[str, int]:
     return hits_to_proto_fields(hits)
 
 
-def lookup_chains(keys: list[DaemonKey], token_bytes: TokenBytes | None, chain_lengths: list[int],
+def chains_of(keys: list[DaemonKey], token_bytes: TokenBytes | None, chain_lengths: list[int],
                   block_size: int) -> list[tuple[list[DaemonKey], TokenBytes | None]]:
     """(keys, token bytes) of each chain a Lookup names (all the keys: one chain, without lengths)."""
     if not chain_lengths:

@@ -38,10 +38,10 @@ from kvtierd.server.interceptor import current_tenant
 from kvtierd.server.pool_stats import pool_stats, remote_store_message
 from kvtierd.server.request_terms import (
     acquire_parent,
+    chains_of,
     check_hold_id,
     client_keys,
     hit_counts,
-    lookup_chains,
     packed_tokens,
     parent_key,
     position_of,
@@ -50,7 +50,6 @@ from kvtierd.server.retention_terms import UNBOUNDED_TOKENS, check_put_end, hint
 from kvtierd.server.stream_items import items_until
 from kvtierd.t0.factory import shareable_fd
 from kvtierd.t0.pool_handle import FD_KINDS
-from kvtierd.tier import TierCounts
 from kvtierd.tiering.block_io import PutBlock
 from kvtierd.tiering.retention_hints import RetainOutcome
 from kvtierd.tiering.tier_config import LAYOUT_COST
@@ -149,30 +148,19 @@ class KvTierServicer(kvtier_pb2_grpc.KvTierServicer):
         check_hold_id(request.hold_id)
         keys = client_keys(session.tenant, session.pool, request.block_hashes)
         manager = session.pool.manager
-        chains = lookup_chains(keys, packed_tokens(request.token_ids), list(request.chain_lengths),
-                               session.pool.layout.block_size)
+        chains = chains_of(keys, packed_tokens(request.token_ids), list(request.chain_lengths),
+                           session.pool.layout.block_size)
         if request.num_query_blocks > len(chains[0][0]):  # the query: the first chain's leading blocks
             raise InvalidArgument(f"num_query_blocks ({request.num_query_blocks}) exceeds the first chain's "
                                   f"{len(chains[0][0])} blocks")
-        hits = [manager.lookup(chain_keys, chain_tokens, prefetch=request.prefetch and not manager.has_remote,
-                               ask_remote=False) for chain_keys, chain_tokens in chains]
-        if manager.has_remote:  # the shared store, for what the local tiers lack: a round trip, on a thread
-            asks_store = any(h.num_blocks < len(chain_keys) for (chain_keys, _), h in zip(chains, hits))
-            if asks_store or (request.prefetch and any(h.t2 for h in hits)):  # else nothing to ask nor prefetch
-                lookup_remote = functools.partial(manager.lookup_remote, chains, hits, request.prefetch,
-                                                  asks_store and request.num_query_blocks > 0)  # T3's misses count
-                hits = await call_blocking_if(asks_store, lookup_remote)
-        total = sum(hits, TierCounts())
-        declined = [manager.declined(h) for h in hits]  # what an Acquire would not load: slower than recompute
-        per_chain = ([pb.ChainHits(**hit_counts(h), num_declined_blocks=d.num_blocks) for h, d in zip(hits, declined)]
-                     if request.chain_lengths else [])
-        if request.num_query_blocks:  # once the lookup has been answered; its loads count nothing again
-            manager.count_query(hits[0], declined[0], request.num_query_blocks)
-        if request.hold_id:  # the promise kept until its Acquire (lookup_holds.py)
-            manager.hold_promise((session.tenant.tag, request.hold_id), chains[0][0], chains[0][1], hits[0],
-                                 declined[0])
-        return pb.LookupResponse(**hit_counts(total), chains=per_chain,
-                                 num_declined_blocks=sum(d.num_blocks for d in declined))
+        lookup = functools.partial(manager.lookup_chains, chains, prefetch=request.prefetch,
+                                   num_query_blocks=request.num_query_blocks,
+                                   hold=(session.tenant.tag, request.hold_id) if request.hold_id else None)
+        answer = await call_blocking_if(manager.has_remote, lookup)  # with T3: a round trip, on a thread
+        per_chain = ([pb.ChainHits(**hit_counts(h), num_declined_blocks=d.num_blocks)
+                      for h, d in zip(answer.hits, answer.declined)] if request.chain_lengths else [])
+        return pb.LookupResponse(**hit_counts(answer.total), chains=per_chain,
+                                 num_declined_blocks=answer.num_declined_blocks)
 
     async def Acquire(self, request: pb.AcquireRequest, context: Context) -> pb.AcquireResponse:
         session = self._session(request.session_id)

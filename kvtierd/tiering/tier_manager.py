@@ -8,7 +8,7 @@ eviction hook to the offloader. Offload (down) is in offload.py, promotion (up) 
 
 No method waits on a copy or a disk, except where it says so (release behind a promotion,
 prepare_write behind a write-back, Put's writes, close): the daemon calls those off its loop.
-With T3 (`has_remote`), `lookup` and `acquire` ask the store too (a network round trip, bounded
+With T3 (`has_remote`), `lookup`, `lookup_chains` and `acquire` ask the store too (a network round trip, bounded
 by its timeout and breaker): the daemon calls them off its loop then.
 Blocks a call hands out may still be having their evicted bytes copied down: such calls return
 a `writable` future, and the caller lets nobody write the blocks before it resolves.
@@ -36,6 +36,7 @@ from kvtierd.t1.host_tier import HostTier
 from kvtierd.t2.node_budget import NodeBudget
 from kvtierd.tier import Tier, TierCounts
 from kvtierd.tiering.block_io import Admit, BlockGet, BlockPut
+from kvtierd.tiering.chain_lookup import ChainLookup
 from kvtierd.tiering.layout_tiers import Tiers
 from kvtierd.tiering.leave_reasons import attach_leave_reasons
 from kvtierd.tiering.lookup_holds import HoldKey, LookupHolds
@@ -234,29 +235,35 @@ class TierManager:
                ask_remote: bool = True, count_misses: bool = False) -> TierCounts:
         """Where the chain's prefix lives. With `ask_remote` False, the local tiers only (never
         waits on the network); with `prefetch`, T2 and T3 hits start their way into T1 (those not
-        `declined`); with
-        `count_misses` (the chain is a query), what T3 lacks counts as its misses."""
+        `declined`); with `count_misses` (the chain is a query), what T3 lacks counts as its misses."""
         hits = self.promoter.lookup(block_hashes, token_ids, ask_remote, count_misses)
         if prefetch and (hits.t2 or hits.t3):
             self.promoter.prefetch(block_hashes, token_ids, hits)
         return hits
 
-    def lookup_remote(self, chains: Sequence[tuple[list[DaemonKey], TokenBytes | None]], hits: Sequence[TierCounts],
-                      prefetch: bool = False, count_misses: bool = False) -> list[TierCounts]:
-        """Each chain's `hits` (a local lookup's, of its (block hashes, token bytes)) with T3's
-        part: the store's keys present after them, for every chain in one network round trip
-        (call it off the event loop). `count_misses`: the chains are a query (a Lookup with
-        num_query_blocks): the blocks T3 lacks are its misses, once (t3/remote_tier.py)."""
-        hits = list(hits)
-        if self.tiers.remote is not None:
-            rests = [block_hashes[h.num_blocks:] for (block_hashes, _), h in zip(chains, hits)]
-            found = self.tiers.remote.probe_chains(rests, count_misses)
+    def lookup_chains(self, chains: Sequence[tuple[list[DaemonKey], TokenBytes | None]], *, prefetch: bool = False,
+                      num_query_blocks: int = 0, hold: HoldKey | None = None) -> ChainLookup:
+        """A whole Lookup of chains of (block hashes, token bytes): the local tiers, then T3 for what
+        they lack, every chain in one round trip (with T3 this may wait on the network: call it off
+        the event loop then). `prefetch`: each chain's T2 and T3 hits start their way into T1.
+        `num_query_blocks`: the first chain's leading blocks are a query, counted once (its T3
+        misses too); `hold`: what the first chain promised is held until an Acquire names it."""
+        assert chains and num_query_blocks <= len(chains[0][0]), (len(chains), num_query_blocks)
+        hits = [self.promoter.lookup(keys, token_bytes, ask_remote=False) for keys, token_bytes in chains]
+        rests = [keys[h.num_blocks:] for (keys, _), h in zip(chains, hits)]
+        if self.tiers.remote is not None and any(rests):
+            found = self.tiers.remote.probe_chains(rests, num_query_blocks > 0)
             hits = [h.replace(Tier.T3, n) if n else h for h, n in zip(hits, found)]
         if prefetch:
-            for (block_hashes, token_bytes), h in zip(chains, hits):
+            for (keys, token_bytes), h in zip(chains, hits):
                 if h.t2 or h.t3:
-                    self.promoter.prefetch(block_hashes, token_bytes, h)
-        return hits
+                    self.promoter.prefetch(keys, token_bytes, h)
+        answer = ChainLookup(tuple(hits), tuple(self.declined(h) for h in hits))
+        if num_query_blocks:
+            self.count_query(answer.hits[0], answer.declined[0], num_query_blocks)
+        if hold is not None:
+            self.hold_promise(hold, chains[0][0], chains[0][1], answer.hits[0], answer.declined[0])
+        return answer
 
     def drain(self) -> None:
         """Wait until every copy in flight has landed and been finalized, and every T3 write

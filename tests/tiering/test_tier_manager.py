@@ -255,3 +255,26 @@ def test_a_promotion_keeps_its_t1_hits_while_t0_makes_room_into_a_full_t1():
         assert manager.lookup(chain, PROMPT).t0 == 4
     finally:
         manager.close()
+
+
+def test_lookup_chains_answers_each_chain_counts_the_first_as_the_query_and_holds_its_promise(manager):
+    """One core call for a whole Lookup: a chain in T1, a chain half in T0, a chain nowhere, each
+    answered on its own; the first chain's leading blocks count as one query (hits by tier); its
+    promised T1 blocks are held under the hold's key until released."""
+    in_t1 = only_in_t1(manager)  # PROMPT's 4 blocks, in T1 only
+    half = tokens(500, 4 * BLOCK_SIZE)
+    prefill(manager, "half", half[:2 * BLOCK_SIZE])  # its first 2 blocks in T0, held by "half"
+    nowhere = tokens(900, 2 * BLOCK_SIZE)
+    chains = [(in_t1, None), (NAMESPACE.hash_blocks(half), None), (NAMESPACE.hash_blocks(nowhere), None)]
+    queries_before = manager.tiers.counters.num_query_blocks
+
+    answer = manager.lookup_chains(chains, num_query_blocks=3, hold=(b"tenant", "h1"))
+
+    assert answer.hits == (TierCounts(t1=4), TierCounts(t0=2), TierCounts())
+    assert answer.declined == (TierCounts(),) * 3 and answer.num_declined_blocks == 0
+    assert answer.total == TierCounts(t0=2, t1=4)
+    assert manager.tiers.counters.num_query_blocks - queries_before == 3  # the first chain's 3, once
+    assert manager.stats().t1.num_hit_blocks == 3
+    assert manager.lookup_holds.holds[b"tenant", "h1"].num_t1_blocks == 4
+    assert manager.release_promise((b"tenant", "h1"))
+    manager.release("half")
