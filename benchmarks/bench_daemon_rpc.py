@@ -45,6 +45,7 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks import _grpc_floor, _report  # noqa: E402
+from kvtierd.chain_lookup import ChainLookup  # noqa: E402
 from kvtierd.client import AsyncKvtierClient, AsyncSession, KvtierClient  # noqa: E402
 from kvtierd.client.base import channel_options  # noqa: E402
 from kvtierd.launch.daemon_process import DaemonProcess, small_daemon_args  # noqa: E402
@@ -168,8 +169,8 @@ def put_prompt(address: str, token_ids: list[int], block_hashes: list[bytes]) ->
         assert result.num_blocks == NUM_PROMPT_BLOCKS, result
 
 
-def check_lookup(response: pb.LookupResponse) -> None:
-    assert response.num_t0_blocks == NUM_PROMPT_BLOCKS, response
+def check_lookup(answer: ChainLookup) -> None:
+    assert answer.total.t0 == NUM_PROMPT_BLOCKS, answer
 
 
 def check_acquire(acquired) -> None:

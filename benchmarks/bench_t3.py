@@ -425,7 +425,7 @@ async def lookup_loads(addresses: Sequence[str], pids: Sequence[int], args, rng)
             tokens, hashes = chains[case]
 
             def check(response) -> None:
-                assert (response.num_t0_blocks, response.num_t3_blocks) == want, response
+                assert (response.total.t0, response.total.t3) == want, response
             return bench_daemon_rpc.Side(case, lambda i: lambda: session.lookup(hashes, token_ids=tokens), pid, check)
 
         sides = {"t3 with": side(node_b, "t3", (0, num_blocks), pids[1]),

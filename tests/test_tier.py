@@ -7,9 +7,17 @@ import json
 
 import pytest
 
+from kvtierd.chain_lookup import ChainLookup, declined_tail
+from kvtierd.errors import FailedPrecondition
 from kvtierd.tier import LOCAL_TIERS, LOWER_TIERS, Edge, Tier, TierCounts
 from kvtierd.v1 import kvtier_pb2 as pb
-from kvtierd.wire.conversions import acquired_from_proto, hits_from_proto, hits_to_proto_fields
+from kvtierd.wire.conversions import (
+    acquired_from_proto,
+    hits_from_proto,
+    hits_to_proto_fields,
+    lookup_from_proto,
+    lookup_to_proto,
+)
 
 
 def test_tier_and_edge_names_are_the_strings_they_replace():
@@ -59,3 +67,34 @@ def test_the_wire_keeps_its_fields_and_converts_both_ways():
     assert hits_from_proto(message) == hits
     acquired = pb.AcquireResponse(num_t0_hit_blocks=3, num_t1_blocks=1, num_t2_blocks=0, num_t3_blocks=2)
     assert acquired_from_proto(acquired) == TierCounts(3, 1, 0, 2)
+
+
+def test_a_chain_s_declined_blocks_are_its_last_from_the_lowest_tier_up():
+    hits = TierCounts(t0=1, t1=2, t2=2, t3=1)
+    assert declined_tail(hits, 0) == TierCounts()
+    assert declined_tail(hits, 3) == TierCounts(t2=2, t3=1)
+    assert declined_tail(hits, 4) == TierCounts(t1=1, t2=2, t3=1)
+    answer = ChainLookup((hits,), (declined_tail(hits, 4),))
+    assert answer.kept == (TierCounts(t0=1, t1=1),) and answer.num_declined_blocks == 4
+
+
+def test_a_lookup_s_answer_crosses_the_wire_unchanged_per_chain_and_in_total():
+    a, b = TierCounts(t0=2, t2=3), TierCounts(t1=1, t3=2)
+    answer = ChainLookup((a, b, TierCounts()), (declined_tail(a, 2), TierCounts(), TierCounts()))
+    message = lookup_to_proto(answer, per_chain=True)
+    assert (message.num_hit_blocks, message.num_t2_blocks, message.num_declined_blocks) == (8, 3, 2)
+    assert lookup_from_proto(message, 3) == answer
+    assert answer.total == TierCounts(t0=2, t1=1, t2=3, t3=2)
+    one = lookup_to_proto(ChainLookup((a,), (TierCounts(),)), per_chain=False)  # no chain_lengths: no chains
+    assert not one.chains and lookup_from_proto(one, 0).hits == (a,)
+    assert lookup_from_proto(one, 1).hits == (a,)  # a daemon older than chain_lengths: one chain, at the top
+
+
+def test_an_answer_the_client_cannot_trust_is_refused_whole():
+    a = TierCounts(t0=2)
+    two = lookup_to_proto(ChainLookup((a, a), (TierCounts(), TierCounts())), per_chain=True)
+    with pytest.raises(FailedPrecondition, match="2 of the 3 chains"):
+        lookup_from_proto(two, 3)
+    bad = pb.LookupResponse(chains=[pb.ChainHits(num_hit_blocks=1, num_t0_blocks=1, num_declined_blocks=2)])
+    with pytest.raises(FailedPrecondition, match="declined more blocks"):
+        lookup_from_proto(bad, 1)

@@ -93,7 +93,7 @@ class DaemonPageStore:
         except KvtierError as error:
             self._failed(session, error, "lookup")
             return 0
-        held = [chain.num_hit_blocks for chain in response.chains]
+        held = [hits.num_blocks for hits in response.hits]
         num_hits = held.index(0) if 0 in held else len(held)
         self.stats.add(lookups=1, hit_pages=num_hits)
         return num_hits

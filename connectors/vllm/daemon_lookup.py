@@ -24,6 +24,7 @@ import dataclasses
 import logging
 from collections.abc import Sequence
 
+from kvtierd.chain_lookup import ChainLookup
 from kvtierd.connectors.daemon_link import DaemonLink
 from kvtierd.connectors.vllm.group_hits import (
     ABSENT,
@@ -34,22 +35,19 @@ from kvtierd.connectors.vllm.group_hits import (
     leading_presence,
     primary_group,
     request_hit,
-    without_declined,
 )
 from kvtierd.connectors.vllm.kv_groups import EngineGroups, GroupKind
 from kvtierd.connectors.vllm.lookup_query import LookupFn, LookupQuery
 from kvtierd.errors import KvtierError
 from kvtierd.tier import TierCounts
-from kvtierd.wire.conversions import hits_from_proto
 
 log = logging.getLogger(__name__)
 
 
-def _state_presence(hits) -> int:
-    """A chain of one block's answer: ABSENT (or declined), or the tier's level + 1 that holds it."""
-    if hits.num_declined_blocks:
-        return ABSENT
-    return next((tier.level + 1 for tier, count in hits_from_proto(hits).items() if count), ABSENT)
+def _state_presence(kept: TierCounts) -> int:
+    """A chain of one block's answer (its hit less what is declined): ABSENT, or the tier's level + 1
+    that holds it."""
+    return next((tier.level + 1 for tier, count in kept.items() if count), ABSENT)
 
 
 def lookup_order(engine: EngineGroups) -> list[int]:
@@ -81,18 +79,17 @@ def num_query_blocks(engine: EngineGroups, query: LookupQuery) -> int:
     return query.num_positions
 
 
-def group_presence(engine: EngineGroups, chains: Sequence, num_positions: int) -> tuple[list[Presence], TierCounts]:
+def group_presence(engine: EngineGroups, answer: ChainLookup, num_positions: int) -> tuple[list[Presence], TierCounts]:
     """Each group's presence (in engine order) from the chains' answers, in the order lookup_request
     asked them, and what the daemon declined of the primary group's chain."""
-    answers = iter(chains)
+    answers = iter(zip(answer.kept, answer.declined))
     presence: list[Presence] = [[] for _ in engine.groups]
     primary_declined = TierCounts()
     for index in lookup_order(engine):
         if engine.groups[index].kind is GroupKind.MAMBA:
-            presence[index] = [_state_presence(next(answers)) for _ in range(num_positions)]
+            presence[index] = [_state_presence(next(answers)[0]) for _ in range(num_positions)]
         else:
-            answer = next(answers)
-            kept, declined = without_declined(hits_from_proto(answer), answer.num_declined_blocks)
+            kept, declined = next(answers)
             presence[index] = leading_presence(kept, num_positions)
             if index == primary_group(engine.groups):
                 primary_declined = declined
@@ -110,20 +107,13 @@ def _ask(link: DaemonLink, engine: EngineGroups, query: LookupQuery,
                     session.hash_size, link.hash_algo)
         return None
     try:
-        response = session.lookup(hashes, token_ids=tokens, prefetch=prefetch, chain_lengths=lengths,
-                                  num_query_blocks=num_query_blocks(engine, query), hold_id=query.hold_id)
-    except KvtierError as error:
+        answer = session.lookup(hashes, token_ids=tokens, prefetch=prefetch, chain_lengths=lengths,
+                                num_query_blocks=num_query_blocks(engine, query), hold_id=query.hold_id)
+    except KvtierError as error:  # an answer of fewer chains than asked (an older daemon) too
         link.failed(session, error)
         log.warning("kvtierd connector: lookup failed (%s: %s); counting no hit", type(error).__name__, error)
         return None
-    chains = list(response.chains)
-    if not chains and len(lengths) == 1:
-        chains = [response]  # a daemon that predates chain_lengths answers one chain at the top level
-    if len(chains) != len(lengths):
-        log.warning("kvtierd connector: the daemon answered %d of %d chains (older than the connector?); "
-                    "counting no hit", len(chains), len(lengths))
-        return None
-    return group_presence(engine, chains, query.num_positions)
+    return group_presence(engine, answer, query.num_positions)
 
 
 def daemon_lookup(links: Sequence[DaemonLink], engine: EngineGroups, *, prefetch: bool = True) -> LookupFn:

@@ -12,8 +12,8 @@ in single_type_kv_cache_manager.py):
 - Mamba: the state at N, i.e. position N - 1.
 The hit is the largest such N for every group on every rank; a rank that lacks a block makes it
 absent (a hit is what every rank holds). Blocks the daemon holds but declines, being slower to
-load than to recompute (LookupResponse.num_declined_blocks, the trailing ones of a chain's hit),
-are absent too: vLLM computes them (`without_declined`).
+load than to recompute (ChainLookup.declined, the trailing ones of a chain's hit),
+are absent too: vLLM computes them.
 """
 
 from __future__ import annotations
@@ -29,18 +29,6 @@ T0 = Tier.T0.level + 1  # Presence values: the tier's level + 1 (T0 = 1, T1 = 2,
 
 # Per candidate position: ABSENT, or the tier's level + 1 that holds the block.
 Presence = list[int]
-
-
-def without_declined(tier_counts: TierCounts, num_declined: int) -> tuple[TierCounts, TierCounts]:
-    """A chain's hit split into (the blocks to load, the trailing `num_declined` the daemon declines),
-    both per tier: the declined ones are the last in chain order, from the lowest tiers up."""
-    kept, declined = list(tier_counts), [0] * len(Tier)
-    left = num_declined  # at most the hit (a daemon declines only blocks it holds)
-    for level in reversed(range(len(kept))):
-        declined[level] = min(kept[level], left)
-        kept[level] -= declined[level]
-        left -= declined[level]
-    return TierCounts(*kept), TierCounts(*declined)
 
 
 def leading_presence(tier_counts: TierCounts, num_positions: int) -> Presence:

@@ -21,7 +21,6 @@ from kvtierd.planning.capacity_plan import (
 )
 from kvtierd.tier import Tier
 from kvtierd.units import parse_bytes
-from kvtierd.wire.conversions import hits_from_proto
 
 if TYPE_CHECKING:
     from kvtierd.client import KvtierClient
@@ -162,18 +161,17 @@ def run_inspect(client: KvtierClient, args: argparse.Namespace) -> int:
             token_ids = token_ids[:len(hashes) * session.layout.block_size]
         if not hashes:
             raise InvalidArgument(f"the prompt has no full block (block size {session.layout.block_size})")
-        found = session.lookup(hashes, token_ids)
+        hits = session.lookup(hashes, token_ids).total
     finally:
         session.close()
     block_size = session.layout.block_size
-    hits = hits_from_proto(found)
-    report = dict(num_blocks=len(hashes), num_hit_blocks=found.num_hit_blocks, t0=hits.t0, t1=hits.t1, t2=hits.t2,
+    report = dict(num_blocks=len(hashes), num_hit_blocks=hits.num_blocks, t0=hits.t0, t1=hits.t1, t2=hits.t2,
                   t3=hits.t3, block_size=block_size)
     if args.json:
         print(json.dumps(report))
-    elif found.num_hit_blocks:
-        print(f"{found.num_hit_blocks:,} of {plural(len(hashes), 'full block')} cached "
-              f"({found.num_hit_blocks * block_size:,} of {len(hashes) * block_size:,} tokens): "
+    elif hits.num_blocks:
+        print(f"{hits.num_blocks:,} of {plural(len(hashes), 'full block')} cached "
+              f"({hits.num_blocks * block_size:,} of {len(hashes) * block_size:,} tokens): "
               + hit_ranges(*hits))
     else:
         none = ("the prompt's one full block is not cached" if len(hashes) == 1

@@ -6,6 +6,7 @@ calls.py (each RPC's request and result), and block_data.py (token ids and block
 callers hand them).
 """
 
+from kvtierd.chain_lookup import ChainLookup
 from kvtierd.client.aio_client import AsyncKvtierClient, AsyncSession
 from kvtierd.client.base import TlsOptions
 from kvtierd.client.block_data import PutResult
@@ -13,4 +14,4 @@ from kvtierd.client.calls import AcquireResult, CommitResult
 from kvtierd.client.sync_client import EventStream, KvtierClient, Session
 
 __all__ = ["KvtierClient", "Session", "EventStream", "TlsOptions", "AcquireResult", "CommitResult", "PutResult",
-           "AsyncKvtierClient", "AsyncSession"]
+           "ChainLookup", "AsyncKvtierClient", "AsyncSession"]

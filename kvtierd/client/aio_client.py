@@ -14,6 +14,7 @@ from typing import TypeVar
 import grpc
 import grpc.aio
 
+from kvtierd.chain_lookup import ChainLookup
 from kvtierd.client.base import ClientBase, EventStreamBase, Retry, TlsOptions, map_rpc_error
 from kvtierd.client.block_data import BlockData, PutResult, PutStream, TokenIds
 from kvtierd.client.calls import (
@@ -174,7 +175,8 @@ class AsyncSession(SessionBase):
 
     async def lookup(self, block_hashes: Sequence[bytes], token_ids: TokenIds | None = None,
                      prefetch: bool = False, chain_lengths: Sequence[int] | None = None,
-                     num_query_blocks: int = 0, hold_id: str = "") -> pb.LookupResponse:
+                     num_query_blocks: int = 0, hold_id: str = "") -> ChainLookup:
+        """As Session.lookup."""
         return await self._client._run(self._lookup(block_hashes, token_ids, prefetch, chain_lengths,
                                                     num_query_blocks, hold_id))
 

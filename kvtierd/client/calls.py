@@ -17,7 +17,7 @@ from kvtierd.errors import FailedPrecondition
 from kvtierd.layout import Layout
 from kvtierd.tier import AcquiredTierFields, TierCounts
 from kvtierd.v1 import kvtier_pb2 as pb
-from kvtierd.wire.conversions import acquired_from_proto, handle_from_proto, layout_to_proto
+from kvtierd.wire.conversions import acquired_from_proto, handle_from_proto, layout_to_proto, lookup_from_proto
 
 if TYPE_CHECKING:
     from kvtierd.t0.device_pool import DevicePool
@@ -168,10 +168,12 @@ class SessionBase:
 
     def _lookup(self, block_hashes: Sequence[bytes], token_ids: TokenIds | None, prefetch: bool,
                 chain_lengths: Sequence[int] | None, num_query_blocks: int, hold_id: str = "") -> Call:
+        lengths = list(chain_lengths or ())
         return Call("Lookup", pb.LookupRequest(session_id=self.session_id, block_hashes=hash_list(block_hashes),
                                                token_ids=optional_tokens(token_ids), prefetch=prefetch,
-                                               chain_lengths=list(chain_lengths or ()),
-                                               num_query_blocks=num_query_blocks, hold_id=hold_id))
+                                               chain_lengths=lengths, num_query_blocks=num_query_blocks,
+                                               hold_id=hold_id),
+                    lambda r: lookup_from_proto(r, len(lengths)))
 
     def _acquire(self, request_id: str, block_hashes: Sequence[bytes], num_extra_blocks: int,
                  token_ids: TokenIds | None, for_store: bool,

@@ -22,6 +22,7 @@ from typing import TypeVar
 
 import grpc
 
+from kvtierd.chain_lookup import ChainLookup
 from kvtierd.client.base import ClientBase, EventStreamBase, Retry, TlsOptions, map_rpc_error
 from kvtierd.client.block_data import BlockData, PutResult, PutStream, TokenIds
 from kvtierd.client.calls import (
@@ -195,12 +196,12 @@ class Session(SessionBase):
 
     def lookup(self, block_hashes: Sequence[bytes], token_ids: TokenIds | None = None,
                prefetch: bool = False, chain_lengths: Sequence[int] | None = None,
-               num_query_blocks: int = 0, hold_id: str = "") -> pb.LookupResponse:
-        """The leading blocks held of the chain, tier by tier; with `chain_lengths`, of each of
-        the consecutive chains `block_hashes` holds (`.chains`), each matched on its own.
-        `num_query_blocks`: count the first chain's leading blocks as one query of the daemon's hit
-        rate, its hits as answered (less the declined ones) tier by tier.
-        `.num_declined_blocks` (per chain too): the trailing hits slower to load than to recompute.
+               num_query_blocks: int = 0, hold_id: str = "") -> ChainLookup:
+        """The leading blocks held of the chain, tier by tier (`.hits[0]`); with `chain_lengths`, of
+        each of the consecutive chains `block_hashes` holds (`.hits[i]`), each matched on its own
+        (`.total`: all added up). `num_query_blocks`: count the first chain's leading blocks as one
+        query of the daemon's hit rate, its hits as answered (less the declined ones) tier by tier.
+        `.declined[i]`: the chain's trailing hits slower to load than to recompute (`.kept[i]`: the rest).
         `hold_id`: hold the first chain's promised T0 and T1 blocks until an Acquire names it (5 s at most)."""
         return self._client._run(self._lookup(block_hashes, token_ids, prefetch, chain_lengths, num_query_blocks,
                                               hold_id))

@@ -12,9 +12,7 @@ from kvtierd.errors import FailedPrecondition, InvalidArgument
 from kvtierd.index.prefix_match import check_hashes
 from kvtierd.node.pools import LayoutPool
 from kvtierd.node.tenants import Tenant
-from kvtierd.tier import TierCounts
 from kvtierd.token_bytes import TokenBytes, block_span, check_covers, pack_token_ids
-from kvtierd.wire.conversions import hits_to_proto_fields
 
 
 def client_keys(tenant: Tenant, pool: LayoutPool, client_hashes: Iterable[bytes]) -> list[DaemonKey]:
@@ -34,11 +32,6 @@ def check_hold_id(hold_id: str) -> None:
 
 def packed_tokens(token_ids: bytes) -> TokenBytes | None:
     return pack_token_ids(token_ids) if token_ids else None
-
-
-def hit_counts(hits: TierCounts) -> dict[str, int]:
-    """The fields of a LookupResponse or ChainHits."""
-    return hits_to_proto_fields(hits)
 
 
 def chains_of(keys: list[DaemonKey], token_bytes: TokenBytes | None, chain_lengths: list[int],

@@ -41,7 +41,6 @@ from kvtierd.server.request_terms import (
     chains_of,
     check_hold_id,
     client_keys,
-    hit_counts,
     packed_tokens,
     parent_key,
     position_of,
@@ -57,7 +56,7 @@ from kvtierd.token_bytes import pack_token_ids
 from kvtierd.v1 import kvtier_pb2 as pb
 from kvtierd.v1 import kvtier_pb2_grpc
 from kvtierd.wire.block_frames import PutFrame, encode_get_response
-from kvtierd.wire.conversions import acquired_to_proto_fields, handle_to_proto, layout_from_proto
+from kvtierd.wire.conversions import acquired_to_proto_fields, handle_to_proto, layout_from_proto, lookup_to_proto
 
 if TYPE_CHECKING:
     from grpc.aio import ServicerContext as Context
@@ -157,10 +156,7 @@ class KvTierServicer(kvtier_pb2_grpc.KvTierServicer):
                                    num_query_blocks=request.num_query_blocks,
                                    hold=(session.tenant.tag, request.hold_id) if request.hold_id else None)
         answer = await call_blocking_if(manager.has_remote, lookup)  # with T3: a round trip, on a thread
-        per_chain = ([pb.ChainHits(**hit_counts(h), num_declined_blocks=d.num_blocks)
-                      for h, d in zip(answer.hits, answer.declined)] if request.chain_lengths else [])
-        return pb.LookupResponse(**hit_counts(answer.total), chains=per_chain,
-                                 num_declined_blocks=answer.num_declined_blocks)
+        return lookup_to_proto(answer, per_chain=bool(request.chain_lengths))
 
     async def Acquire(self, request: pb.AcquireRequest, context: Context) -> pb.AcquireResponse:
         session = self._session(request.session_id)

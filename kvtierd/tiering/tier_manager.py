@@ -22,6 +22,7 @@ import logging
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
+from kvtierd.chain_lookup import ChainLookup
 from kvtierd.daemon_key import DaemonKey
 from kvtierd.index.allocation import WriteTarget
 from kvtierd.index.block_index import BlockIndex, RequestId
@@ -36,7 +37,6 @@ from kvtierd.t1.host_tier import HostTier
 from kvtierd.t2.node_budget import NodeBudget
 from kvtierd.tier import Tier, TierCounts
 from kvtierd.tiering.block_io import Admit, BlockGet, BlockPut
-from kvtierd.tiering.chain_lookup import ChainLookup
 from kvtierd.tiering.layout_tiers import Tiers
 from kvtierd.tiering.leave_reasons import attach_leave_reasons
 from kvtierd.tiering.lookup_holds import HoldKey, LookupHolds

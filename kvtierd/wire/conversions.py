@@ -6,7 +6,8 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 
-from kvtierd.errors import InvalidArgument
+from kvtierd.chain_lookup import ChainLookup, declined_tail
+from kvtierd.errors import FailedPrecondition, InvalidArgument
 from kvtierd.layout import Layout
 from kvtierd.t0.pool_handle import PoolHandle
 from kvtierd.tier import TierCounts
@@ -51,6 +52,32 @@ def hits_to_proto_fields(hits: TierCounts) -> dict[str, int]:
 def hits_from_proto(message: pb.LookupResponse | pb.ChainHits) -> TierCounts:
     """The leading blocks a Lookup (or one of its chains) found in each tier."""
     return TierCounts(message.num_t0_blocks, message.num_t1_blocks, message.num_t2_blocks, message.num_t3_blocks)
+
+
+def lookup_to_proto(answer: ChainLookup, per_chain: bool) -> pb.LookupResponse:
+    """A LookupResponse: every chain's hits added up, and each chain's (`per_chain`: the request
+    named chain_lengths)."""
+    chains = [pb.ChainHits(**hits_to_proto_fields(h), num_declined_blocks=d.num_blocks)
+              for h, d in zip(answer.hits, answer.declined)] if per_chain else []
+    return pb.LookupResponse(**hits_to_proto_fields(answer.total), chains=chains,
+                             num_declined_blocks=answer.num_declined_blocks)
+
+
+def lookup_from_proto(message: pb.LookupResponse, num_chains: int) -> ChainLookup:
+    """A Lookup's answer for the `num_chains` chains it asked (0: one chain, no chain_lengths).
+    A daemon that predates chain_lengths answers one chain at the top level. An answer of another
+    number of chains than asked, or declining more blocks than a chain's hits, is a
+    FailedPrecondition (no part of it is used)."""
+    parts = list(message.chains) if num_chains else [message]
+    if num_chains == 1 and not parts:
+        parts = [message]
+    if len(parts) != max(num_chains, 1):
+        raise FailedPrecondition(f"the daemon answered {len(parts)} of the {num_chains} chains asked "
+                                 "(older than this client?)")
+    hits = [hits_from_proto(part) for part in parts]
+    if any(part.num_declined_blocks > h.num_blocks for h, part in zip(hits, parts)):
+        raise FailedPrecondition("the daemon declined more blocks of a chain than it found")
+    return ChainLookup(tuple(hits), tuple(declined_tail(h, part.num_declined_blocks) for h, part in zip(hits, parts)))
 
 
 def acquired_to_proto_fields(acquired: TierCounts) -> dict[str, int]:

@@ -22,6 +22,7 @@ from kvtierd.client import AsyncKvtierClient, KvtierClient, PutResult
 from kvtierd.errors import DeadlineExceeded, FailedPrecondition, InvalidArgument, KvtierError, Unavailable
 from kvtierd.layout import Layout
 from kvtierd.t0.factory import create_device_pool
+from kvtierd.tier import TierCounts
 from kvtierd.token_bytes import pack_token_ids
 from kvtierd.v1 import kvtier_pb2 as pb
 from kvtierd.v1 import kvtier_pb2_grpc
@@ -325,7 +326,7 @@ def test_session_calls_build_their_requests_and_read_their_answers(fake, target)
         session = client.attach(LAYOUT, map_pool=False, keepalive=False)
         acquired = session.acquire("r", [b"0" * 32], num_extra_blocks=2, token_ids=torch.tensor(TOKENS))
         assert (acquired.block_ids, acquired.num_t1_blocks, acquired.pending) == ([3, 1, 2], 1, True)
-        assert session.lookup([b"0" * 32], prefetch=True).num_hit_blocks == 2
+        assert session.lookup([b"0" * 32], prefetch=True).total == TierCounts(t0=1, t1=1)
         assert session.commit("r", [3], [b"0" * 32], TOKENS, None) == 1
         assert session.fork("r", "r2") == [3, 1] and session.append_blocks("r", 2) == [0, 0]
         assert session.prepare_write("r", 1) == (7, True) and session.release("r") == 3

@@ -75,7 +75,7 @@ def test_transfer_bytes_and_every_total_add_up_over_pools(daemon):
     with KvtierClient(daemon.address) as client:
         idle = client.attach(IDLE)
         absent = idle.namespace.hash_blocks(prompt(9, 4 * IDLE.block_size))
-        assert idle.lookup(absent, num_query_blocks=len(absent)).num_hit_blocks == 0
+        assert idle.lookup(absent, num_query_blocks=len(absent)).total.num_blocks == 0
         assert client.get(IDLE, absent) == []
         first_tokens, first = put(client, 1, FIRST_BLOCKS)
         assert wait_until(lambda: offloaded(daemon) == FIRST_BLOCKS, timeout_s=20)  # its T0 blocks held till then

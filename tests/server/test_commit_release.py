@@ -30,7 +30,7 @@ def test_commit_and_release_commits_then_releases_in_one_call(tmp_path):
         assert result == CommitResult(num_committed_blocks=len(hashes), released=True)
         stats = t0_stats(client)
         assert stats.num_free_blocks == stats.num_blocks
-        assert session.lookup(hashes, token_ids=tokens).num_hit_blocks == len(hashes)
+        assert session.lookup(hashes, token_ids=tokens).total.num_blocks == len(hashes)
         with pytest.raises(FailedPrecondition, match="not held"):
             session.release("store")
 
@@ -45,7 +45,7 @@ def test_commit_and_release_of_the_async_client(tmp_path):
             hashes = session.namespace.hash_blocks(tokens)
             acquired = await session.acquire("store", hashes, 0, token_ids=tokens, for_store=True)
             result = await session.commit_and_release("store", acquired.block_ids, hashes, tokens, None)
-            return result, (await session.lookup(hashes, token_ids=tokens)).num_hit_blocks
+            return result, (await session.lookup(hashes, token_ids=tokens)).total.num_blocks
 
     with DaemonProcess(small_daemon_args(str(tmp_path))) as daemon:
         result, num_hits = asyncio.run(store(daemon.address))

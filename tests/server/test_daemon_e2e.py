@@ -99,7 +99,7 @@ def test_put_survives_a_restart_in_t2_and_get_returns_the_bytes(tmp_path):
     with DaemonProcess(args) as daemon, KvtierClient(daemon.address) as client:
         session = client.attach(LAYOUT)
         lookup = session.lookup(hashes, token_ids=tokens)
-        assert (lookup.num_t0_blocks, lookup.num_t2_blocks) == (0, 8)
+        assert (lookup.total.t0, lookup.total.t2) == (0, 8)
         got = client.get(LAYOUT, hashes, token_ids=tokens)
     assert [h for h, _ in got] == hashes
     assert all(data == expected_block(h, LAYOUT.bytes_per_block) for h, data in got)
@@ -118,8 +118,8 @@ def test_two_tenants_with_identical_prompts_never_hit_each_other(tmp_path):
             session_a, session_b = a.attach(LAYOUT), b.attach(LAYOUT)
             hashes = session_b.namespace.hash_blocks(tokens)
             assert session_a.tenant == "acme" and session_b.tenant == "globex"
-            assert session_a.lookup(hashes).num_t0_blocks == 16
-            assert session_b.lookup(hashes).num_hit_blocks == 0
+            assert session_a.lookup(hashes).total.t0 == 16
+            assert session_b.lookup(hashes).total.num_blocks == 0
             assert session_b.acquire("r", hashes).num_t0_hit_blocks == 0
             assert b.get(LAYOUT, hashes) == []
             session_b.release("r")
@@ -308,7 +308,7 @@ def test_a_lookup_counts_the_query_and_its_hits_once_and_the_load_counts_nothing
         assert t0_stats(client).num_query_blocks == before.num_query_blocks
 
         answer = session.lookup(hashes, token_ids=tokens, num_query_blocks=len(hashes))
-        assert answer.num_hit_blocks == 5
+        assert answer.total.num_blocks == 5
         looked = t0_stats(client)
         assert looked.num_query_blocks == before.num_query_blocks + len(hashes)
         assert tier_hits(looked)["t0"] - tier_hits(before)["t0"] == 5
@@ -347,9 +347,9 @@ def test_a_store_may_continue_a_chain_stored_before_naming_only_its_parent(tmp_p
             session.commit("tail", tail.block_ids, hashes[3:], tokens[12:], hashes[1])
         with pytest.raises(InvalidArgument, match="parent_hash its Acquire named"):
             session.commit("tail", tail.block_ids, hashes[3:], tokens[12:], None)  # the root
-        assert session.lookup(hashes, token_ids=tokens).num_hit_blocks == 3
+        assert session.lookup(hashes, token_ids=tokens).total.num_blocks == 3
         assert session.commit("tail", tail.block_ids, hashes[3:], tokens[12:], hashes[2]) == len(hashes) - 3
         session.release("tail")
-        assert session.lookup(hashes, token_ids=tokens).num_hit_blocks == len(hashes)
+        assert session.lookup(hashes, token_ids=tokens).total.num_blocks == len(hashes)
         stats = t0_stats(client)
         assert stats.num_free_blocks == stats.num_blocks  # nothing held (the refused Acquire held nothing)

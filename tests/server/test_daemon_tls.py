@@ -54,7 +54,7 @@ def test_client_certificate_names_the_tenant_and_others_are_refused(tmp_path, pk
         with KvtierClient(daemon.tcp_address, tls=tls(pki, "tenant-blue")) as client:
             session = client.attach(LAYOUT)
             assert session.tenant == "tenant-blue"
-            assert session.lookup(session.namespace.hash_blocks(list(range(8)))).num_hit_blocks == 0
+            assert session.lookup(session.namespace.hash_blocks(list(range(8)))).total.num_blocks == 0
         for name in (None, "intruder"):  # no certificate; one from another CA
             with KvtierClient(daemon.tcp_address, tls=tls(pki, name), timeout_s=2, max_attempts=1) as client:
                 with pytest.raises(Unavailable):

@@ -140,7 +140,7 @@ def test_forget_makes_a_tenants_blocks_misses_now_and_after_a_restart_and_spares
             assert done.returncode == 0, done.stderr
             assert done.stdout.startswith("tenant 'acme': data key destroyed; dropped 8 T0, 8 T1, 8 T2 blocks")
             assert acme.get(LAYOUT, acme_hashes, token_ids=acme_tokens) == []
-            assert acme.attach(LAYOUT, map_pool=False).lookup(acme_hashes).num_hit_blocks == 0
+            assert acme.attach(LAYOUT, map_pool=False).lookup(acme_hashes).total.num_blocks == 0
             assert globex.get(LAYOUT, globex_hashes, token_ids=globex_tokens) == list(zip(globex_hashes, globex_data))
             assert t2_blocks(acme) == 8
     assert MASTER_HEX not in daemon.output() and "T2 at rest: sealed per tenant (AES-256-GCM)" in daemon.output()

@@ -48,15 +48,15 @@ def test_a_chain_read_twice_from_t1_survives_a_flood_only_under_s3fifo(tmp_path,
         put(client, hashes, tokens)
         for _ in range(2):
             client.evict(tiers=["t0"])  # copied down to T1 (in the background): the read below comes from T1
-            assert wait_until(lambda: where(client, hashes, tokens).num_t1_blocks == 8)
+            assert wait_until(lambda: where(client, hashes, tokens).total.t1 == 8)
             assert exact(client, hashes, tokens)
         client.evict(tiers=["t0"])
 
         flood(client, 100)  # 20 chains of 8 blocks
 
-        found = where(client, hashes, tokens)
-        assert found.num_t0_blocks == 0
-        assert found.num_t1_blocks == (8 if survives else 0)
+        found = where(client, hashes, tokens).total
+        assert found.t0 == 0
+        assert found.t1 == (8 if survives else 0)
         if survives:
             assert exact(client, hashes, tokens)
 

@@ -27,7 +27,7 @@ def session(tmp_path_factory):
 
 
 def hits(response) -> list[tuple[int, int]]:
-    return [(chain.num_hit_blocks, chain.num_t0_blocks) for chain in response.chains]
+    return [(chain.num_blocks, chain.t0) for chain in response.hits]
 
 
 def test_each_chain_is_matched_on_its_own_from_its_own_first_block(session):
@@ -38,7 +38,7 @@ def test_each_chain_is_matched_on_its_own_from_its_own_first_block(session):
     tokens = TOKENS[0:12] + TOKENS[20:32] + TOKENS[8:12] + list(range(900, 904))
     response = session.lookup(chains, token_ids=tokens, chain_lengths=[3, 3, 1, 1])
     assert hits(response) == [(3, 3), (3, 3), (1, 1), (0, 0)]
-    assert (response.num_hit_blocks, response.num_t0_blocks) == (7, 7)  # summed over the chains
+    assert (response.total.num_blocks, response.total.t0) == (7, 7)  # summed over the chains
 
 
 def test_a_chain_breaks_at_its_first_miss_and_the_others_go_on(session):
@@ -56,10 +56,10 @@ def test_each_chain_is_verified_against_its_own_tokens(session):
     assert hits(response) == [(1, 1), (0, 0)]
 
 
-def test_without_chain_lengths_all_the_hashes_are_one_chain_and_chains_is_empty(session):
+def test_without_chain_lengths_all_the_hashes_are_one_chain(session):
     """The same hashes as two chains of 4 hold 4 + 4; as one chain (no lengths) they stop at the seam."""
     hashes = session.namespace.hash_blocks(TOKENS)
     twice = hashes[:4] + hashes[:4]
     assert hits(session.lookup(twice, chain_lengths=[4, 4])) == [(4, 4), (4, 4)]
     response = session.lookup(twice)
-    assert response.num_hit_blocks == 4 and list(response.chains) == []
+    assert [hits.num_blocks for hits in response.hits] == [4]

@@ -24,10 +24,10 @@ def test_a_held_promise_survives_a_flood_and_its_acquire_loads_it_all(tmp_path):
         put(client, a, a_tokens)
         put(client, b, b_tokens)
         with client.attach(LAYOUT, map_pool=False) as session:
-            assert session.lookup(a, token_ids=a_tokens, hold_id="req-a").num_t0_blocks == 8
-            assert session.lookup(b, token_ids=b_tokens).num_t0_blocks == 8
+            assert session.lookup(a, token_ids=a_tokens, hold_id="req-a").total.t0 == 8
+            assert session.lookup(b, token_ids=b_tokens).total.t0 == 8
             flood(client, 100)
-            assert where(client, b, b_tokens).num_hit_blocks == 0
+            assert where(client, b, b_tokens).total.num_blocks == 0
             acquired = session.acquire("load-a", a, token_ids=a_tokens, query_counted=True, load_every_hit=True,
                                        hold_id="req-a")
             assert acquired.num_t0_hit_blocks == 8
@@ -42,10 +42,10 @@ def test_holds_take_at_most_a_quarter_of_t0_and_a_second_lookup_replaces_the_fir
         long_chain, tokens = chain(client, 3, 24)
         put(client, long_chain, tokens)
         with client.attach(LAYOUT, map_pool=False) as session:
-            assert session.lookup(long_chain, token_ids=tokens, hold_id="req-long").num_t0_blocks == 24
-            assert session.lookup(long_chain, token_ids=tokens, hold_id="req-long").num_t0_blocks == 24
+            assert session.lookup(long_chain, token_ids=tokens, hold_id="req-long").total.t0 == 24
+            assert session.lookup(long_chain, token_ids=tokens, hold_id="req-long").total.t0 == 24
             flood(client, 100)
-            assert where(client, long_chain, tokens).num_t0_blocks == 16
+            assert where(client, long_chain, tokens).total.t0 == 16
 
 
 def test_a_hold_id_past_256_characters_is_refused_and_holds_nothing(tmp_path):
@@ -58,4 +58,4 @@ def test_a_hold_id_past_256_characters_is_refused_and_holds_nothing(tmp_path):
             with pytest.raises(InvalidArgument, match="hold_id"):
                 session.acquire("r", a, token_ids=a_tokens, hold_id="x" * 257)
             flood(client, 100)
-            assert where(client, a, a_tokens).num_hit_blocks == 0  # nothing was held
+            assert where(client, a, a_tokens).total.num_blocks == 0  # nothing was held

@@ -12,6 +12,7 @@ from typing import cast
 import grpc
 import pytest
 
+from kvtierd.chain_lookup import ChainLookup
 from kvtierd.client import AsyncKvtierClient, KvtierClient
 from kvtierd.client.base import map_rpc_error
 from kvtierd.client.calls import Call
@@ -71,7 +72,7 @@ def flood(client: KvtierClient, first_seed: int, num_chains: int = 20, num_block
         put(client, *chain(client, seed, num_blocks))
 
 
-def where(client: KvtierClient, hashes: list[bytes], tokens: list[int]) -> pb.LookupResponse:
+def where(client: KvtierClient, hashes: list[bytes], tokens: list[int]) -> ChainLookup:
     with client.attach(LAYOUT, map_pool=False) as session:
         return session.lookup(hashes, token_ids=tokens)
 
@@ -96,12 +97,12 @@ def test_retained_chain_outlives_a_flood_then_lapses_after_its_ttl(tmp_path):
 
         flood(client, 100)  # 160 blocks through a T0 of 64 and a T1 of 64
 
-        assert where(client, other, other_tokens).num_hit_blocks == 0  # the unretained chain is gone
-        assert where(client, kept, kept_tokens).num_t0_blocks == 8
+        assert where(client, other, other_tokens).total.num_blocks == 0  # the unretained chain is gone
+        assert where(client, kept, kept_tokens).total.t0 == 8
         assert exact(client, kept, kept_tokens)
         assert wait_until(lambda: usage(client).num_t0_retained_blocks == 0, timeout_s=15)
         flood(client, 200)
-        assert where(client, kept, kept_tokens).num_hit_blocks == 0
+        assert where(client, kept, kept_tokens).total.num_blocks == 0
 
 
 def test_retained_blocks_leaving_t1_are_demoted_to_t2(tmp_path):
@@ -120,7 +121,7 @@ def test_retained_blocks_leaving_t1_are_demoted_to_t2(tmp_path):
         # its tail went down first (the Put's hint moves its blocks into T0's retained class tail first,
         # and T0, then T1, evict them in that order): T1 keeps its first 8 blocks, T2 the other 32
         found = where(client, oldest, oldest_tokens)
-        assert (found.num_t0_blocks, found.num_t1_blocks, found.num_t2_blocks) == (0, 8, 32)
+        assert (found.total.t0, found.total.t1, found.total.t2) == (0, 8, 32)
         assert exact(client, oldest, oldest_tokens)  # the whole chain, read back from T1 and T2
 
 
@@ -186,7 +187,7 @@ def test_a_higher_priority_takes_the_quota_of_lower_ones_and_outlives_a_flood(tm
         assert "T0" in answer.downgrade_reason
 
         flood(client, 100)
-        assert where(client, high, high_tokens).num_t0_blocks == 8
+        assert where(client, high, high_tokens).total.t0 == 8
         assert exact(client, high, high_tokens)
 
 
@@ -203,8 +204,8 @@ def test_a_hint_of_one_tenant_changes_nothing_of_another(tmp_path):
         assert retain(acme, hashes, pb.RetentionHint(retention_session="s", ttl_s=60)).num_retained_blocks == 8
         assert usage(globex).num_t0_retained_blocks == 0
         flood(globex, 300)
-        assert where(globex, hashes, tokens).num_hit_blocks == 0
-        assert where(acme, hashes, tokens).num_t0_blocks == 8
+        assert where(globex, hashes, tokens).total.num_blocks == 0
+        assert where(acme, hashes, tokens).total.t0 == 8
 
 
 @pytest.mark.parametrize("hint, words", [
@@ -233,13 +234,13 @@ def test_a_bad_hint_is_refused_and_changes_nothing(tmp_path, hint, words):
                                                   parent_hash=session.root_hash, release=True, retention=hint))
         with pytest.raises(InvalidArgument, match=words):
             client._run(commit)
-        assert session.lookup(fresh, token_ids=fresh_tokens).num_hit_blocks == 0  # nothing committed
+        assert session.lookup(fresh, token_ids=fresh_tokens).total.num_blocks == 0  # nothing committed
         session.release("r")
         put_words = "past the Put" if "past the chain" in words else words  # a Put's range is known after its blocks
         refused, refused_tokens = chain(client, 11, 8)
         with pytest.raises(InvalidArgument, match=put_words):
             put(client, refused, refused_tokens, hint)
-        assert where(client, refused, refused_tokens).num_hit_blocks == 0  # the refused Put stored nothing
+        assert where(client, refused, refused_tokens).total.num_blocks == 0  # the refused Put stored nothing
         row = usage(client)
         assert (row.num_t0_retained_blocks, row.num_t1_retained_blocks, row.num_t2_retained_blocks) == (0, 0, 0)
         stats = t0_stats(client)

@@ -40,7 +40,7 @@ def test_a_prefetched_t3_hit_counts_once_where_the_lookup_promised_it(tmp_path, 
         asked_tokens = prompt(31, 80)
         asked = session.namespace.hash_blocks(asked_tokens)
         lookup = session.lookup(asked, token_ids=asked_tokens, prefetch=True, num_query_blocks=len(asked))
-        assert (lookup.num_hit_blocks, lookup.num_t3_blocks) == (16, 16)
+        assert (lookup.total.num_blocks, lookup.total.t3) == (16, 16)
         assert wait_until(lambda: [t.num_cached_blocks for t in the_pool(on_b).tiers if t.tier == "t1"] == [16],
                           timeout_s=20)  # the prefetch's read landed
         load = session.acquire("load", stored, token_ids=stored_tokens, query_counted=True, load_every_hit=True)

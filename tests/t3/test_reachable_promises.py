@@ -63,7 +63,7 @@ def test_a_lookup_promises_up_to_a_known_dead_master_and_get_and_promotion_retur
         assert wait_until(lambda: on_b.stats().remote.num_open_nodes == 1, timeout_s=30)  # its PINGs found it
 
         lookup = session.lookup(hashes, token_ids=tokens, num_query_blocks=len(hashes))
-        assert (lookup.num_hit_blocks, lookup.num_t3_blocks) == (j, j)
+        assert (lookup.total.num_blocks, lookup.total.t3) == (j, j)
         acquired = session.acquire("load", hashes, token_ids=tokens, query_counted=True, load_every_hit=True)
         assert acquired.num_t3_blocks == j and session.wait("load") == j
         session.release("load")
@@ -86,7 +86,7 @@ def test_a_master_not_yet_known_dead_is_promised_once_then_found_by_the_load(tmp
         kill_node(redis_cluster, victim)
 
         tokens, hashes, j = gapped[0]
-        assert session.lookup(hashes, token_ids=tokens).num_t3_blocks == len(hashes)
+        assert session.lookup(hashes, token_ids=tokens).total.t3 == len(hashes)
         assert on_b.stats().remote.num_open_nodes == 0
         session.acquire("load", hashes, token_ids=tokens, load_every_hit=True)
         assert session.wait("load") == j
@@ -94,5 +94,5 @@ def test_a_master_not_yet_known_dead_is_promised_once_then_found_by_the_load(tmp
         assert on_b.stats().remote.num_open_nodes == 1
 
         tokens, hashes, j = gapped[1]
-        assert session.lookup(hashes, token_ids=tokens).num_t3_blocks == j
+        assert session.lookup(hashes, token_ids=tokens).total.t3 == j
         assert [h for h, _ in on_b.get(LAYOUT, hashes, token_ids=tokens)] == hashes[:j]

@@ -145,7 +145,7 @@ def test_forget_on_node_a_makes_node_b_serve_none_of_the_tenants_old_blocks(tmp_
         assert done.returncode == 0 and "data key destroyed" in done.stdout, done.stdout + done.stderr
         assert record_key("acme") not in store_values(redis_cluster)[1]
         assert len(store_values(redis_cluster)[0]) == 24  # acme's values are still there, sealed
-        assert acme_b.attach(LAYOUT, map_pool=False).lookup(hashes, token_ids=tokens).num_t3_blocks == 0
+        assert acme_b.attach(LAYOUT, map_pool=False).lookup(hashes, token_ids=tokens).total.t3 == 0
         assert acme_b.get(LAYOUT, hashes, token_ids=tokens) == []
         assert globex_b.get(LAYOUT, globex_hashes, token_ids=globex_tokens) == blocks_of(globex_hashes)
         new_tokens, new_hashes = put_chain(acme_a, 8, 32)

@@ -57,7 +57,7 @@ def test_a_prefix_put_through_node_a_is_a_t3_hit_on_node_b_with_its_bytes(tmp_pa
             KvtierClient(a.address, token="a-token") as on_a, KvtierClient(b.address, token="a-token") as on_b:
         tokens, hashes = put_chain(on_a, 1, 64)
         lookup = on_b.attach(LAYOUT).lookup(hashes, token_ids=tokens)
-        assert (lookup.num_t0_blocks, lookup.num_t1_blocks, lookup.num_t2_blocks, lookup.num_t3_blocks) == (0, 0, 0, 16)
+        assert tuple(lookup.total) == (0, 0, 0, 16)
         got = on_b.get(LAYOUT, hashes, token_ids=tokens)
         assert [h for h, _ in got] == hashes
         assert all(data == expected_block(h, LAYOUT.bytes_per_block) for h, data in got)
@@ -74,8 +74,8 @@ def test_several_chains_in_one_lookup_on_node_b_are_each_found_in_t3(tmp_path, r
         tokens, hashes = put_chain(on_a, 2, 64)
         absent = on_b.attach(LAYOUT).namespace.hash_blocks(prompt(3, 4))
         lookup = on_b.attach(LAYOUT).lookup(hashes[:5] + hashes[9:] + hashes[7:8] + absent, chain_lengths=[5, 7, 1, 1])
-        assert [(c.num_t0_blocks, c.num_t3_blocks) for c in lookup.chains] == [(0, 5), (0, 7), (0, 1), (0, 0)]
-        assert lookup.num_t3_blocks == 13
+        assert [(c.t0, c.t3) for c in lookup.hits] == [(0, 5), (0, 7), (0, 1), (0, 0)]
+        assert lookup.total.t3 == 13
 
 
 def test_another_tenant_misses_on_every_node(tmp_path, redis_cluster):
@@ -85,7 +85,7 @@ def test_another_tenant_misses_on_every_node(tmp_path, redis_cluster):
             KvtierClient(a.address, token="g-token") as globex_a:
         tokens, hashes = put_chain(acme, 2, 32)
         for globex in (globex_a, globex_b):
-            assert globex.attach(LAYOUT).lookup(hashes, token_ids=tokens).num_hit_blocks == 0
+            assert globex.attach(LAYOUT).lookup(hashes, token_ids=tokens).total.num_blocks == 0
             assert globex.get(LAYOUT, hashes, token_ids=tokens) == []
 
 
@@ -178,11 +178,11 @@ def test_t3_misses_count_every_block_of_a_query_the_store_did_not_supply_once(tm
         looked_tokens, looked = put_chain(on_a, 12, 40)  # 10 blocks in the store
         lookup = session.lookup(session.namespace.hash_blocks(prompt(12, 52)), token_ids=prompt(12, 52),
                                 num_query_blocks=13)
-        assert lookup.num_t3_blocks == 10  # + 3 never stored: 3 misses
+        assert lookup.total.t3 == 10  # + 3 never stored: 3 misses
         acquired = session.acquire("load", looked, token_ids=looked_tokens, query_counted=True)
         assert session.wait("load") == 10 and acquired.num_t3_blocks == 10
         session.release("load")
-        assert session.lookup(session.namespace.hash_blocks(prompt(13, 24))).num_hit_blocks == 0  # no query
+        assert session.lookup(session.namespace.hash_blocks(prompt(13, 24))).total.num_blocks == 0  # no query
         session.acquire("plain", session.namespace.hash_blocks(prompt(14, 20)), token_ids=prompt(14, 20))
         session.release("plain")  # 5 misses
         session.acquire("store", session.namespace.hash_blocks(prompt(15, 28)), token_ids=prompt(15, 28),
@@ -228,7 +228,7 @@ def test_a_get_from_t3_returns_the_chain_and_lands_it_in_node_bs_t1(tmp_path, re
         assert all(data == expected_block(h, LAYOUT.bytes_per_block) for h, data in got)
         assert (t3_stats(on_b).num_hit_blocks, t3_stats(on_b).num_miss_blocks) == (40, 0)
         session = on_b.attach(LAYOUT)
-        assert wait_until(lambda: session.lookup(hashes, token_ids=tokens).num_t1_blocks == 40, timeout_s=20)
+        assert wait_until(lambda: session.lookup(hashes, token_ids=tokens).total.t1 == 40, timeout_s=20)
 
 
 def test_a_get_whose_eleventh_value_is_gone_returns_the_ten_before_it_and_counts_the_rest_once(
@@ -239,7 +239,7 @@ def test_a_get_whose_eleventh_value_is_gone_returns_the_ten_before_it_and_counts
             KvtierClient(a.address, token="a-token") as on_a, KvtierClient(b.address, token="a-token") as on_b:
         tokens, hashes = put_chain(on_a, 22, 160)
         delete_value(redis_cluster, hashes[10])
-        assert on_b.attach(LAYOUT).lookup(hashes, token_ids=tokens).num_t3_blocks == 40
+        assert on_b.attach(LAYOUT).lookup(hashes, token_ids=tokens).total.t3 == 40
         got = on_b.get(LAYOUT, hashes, token_ids=tokens)
         assert [h for h, _ in got] == hashes[:10]
         assert all(data == expected_block(h, LAYOUT.bytes_per_block) for h, data in got)

@@ -210,9 +210,9 @@ def test_blocks_evicted_after_the_lookup_are_load_errors_or_come_back_from_t1(tm
             session = client.attach(engine.worker.layout, map_pool=False, keepalive=False)
             assert wait_until(lambda: fill_t0(session), timeout_s=20)  # once the hold lapsed: evicts all of T0
             lookup = lambda: session.lookup(a.block_hashes[:4], token_ids=a.all_token_ids[:16])  # noqa: E731
-            assert lookup().num_t0_blocks == 0
+            assert lookup().total.t0 == 0
             if policy == "on_evict":  # the copies down run in the background: wait until T1 has them
-                assert wait_until(lambda: lookup().num_t1_blocks == 4, timeout_s=30)
+                assert wait_until(lambda: lookup().total.t1 == 4, timeout_s=30)
         step_b = engine.prefill(b)
         assert step_b.num_external_tokens == 4 * BLOCK_SIZE
         assert engine.num_async_loads == 0  # the lookup saw T0 hits: a synchronous load
@@ -274,7 +274,7 @@ def test_a_hit_in_t1_loads_in_the_background_and_is_reported_in_finished_recving
             session.acquire("filler", [], num_extra_blocks=session.handle.num_blocks)  # A's blocks leave T0
             session.release("filler")
             lookup = lambda: session.lookup(a.block_hashes[:4], token_ids=a.all_token_ids[:16])  # noqa: E731
-            assert wait_until(lambda: lookup().num_t1_blocks == 4, timeout_s=30)
+            assert wait_until(lambda: lookup().total.t1 == 4, timeout_s=30)
         b = Request("async-b", prompt(42, 26, shared=a.all_token_ids[:16]))
         step_b = engine.prefill(b)
         assert step_b.num_external_tokens == 4 * BLOCK_SIZE and engine.num_async_loads == 1

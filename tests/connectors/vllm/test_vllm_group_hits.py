@@ -16,17 +16,22 @@ from kvtierd.connectors.vllm.group_hits import (
     needed_positions,
     primary_group,
     request_hit,
-    without_declined,
 )
 from kvtierd.connectors.vllm.kv_groups import EngineGroups, GroupKind, ServedGroup
 from kvtierd.connectors.vllm.lookup_query import LookupQuery
 from kvtierd.tier import TierCounts
 from kvtierd.v1 import kvtier_pb2 as pb
+from kvtierd.wire.conversions import lookup_from_proto
 
 FULL = ServedGroup(1, GroupKind.FULL, ("a",), 64, 4)
 SLIDING = ServedGroup(0, GroupKind.SLIDING, ("s",), 64, 4, window_tokens=9)  # cdiv(8, 4) = 2 blocks
 MAMBA = ServedGroup(2, GroupKind.MAMBA, ("m",), 64, 4)
 T0, T1, T2 = 1, 2, 3
+
+
+def answer_of(*chains: pb.ChainHits):
+    """The client's answer to a Lookup of these chains, as the daemon would send it."""
+    return lookup_from_proto(pb.LookupResponse(chains=list(chains)), len(chains))
 
 
 def test_presence_from_a_chains_tier_counts_and_across_ranks():
@@ -72,10 +77,10 @@ def test_one_lookup_asks_a_chain_per_attention_group_and_one_per_candidate_state
     hashes, tokens, lengths = lookup_request(ENGINE, query)
     assert hashes == [b"f5", b"f6", b"f7", b"s5", b"s6", b"s7", b"m5", b"m6", b"m7"]
     assert lengths == [3, 3, 1, 1, 1] and tokens == list(range(12)) * 3
-    answers = [pb.ChainHits(num_hit_blocks=2, num_t0_blocks=1, num_t2_blocks=1),
-               pb.ChainHits(num_hit_blocks=3, num_t0_blocks=3),
-               pb.ChainHits(), pb.ChainHits(num_hit_blocks=1, num_t1_blocks=1), pb.ChainHits(num_hit_blocks=1,
-                                                                                            num_t0_blocks=1)]
+    answers = answer_of(pb.ChainHits(num_hit_blocks=2, num_t0_blocks=1, num_t2_blocks=1),
+                        pb.ChainHits(num_hit_blocks=3, num_t0_blocks=3),
+                        pb.ChainHits(), pb.ChainHits(num_hit_blocks=1, num_t1_blocks=1),
+                        pb.ChainHits(num_hit_blocks=1, num_t0_blocks=1))
     assert group_presence(ENGINE, answers, 3) == ([[T0, T0, T0], [T0, T2, ABSENT], [ABSENT, T1, T0]], TierCounts())
 
 
@@ -93,21 +98,13 @@ def test_a_request_s_first_lookup_names_every_candidate_position_of_the_first_ch
     assert num_query_blocks(only_states, LookupQuery(0, ((b"m0", b"m1"),), tuple(range(8)), True)) == 0
 
 
-def test_a_chain_s_declined_blocks_are_its_last_from_the_lowest_tier_up():
-    hits = TierCounts(t0=1, t1=2, t2=2, t3=1)
-    assert without_declined(hits, 0) == (hits, TierCounts())
-    assert without_declined(hits, 3) == (TierCounts(t0=1, t1=2), TierCounts(t2=2, t3=1))
-    assert without_declined(hits, 4) == (TierCounts(t0=1, t1=1), TierCounts(t1=1, t2=2, t3=1))
-    assert without_declined(hits, 99) == (TierCounts(), hits)  # never more than the hit
-
-
 def test_blocks_the_daemon_declines_are_no_hit_and_the_full_group_s_are_reported():
     """The sliding group's T2 block and the full group's two T2 blocks are declined as slower than
     recompute, and so is the state in T1: vLLM computes them all."""
-    answers = [pb.ChainHits(num_hit_blocks=3, num_t0_blocks=1, num_t2_blocks=2, num_declined_blocks=2),
-               pb.ChainHits(num_hit_blocks=3, num_t0_blocks=2, num_t2_blocks=1, num_declined_blocks=1),
-               pb.ChainHits(num_hit_blocks=1, num_t0_blocks=1),
-               pb.ChainHits(num_hit_blocks=1, num_t1_blocks=1, num_declined_blocks=1), pb.ChainHits()]
+    answers = answer_of(pb.ChainHits(num_hit_blocks=3, num_t0_blocks=1, num_t2_blocks=2, num_declined_blocks=2),
+                        pb.ChainHits(num_hit_blocks=3, num_t0_blocks=2, num_t2_blocks=1, num_declined_blocks=1),
+                        pb.ChainHits(num_hit_blocks=1, num_t0_blocks=1),
+                        pb.ChainHits(num_hit_blocks=1, num_t1_blocks=1, num_declined_blocks=1), pb.ChainHits())
     presence, declined = group_presence(ENGINE, answers, 3)
     assert presence == [[T0, T0, ABSENT], [T0, ABSENT, ABSENT], [T0, ABSENT, ABSENT]]
     assert declined == TierCounts(t2=2)

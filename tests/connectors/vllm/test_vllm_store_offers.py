@@ -120,7 +120,7 @@ def attached(daemon):
 def test_stores_send_only_new_blocks_and_a_lost_parent_is_stored_again_from_vllms_own_cache(attached):
     engine, worker, client, session = attached
     def held(request: Request) -> int:
-        return session.lookup(request.block_hashes, token_ids=request.all_token_ids).num_hit_blocks
+        return session.lookup(request.block_hashes, token_ids=request.all_token_ids).total.num_blocks
 
     request = Request("chunks", prompt(5, 6 * BLOCK_SIZE + 1))
     ids = engine.free_block_ids[:7]
@@ -155,7 +155,7 @@ def test_a_step_whose_parent_the_daemon_lost_mid_request_is_dropped_and_counted(
     engine.compute_step(first_step(request, ids, 0, 2 * BLOCK_SIZE), [(request, ids, range(2))])
 
     def held() -> int:
-        return session.lookup(request.block_hashes, token_ids=request.all_token_ids).num_hit_blocks
+        return session.lookup(request.block_hashes, token_ids=request.all_token_ids).total.num_blocks
 
     assert wait_until(lambda: held() == 2)
     assert wait_until(lambda: client.evict(all_tenants=True) is not None and num_blocks_anywhere(client) == 0)
@@ -164,4 +164,4 @@ def test_a_step_whose_parent_the_daemon_lost_mid_request_is_dropped_and_counted(
     engine.finish(request, ids)
     engine.drain()
     hashes = request.block_hashes
-    assert session.lookup(hashes[2:], token_ids=request.all_token_ids[2 * BLOCK_SIZE:]).num_hit_blocks == 0
+    assert session.lookup(hashes[2:], token_ids=request.all_token_ids[2 * BLOCK_SIZE:]).total.num_blocks == 0

@@ -28,7 +28,7 @@ def test_a_store_holds_nothing_once_done_and_calls_release_only_when_the_commit_
             with KvtierClient(daemon.address) as client:
                 pool = client.stats().pools[0]
                 session = client.attach(engine.worker._worker().link.layout, map_pool=False)
-                num_held = session.lookup(request.block_hashes, token_ids=request.all_token_ids).num_hit_blocks
+                num_held = session.lookup(request.block_hashes, token_ids=request.all_token_ids).total.num_blocks
         finally:
             engine.close()
     assert stats.data["stored_blocks"] == 5 and stats.data["store_rpcs"] == num_rpcs
