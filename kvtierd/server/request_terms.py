@@ -35,7 +35,7 @@ def packed_tokens(token_ids: bytes) -> TokenBytes | None:
 
 
 def chains_of(keys: list[DaemonKey], token_bytes: TokenBytes | None, chain_lengths: list[int],
-                  block_size: int) -> list[tuple[list[DaemonKey], TokenBytes | None]]:
+              block_size: int) -> list[tuple[list[DaemonKey], TokenBytes | None]]:
     """(keys, token bytes) of each chain a Lookup names (all the keys: one chain, without lengths)."""
     if not chain_lengths:
         return [(keys, token_bytes)]

@@ -8,8 +8,8 @@ eviction hook to the offloader. Offload (down) is in offload.py, promotion (up) 
 
 No method waits on a copy or a disk, except where it says so (release behind a promotion,
 prepare_write behind a write-back, Put's writes, close): the daemon calls those off its loop.
-With T3 (`has_remote`), `lookup`, `lookup_chains` and `acquire` ask the store too (a network round trip, bounded
-by its timeout and breaker): the daemon calls them off its loop then.
+With T3 (`has_remote`), `lookup`, `lookup_chains` and `acquire` ask the store too (a network
+round trip, bounded by its timeout and breaker): the daemon calls them off its loop then.
 Blocks a call hands out may still be having their evicted bytes copied down: such calls return
 a `writable` future, and the caller lets nobody write the blocks before it resolves.
 """
