@@ -9,6 +9,7 @@ import collections
 from collections.abc import Callable, Iterable
 
 from kvtierd.daemon_key import DaemonKey
+from kvtierd.index.slot_entry import SlotEntry
 
 
 class OwnerSlots:
@@ -41,6 +42,12 @@ class OwnerSlots:
         owner = self.owner_of(block_hash)
         limit = self._max_slots_of(owner)
         return owner if limit is not None and self._counts[owner] >= limit else None
+
+    def oldest_of(self, owner: bytes, evictable: Iterable[SlotEntry]) -> SlotEntry | None:
+        """The first of `evictable` (least recently used first) that `owner` holds; None: none is."""
+        assert self.owner_of is not None, "no owner has a limit before limit_by"
+        owner_of = self.owner_of
+        return next((entry for entry in evictable if owner_of(entry.block_hash) == owner), None)
 
     def added(self, block_hash: DaemonKey) -> None:
         if self.owner_of is not None:

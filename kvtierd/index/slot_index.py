@@ -134,9 +134,7 @@ class SlotIndex:
                     continue
                 full_owner = owners.full_owner(meta.block_hash)
                 if full_owner is not None:  # it recycles one of its own slots
-                    owner_of = owners.owner_of
-                    assert owner_of is not None
-                    victim = next((e for e in self._lru.values() if owner_of(e.block_hash) == full_owner), None)
+                    victim = owners.oldest_of(full_owner, self._lru.values())
                     if victim is None:
                         num_skipped += 1  # the owner's slots are all in flight
                         owners.num_skips += 1
